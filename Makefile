@@ -1,0 +1,33 @@
+# One entry point per thing a person does. Every target installs what it needs.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+CONFIG  ?= configs/default.yaml
+ARGS    ?=
+STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+
+.PHONY: run test ui install clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q -e '.[dev]'
+	rm -f $(VENV)/.installed-* && touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/sftflow run -c $(CONFIG) $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(ARGS)
+
+ui: $(STAMP)
+	$(BIN)/mlflow ui --host 127.0.0.1 --port 5000 \
+	  --backend-store-uri sqlite:///$(CURDIR)/artifacts/mlflow.db \
+	  --default-artifact-root $(CURDIR)/artifacts/mlartifacts
+
+clean:
+	rm -rf artifacts/prepare artifacts/train artifacts/evaluate artifacts/register artifacts/models

@@ -1,0 +1,175 @@
+"""`sftflow`: run the flow, one stage, inspect a config, chat with a model.
+
+Config problems are reported as one line on stderr with exit code 2, before anything runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+# Self-contained clone: Prefect's home lives under artifacts/ unless the user says otherwise.
+# Must be set before prefect is imported.
+os.environ.setdefault("PREFECT_HOME", str(Path("artifacts/.prefect").resolve()))
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+import typer  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from stages.config import ConfigError, SFTConfig, flatten, load_config  # noqa: E402
+from stages.pipeline import KEY_METRIC, STAGES, plan  # noqa: E402
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+console = Console()
+err = Console(stderr=True)
+
+ConfigOpt = typer.Option(..., "-c", "--config", help="YAML config, e.g. configs/default.yaml")
+OverridesArg = typer.Argument(None, help="dotted overrides, e.g. actor.optim.lr=1e-3")
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _load(config: Path, overrides: Optional[list[str]]) -> SFTConfig:
+    try:
+        return load_config(config, overrides or [])
+    except ConfigError as e:
+        _fail(str(e))
+
+
+def _summary(results: list[dict]) -> None:
+    table = Table(title="sftflow")
+    for col in ("stage", "fingerprint", "cached", "seconds", "key metric"):
+        table.add_column(col)
+    for r in results:
+        key, label = KEY_METRIC[r["stage"]]
+        value = r["metrics"].get(key)
+        shown = f"{label} {value:.4g}" if isinstance(value, float) else f"{label} {value}"
+        table.add_row(r["stage"], r["fingerprint"], "yes" if r["cached"] else "no", f"{r['seconds']:.1f}", shown)
+    console.print(table)
+    ev = next((r for r in results if r["stage"] == "evaluate"), None)
+    if ev and "base_accuracy" in ev["metrics"]:
+        m = ev["metrics"]
+        console.print(f"held-out accuracy: base {m['base_accuracy']:.3f} -> tuned {m['accuracy']:.3f} "
+                      f"({m['correct']}/{m['total']} correct)")
+    reg = next((r for r in results if r["stage"] == "register"), None)
+    if reg:
+        m = reg["metrics"]
+        aliases = ", ".join(m.get("aliases", [])) or "no alias"
+        console.print(f"registered model version {m['version']} ({aliases}){' [reused]' if m.get('reused_version') else ''}")
+
+
+def _run_flow(fn, **kwargs) -> list[dict]:
+    from stages.pipeline import MissingUpstream
+    from stages.train.launcher import TrainingFailed
+    try:
+        return fn(**kwargs)
+    except (ConfigError, MissingUpstream) as e:
+        _fail(str(e))
+    except TrainingFailed as e:
+        _fail(str(e), code=1)
+
+
+@app.command()
+def run(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
+        force: list[str] = typer.Option([], "--force", help="redo this stage (and everything after it); repeatable")) -> None:
+    """The full flow: prepare -> train -> evaluate -> register."""
+    _load(config, overrides)
+    for s in force:
+        if s not in STAGES:
+            _fail(f"--force {s}: unknown stage; stages: {', '.join(STAGES)}")
+    from flows.sft import sft_pipeline
+    _summary(_run_flow(sft_pipeline, config_path=str(config), overrides=overrides or [], force=force))
+
+
+@app.command()
+def stage(name: str = typer.Argument(..., help="prepare | train | evaluate | register"),
+          config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
+          force: bool = typer.Option(False, "--force", help="re-run even if the stage folder is complete")) -> None:
+    """One stage; upstream stages come from their completed folders."""
+    if name not in STAGES:
+        _fail(f"unknown stage '{name}'; stages: {', '.join(STAGES)}")
+    cfg = _load(config, overrides)
+    from stages.pipeline import MissingUpstream, require_upstream
+    try:
+        require_upstream(plan(cfg), name)
+    except MissingUpstream as e:
+        _fail(str(e))
+    from flows.sft import sft_stage
+    _summary(_run_flow(sft_stage, stage=name, config_path=str(config), overrides=overrides or [], force=force))
+
+
+@app.command()
+def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
+         as_json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+    """The resolved config and each stage's fingerprint and status."""
+    cfg = _load(config, overrides)
+    p = plan(cfg)
+    stages = {s: {"fingerprint": p.fingerprints[s], "status": p.status(s), "path": str(p.folder(s))} for s in STAGES}
+    if as_json:
+        print(json.dumps({"config": cfg.model_dump(mode="json"), "stages": stages}, indent=2))
+        return
+    table = Table(title=f"config {config}")
+    table.add_column("key")
+    table.add_column("value")
+    for k, v in flatten(cfg.model_dump(mode="json")).items():
+        table.add_row(k, str(v))
+    console.print(table)
+    st = Table(title="stages")
+    for col in ("stage", "fingerprint", "status", "path"):
+        st.add_column(col)
+    for s, info in stages.items():
+        st.add_row(s, info["fingerprint"], info["status"], info["path"])
+    console.print(st)
+
+
+def resolve_chat_model(model: str, tracking_uri: Optional[str]) -> str:
+    """A stage folder, a Hugging Face folder or hub id, or models:/name@alias -> loadable HF path."""
+    path = Path(model)
+    if model.startswith("models:/"):
+        import mlflow
+        mlflow.set_tracking_uri(tracking_uri or f"sqlite:///{Path('artifacts/mlflow.db').resolve()}")
+        local = Path(mlflow.artifacts.download_artifacts(f"{model.rstrip('/')}"))
+        found = next((p.parent for p in local.rglob("config.json") if (p.parent / "tokenizer_config.json").is_file()), None)
+        if found is None:
+            _fail(f"{model}: no Hugging Face model inside the logged model")
+        return str(found)
+    if (path / "model" / "config.json").is_file():  # a train stage folder
+        return str(path / "model")
+    if path.is_dir() and not (path / "config.json").is_file():
+        _fail(f"{model}: not a model folder (no config.json) nor a train stage folder")
+    return model
+
+
+@app.command()
+def chat(question: str = typer.Argument(..., help="the user message"),
+         model: str = typer.Option(..., "-m", "--model", help="train stage folder, HF folder, or models:/name@alias"),
+         max_new_tokens: int = typer.Option(128, help="reply length limit"),
+         tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI for models:/ (default: artifacts/mlflow.db)")) -> None:
+    """Ask a model one question through its chat template."""
+    from stages.evaluate.generate import generate, load
+    m, tok = load(resolve_chat_model(model, tracking_uri))
+    reply = generate(m, tok, [[{"role": "user", "content": question}]], max_new_tokens, batch_size=1)[0]["text"]
+    console.print(reply, highlight=False, markup=False)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Fingerprinted stage folders.
+
+A stage's output lives in `<artifacts>/<stage>/<fingerprint>/`. The fingerprint hashes the
+stage name, the stage's code version, the config slice it reads, upstream fingerprints and
+the *contents* of its input files. The folder is built under `.<fingerprint>.partial/` and
+renamed into place after `manifest.json` is written, so a folder with a manifest is
+complete by construction, and a half-written one is never mistaken for a result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from filelock import FileLock
+
+MANIFEST = "manifest.json"
+STAGES_ROOT = Path(__file__).resolve().parent
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def file_digest(path: Path, index_dir: Path | None = None) -> str:
+    """sha256 of a file's bytes, remembered per (path, size, mtime) so unchanged files are not re-read."""
+    path = Path(path).resolve()
+    st = path.stat()
+    key = sha256_text(f"{path}|{st.st_size}|{st.st_mtime_ns}")
+    memo = (index_dir / "digests" / key) if index_dir else None
+    if memo is not None and memo.is_file():
+        return memo.read_text().strip()
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    digest = h.hexdigest()
+    if memo is not None:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(digest)
+        os.replace(tmp, memo)
+    return digest
+
+
+def code_version(*packages: str) -> str:
+    """Hash of the source files of the given sub-packages/modules of `stages` (relative names)."""
+    h = hashlib.sha256()
+    for name in packages:
+        target = STAGES_ROOT / name
+        files = sorted(target.rglob("*.py")) if target.is_dir() else [target.with_suffix(".py")]
+        for f in files:
+            h.update(str(f.relative_to(STAGES_ROOT)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def fingerprint(stage: str, **parts: Any) -> str:
+    return sha256_text(canonical_json({"stage": stage, **parts}))[:16]
+
+
+@dataclass
+class StageResult:
+    """What a stage hands downstream: small, JSON-serializable, no tensors."""
+
+    stage: str
+    fingerprint: str
+    path: str
+    metrics: dict[str, Any] = field(default_factory=dict)
+    cached: bool = False
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "StageResult":
+        return cls(**d)
+
+
+def stage_dir(root: Path, stage: str, fp: str) -> Path:
+    return Path(root) / stage / fp
+
+
+def is_complete(folder: Path) -> bool:
+    return (Path(folder) / MANIFEST).is_file()
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    return json.loads((Path(folder) / MANIFEST).read_text())
+
+
+def cached_result(root: Path, stage: str, fp: str) -> StageResult | None:
+    folder = stage_dir(root, stage, fp)
+    if not is_complete(folder):
+        return None
+    m = read_manifest(folder)
+    return StageResult(stage, fp, str(folder), m.get("metrics", {}), cached=True)
+
+
+@contextmanager
+def stage_lock(root: Path, stage: str, fp: str, timeout: float = -1) -> Iterator[None]:
+    """Serializes work on one fingerprint: a second caller waits, then finds the result."""
+    lock_path = Path(root) / stage / f".{fp}.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(lock_path), timeout=timeout):
+        yield
+
+
+class StageBuild:
+    """The folder a stage is writing. `partial` survives a crash (train resumes from it)."""
+
+    def __init__(self, root: Path, stage: str, fp: str, keep_partial: bool = False):
+        self.stage, self.fingerprint = stage, fp
+        self.final = stage_dir(root, stage, fp)
+        self.partial = self.final.parent / f".{fp}.partial"
+        if self.partial.exists() and not keep_partial:
+            shutil.rmtree(self.partial)
+        self.partial.mkdir(parents=True, exist_ok=True)
+        self.started = time.time()
+
+    def commit(self, manifest: dict[str, Any]) -> Path:
+        manifest = {
+            "stage": self.stage,
+            "fingerprint": self.fingerprint,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "seconds": round(time.time() - self.started, 3),
+            **manifest,
+        }
+        tmp = self.partial / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+        os.replace(tmp, self.partial / MANIFEST)
+        if self.final.exists():  # --force: swap the old result out only once the new one is whole
+            trash = self.final.parent / f".{self.fingerprint}.old.{os.getpid()}"
+            os.replace(self.final, trash)
+            os.replace(self.partial, self.final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(self.partial, self.final)
+        return self.final

@@ -1,0 +1,239 @@
+"""The run configuration: a pydantic schema, YAML loading and dotted overrides.
+
+Everything is validated here, before any stage runs, so a typo costs a second and one
+line of text rather than a torchrun launch. Relative paths are resolved against the
+current working directory (the project root when you use `make`).
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A config problem, phrased as one line that names the key and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunnerConfig(_Section):
+    max_epochs: int = Field(3, ge=1)
+    max_steps: int = Field(-1, description="<= 0: train max_epochs full epochs")
+    val_check_interval: int = Field(0, description="validation loss every N steps; <= 0 only at the end")
+    save_interval: int = Field(0, description="DCP checkpoint every N steps; <= 0 only at the end")
+    keep_checkpoints: int = Field(2, ge=1)
+    log_interval: int = Field(1, ge=1)
+    seed: int = 1234
+    resume: str = Field("auto", description="auto | never | <checkpoint path>")
+
+
+class ModelConfig(_Section):
+    model_type: str = "causal_lm"
+    model_path: str = "builtin:tiny-chat"
+    trust_remote_code: bool = False
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup: float = Field(0.05, ge=0, description="< 1: fraction of total steps; >= 1: number of steps")
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    clip_grad: float = Field(1.0, description="max grad norm; <= 0 disables clipping")
+
+
+class ActorConfig(_Section):
+    nproc_per_node: int = Field(1, ge=1)
+    nnodes: int = Field(1, ge=1)
+    micro_batch_size: int = Field(4, ge=1)
+    global_batch_size: int = Field(16, ge=1)
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    model: ModelConfig = ModelConfig()
+    optim: OptimConfig = OptimConfig()
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @model_validator(mode="after")
+    def _batch_divisible(self) -> "ActorConfig":
+        per_step = self.micro_batch_size * self.world_size
+        if self.global_batch_size % per_step:
+            lo = max(per_step, self.global_batch_size // per_step * per_step)
+            raise ValueError(
+                f"actor.global_batch_size={self.global_batch_size} must be divisible by "
+                f"micro_batch_size x world size = {self.micro_batch_size} x {self.world_size} = {per_step}; "
+                f"try actor.global_batch_size={lo}"
+            )
+        return self
+
+
+class DataConfig(_Section):
+    train_data_paths: list[str] = Field(default_factory=list, min_length=1)
+    val_data_paths: list[str] = Field(default_factory=list)
+    format: Literal["auto", "messages", "sharegpt", "prompt_completion", "alpaca"] = "auto"
+    max_length: int = Field(1024, ge=8)
+
+    @field_validator("train_data_paths", "val_data_paths", mode="before")
+    @classmethod
+    def _one_path_is_a_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+
+class EvalConfig(_Section):
+    max_new_tokens: int = Field(64, ge=1)
+    batch_size: int = Field(16, ge=1)
+    max_samples: int = Field(0, description="<= 0: every held-out sample")
+    eval_base: bool = Field(True, description="also score the untrained base model (base_accuracy)")
+
+
+class RegistryConfig(_Section):
+    tracking_uri: str | None = Field(None, description="default: sqlite:///<artifacts_dir>/mlflow.db")
+    experiment: str = "sftflow"
+    model_name: str = "sftflow-model"
+    promote: Literal["always", "if_better", "never"] = "if_better"
+
+
+class SFTConfig(_Section):
+    artifacts_dir: str = "artifacts"
+    runner: RunnerConfig = RunnerConfig()
+    actor: ActorConfig = ActorConfig()
+    data: DataConfig
+    eval: EvalConfig = EvalConfig()
+    registry: RegistryConfig = RegistryConfig()
+
+    @property
+    def artifacts_path(self) -> Path:
+        return Path(self.artifacts_dir).resolve()
+
+    @property
+    def resolved_tracking_uri(self) -> str:
+        return self.registry.tracking_uri or f"sqlite:///{self.artifacts_path / 'mlflow.db'}"
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`actor.optim.lr=1e-3` -> (["actor", "optim", "lr"], 0.001); the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' is not KEY=VALUE (e.g. actor.optim.lr=1e-3)")
+    key, raw = text.split("=", 1)
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise ConfigError(f"override '{text}' has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    out = copy.deepcopy(raw)
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = out
+        for p in parts[:-1]:
+            child = node.setdefault(p, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{text}': '{p}' is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def _first_error_line(err: ValidationError) -> str:
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in e["loc"] if p != "__root__")
+    kind = e["type"]
+    if kind == "extra_forbidden":
+        section = ".".join(str(p) for p in e["loc"][:-1])
+        model = _section_for(section)
+        known = ", ".join(model.model_fields) if model else ""
+        return f"unknown key '{loc}'" + (f"; known keys in '{section or '<top>'}': {known}" if known else "")
+    if kind == "missing":
+        return f"missing required key '{loc}'"
+    msg = e["msg"].removeprefix("Value error, ")
+    if kind == "value_error":
+        return msg if not loc else f"{loc}: {msg}"
+    return f"{loc}: {msg} (got {e.get('input')!r})"
+
+
+def _section_for(dotted: str) -> type[BaseModel] | None:
+    model: type[BaseModel] = SFTConfig
+    for part in [p for p in dotted.split(".") if p]:
+        field = model.model_fields.get(part)
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return None
+        model = field.annotation
+    return model
+
+
+def expand_paths(patterns: list[str], key: str) -> list[Path]:
+    """Files named by paths, globs or directories, sorted; an empty match is an error."""
+    files: list[Path] = []
+    for pattern in patterns:
+        p = Path(pattern).expanduser()
+        if any(ch in pattern for ch in "*?["):
+            matches = sorted(Path(m) for m in glob.glob(str(p), recursive=True) if Path(m).is_file())
+        elif p.is_dir():
+            matches = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
+        elif p.is_file():
+            matches = [p]
+        else:
+            matches = []
+        if not matches:
+            raise ConfigError(f"{key}: '{pattern}' does not exist (cwd: {os.getcwd()}); fix the path or run from the project root")
+        files.extend(m.resolve() for m in matches)
+    return files
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> SFTConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections (runner, actor, data, ...)")
+    return config_from_dict(apply_overrides(raw, overrides or []), source=str(path))
+
+
+def config_from_dict(raw: dict, source: str = "<config>") -> SFTConfig:
+    try:
+        cfg = SFTConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(f"{source}: {_first_error_line(e)}") from None
+    expand_paths(cfg.data.train_data_paths, "data.train_data_paths")
+    if cfg.data.val_data_paths:
+        expand_paths(cfg.data.val_data_paths, "data.val_data_paths")
+    else:
+        raise ConfigError(f"{source}: data.val_data_paths is required (held-out prompts for evaluate)")
+    return cfg
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}: MLflow params and `show` output."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out

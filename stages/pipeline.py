@@ -1,0 +1,110 @@
+"""The stage graph: which config slice each stage reads, its fingerprint, and how to run it.
+
+Orchestrators (the Prefect flow, the CLI, tests) go through `plan()` and `run_stage()`; they
+never need to know what a stage does inside.
+
+    models ─┐
+    prepare ─► train ─► evaluate ─► register
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from .artifacts import (
+    StageResult,
+    cached_result,
+    code_version,
+    file_digest,
+    fingerprint,
+    is_complete,
+    stage_dir,
+    stage_lock,
+)
+from .config import ConfigError, SFTConfig, expand_paths
+from .models import model_fingerprint, resolve_model
+
+STAGES = ("prepare", "train", "evaluate", "register")
+UPSTREAM = {"prepare": (), "train": ("prepare",), "evaluate": ("train", "prepare"), "register": ("evaluate", "train", "prepare")}
+
+
+@dataclass
+class Plan:
+    cfg: SFTConfig
+    fingerprints: dict[str, str]
+
+    def folder(self, stage: str):
+        return stage_dir(self.cfg.artifacts_path, stage, self.fingerprints[stage])
+
+    def status(self, stage: str) -> str:
+        return "complete" if is_complete(self.folder(stage)) else "missing"
+
+
+def _digests(cfg: SFTConfig, paths: list[str], key: str) -> list[str]:
+    return [file_digest(p, cfg.artifacts_path) for p in expand_paths(paths, key)]
+
+
+def plan(cfg: SFTConfig) -> Plan:
+    """Fingerprints of every stage from the config and input *contents*; runs nothing."""
+    d, a, r = cfg.data, cfg.actor, cfg.runner
+    model_fp = model_fingerprint(cfg)
+    prepare = fingerprint(
+        "prepare", code=code_version("prepare"), model=model_fp, trust_remote_code=a.model.trust_remote_code,
+        data=d.model_dump(exclude={"train_data_paths", "val_data_paths"}),
+        train=_digests(cfg, d.train_data_paths, "data.train_data_paths"),
+        val=_digests(cfg, d.val_data_paths, "data.val_data_paths"))
+    train = fingerprint(
+        "train", code=code_version("train", "models"), prepare=prepare, model=model_fp,
+        actor=a.model_dump(), runner=r.model_dump(exclude={"resume", "log_interval"}))
+    evaluate = fingerprint("evaluate", code=code_version("evaluate"), train=train, prepare=prepare,
+                           eval=cfg.eval.model_dump())
+    register = fingerprint("register", code=code_version("register"), evaluate=evaluate, train=train, prepare=prepare,
+                           registry=cfg.registry.model_dump(), tracking_uri=cfg.resolved_tracking_uri)
+    return Plan(cfg, {"prepare": prepare, "train": train, "evaluate": evaluate, "register": register})
+
+
+class MissingUpstream(ConfigError):
+    pass
+
+
+def require_upstream(p: Plan, stage: str) -> dict[str, str]:
+    dirs = {}
+    for up in UPSTREAM[stage]:
+        if p.status(up) != "complete":
+            raise MissingUpstream(f"{stage} needs the {up} stage ({p.fingerprints[up]}), which has not run for this "
+                                  f"config; run `sftflow stage {up} -c <config>` or `sftflow run -c <config>` first")
+        dirs[up] = str(p.folder(up))
+    return dirs
+
+
+def run_stage(p: Plan, stage: str, force: bool = False, on_line: Callable[[str], None] = print,
+              extra_tags: dict[str, str] | None = None) -> StageResult:
+    """Runs one stage unless its folder is complete (or `force`); upstream must be complete."""
+    cfg, fp, root = p.cfg, p.fingerprints[stage], p.cfg.artifacts_path
+    dirs = require_upstream(p, stage)
+    t0 = time.time()
+    with stage_lock(root, stage, fp):
+        hit = cached_result(root, stage, fp)
+        if hit is not None and not force:
+            return hit
+        if stage == "prepare":
+            from .prepare import run_prepare
+            metrics = run_prepare(cfg, fp, resolve_model(cfg))
+        elif stage == "train":
+            from .train import run_train
+            metrics = run_train(cfg, fp, resolve_model(cfg), dirs["prepare"], on_line=on_line)
+        elif stage == "evaluate":
+            from .evaluate import run_evaluate
+            metrics = run_evaluate(cfg, fp, resolve_model(cfg), str(p.folder("train") / "model"), dirs["prepare"])
+        elif stage == "register":
+            from .register import run_register
+            metrics = run_register(cfg, fp, p.fingerprints, {**dirs, "evaluate": dirs["evaluate"]}, extra_tags)
+        else:
+            raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
+    return StageResult(stage, fp, str(p.folder(stage)), metrics, cached=False, seconds=round(time.time() - t0, 2))
+
+
+KEY_METRIC = {"prepare": ("train_rows_kept", "rows"), "train": ("final_loss", "loss"),
+              "evaluate": ("accuracy", "accuracy"), "register": ("version", "version")}

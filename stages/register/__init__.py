@@ -1,0 +1,123 @@
+"""register: one MLflow run with the whole lineage, a registered model version and its alias.
+
+The run holds params (the flattened config), per-step training metrics, eval metrics, the
+stage manifests and predictions as artifacts, and the chat model (pyfunc). The version is
+tagged with fingerprints and accuracy; `champion` moves per `registry.promote`:
+  always     every new version becomes champion
+  if_better  champion when accuracy >= the current champion's on the same eval set,
+             otherwise the version becomes `challenger`
+  never      no alias
+Registering a train fingerprint that already has a version reuses that version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from stages.artifacts import StageBuild, read_manifest
+from stages.config import SFTConfig, flatten
+
+CHAMPION, CHALLENGER = "champion", "challenger"
+TAG = "sftflow."
+PIP_REQUIREMENTS = ["torch", "transformers", "tokenizers", "safetensors", "mlflow", "pandas"]
+
+
+def setup_mlflow(cfg: SFTConfig):
+    import mlflow
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    uri = cfg.resolved_tracking_uri
+    mlflow.set_tracking_uri(uri)
+    if mlflow.get_experiment_by_name(cfg.registry.experiment) is None:
+        location = (cfg.artifacts_path / "mlartifacts").as_uri() if uri.startswith("sqlite:") else None
+        mlflow.create_experiment(cfg.registry.experiment, artifact_location=location)
+    mlflow.set_experiment(cfg.registry.experiment)
+    return mlflow
+
+
+def _log_step_metrics(client, run_id: str, rows: list[dict]) -> None:
+    import time
+    from mlflow.entities import Metric
+    now = int(time.time() * 1000)
+    metrics = [Metric(f"train/{k}" if k != "val_loss" else "val/loss", float(v), now, int(r["step"]))
+               for r in rows for k, v in r.items() if k != "step" and isinstance(v, (int, float))]
+    for i in range(0, len(metrics), 1000):
+        client.log_batch(run_id, metrics=metrics[i:i + 1000], synchronous=True)
+
+
+def _existing_version(client, name: str, train_fp: str):
+    try:
+        versions = client.search_model_versions(f"name='{name}'")
+    except Exception:
+        return None
+    return next((v for v in versions if v.tags.get(TAG + "train_fingerprint") == train_fp), None)
+
+
+def decide_alias(client, name: str, policy: str, accuracy: float, eval_set: str) -> str | None:
+    if policy == "never":
+        return None
+    if policy == "always":
+        return CHAMPION
+    try:
+        current = client.get_model_version_by_alias(name, CHAMPION)
+    except Exception:
+        return CHAMPION
+    same_set = current.tags.get(TAG + "eval_set_fingerprint") == eval_set
+    cur_acc = float(current.tags.get(TAG + "eval_accuracy", "-1"))
+    return CHAMPION if same_set and accuracy >= cur_acc else CHALLENGER
+
+
+def run_register(cfg: SFTConfig, fp: str, fingerprints: dict[str, str], dirs: dict[str, str],
+                 extra_tags: dict[str, str] | None = None) -> dict:
+    from mlflow.tracking import MlflowClient
+    from stages.train import read_metrics
+
+    build = StageBuild(cfg.artifacts_path, "register", fp)
+    mlflow = setup_mlflow(cfg)
+    client = MlflowClient()
+    name = cfg.registry.model_name
+    evaluate_manifest = read_manifest(Path(dirs["evaluate"]))
+    eval_metrics = evaluate_manifest["metrics"]
+    eval_set = evaluate_manifest["eval_set_fingerprint"]
+    model_dir = str(Path(dirs["train"]) / "model")
+
+    existing = _existing_version(client, name, fingerprints["train"])
+    if existing is not None:
+        version, run_id = existing, existing.run_id
+    else:
+        with mlflow.start_run(run_name=f"sft-{fingerprints['train']}") as run:
+            run_id = run.info.run_id
+            mlflow.log_params({k: str(v)[:6000] for k, v in flatten(cfg.model_dump(mode="json")).items()})
+            mlflow.set_tags({**{f"{TAG}{s}_fingerprint": f for s, f in fingerprints.items()}, **(extra_tags or {})})
+            _log_step_metrics(client, run_id, read_metrics(Path(dirs["train"])))
+            mlflow.log_metrics({f"eval/{k}": float(v) for k, v in eval_metrics.items() if isinstance(v, (int, float))})
+            for stage, folder in dirs.items():
+                mlflow.log_artifact(str(Path(folder) / "manifest.json"), artifact_path=f"manifests/{stage}")
+            mlflow.log_artifact(str(Path(dirs["evaluate"]) / "predictions.jsonl"), artifact_path="eval")
+            mlflow.log_artifact(str(Path(dirs["train"]) / "metrics.jsonl"), artifact_path="train")
+            here = Path(__file__).resolve().parent
+            info = mlflow.pyfunc.log_model(
+                name="model", python_model=str(here / "chat_model.py"), artifacts={"hf_model": model_dir},
+                code_paths=[str(here.parent / "evaluate" / "generate.py")], pip_requirements=PIP_REQUIREMENTS,
+                registered_model_name=name)
+        version = client.get_model_version(name, str(info.registered_model_version))
+        tags = {"train_fingerprint": fingerprints["train"], "prepare_fingerprint": fingerprints["prepare"],
+                "config_hash": fingerprints["train"], "eval_accuracy": str(eval_metrics["accuracy"]),
+                "eval_set_fingerprint": eval_set, "data_digest": fingerprints["prepare"]}
+        for k, v in tags.items():
+            client.set_model_version_tag(name, version.version, TAG + k, v)
+
+    alias = decide_alias(client, name, cfg.registry.promote, float(eval_metrics["accuracy"]), eval_set)
+    aliases = set(client.get_model_version(name, version.version).aliases)
+    if alias and alias not in aliases and CHAMPION not in aliases:
+        client.set_registered_model_alias(name, alias, version.version)
+    aliases = sorted(client.get_model_version(name, version.version).aliases)
+    metrics = {"version": int(version.version), "accuracy": eval_metrics["accuracy"], "aliases": aliases,
+               "reused_version": existing is not None}
+    (build.partial / "registration.json").write_text(json.dumps(
+        {"tracking_uri": cfg.resolved_tracking_uri, "run_id": run_id, "model_name": name,
+         "version": version.version, "model_uri": f"models:/{name}/{version.version}", "aliases": aliases}, indent=2))
+    build.commit({"metrics": metrics, "run_id": run_id, "model_name": name, "version": int(version.version),
+                  "tracking_uri": cfg.resolved_tracking_uri})
+    return metrics

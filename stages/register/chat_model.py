@@ -1,0 +1,47 @@
+"""MLflow "models from code" definition of the chat model logged by the register stage.
+
+Loaded by `mlflow.pyfunc.load_model(...)`; the Hugging Face folder travels as the
+`hf_model` artifact. `predict` takes a string, a list of strings, a list of message lists,
+or a DataFrame with a `messages` or `prompt` column, and returns one reply per input.
+"""
+
+from __future__ import annotations
+
+import mlflow
+from mlflow.pyfunc import PythonModel
+
+try:  # inside the project
+    from stages.evaluate.generate import generate, load
+except ImportError:  # inside a logged model: generate.py ships via code_paths
+    from generate import generate, load
+
+
+def _conversations(model_input) -> list[list[dict]]:
+    if hasattr(model_input, "to_dict"):  # pandas DataFrame
+        col = "messages" if "messages" in model_input.columns else "prompt"
+        model_input = list(model_input[col])
+    if isinstance(model_input, (str, dict)):
+        model_input = [model_input]
+    out = []
+    for item in model_input:
+        if isinstance(item, str):
+            out.append([{"role": "user", "content": item}])
+        elif isinstance(item, dict):
+            out.append([item] if "role" in item else list(item.get("messages", [])))
+        else:
+            out.append([dict(m) for m in item])
+    return out
+
+
+class ChatModel(PythonModel):
+    def load_context(self, context):
+        self.model, self.tokenizer = load(context.artifacts["hf_model"])
+
+    def predict(self, context, model_input, params=None):
+        params = params or {}
+        replies = generate(self.model, self.tokenizer, _conversations(model_input),
+                           max_new_tokens=int(params.get("max_new_tokens", 128)), batch_size=8)
+        return [r["text"] for r in replies]
+
+
+mlflow.models.set_model(ChatModel())

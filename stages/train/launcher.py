@@ -1,0 +1,73 @@
+"""Builds the torchrun command for the worker and runs it as its own process group.
+
+The child gets a new session so that a cancel, timeout or SIGTERM of the caller can take
+down torchrun *and* every worker with one `killpg`. Output is streamed line by line to a
+callback (Prefect's task logger, or stdout) and to `train.log` in the stage folder.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+from stages.config import SFTConfig
+
+
+def torchrun_command(cfg: SFTConfig, spec_path: Path) -> list[str]:
+    a = cfg.actor
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={a.nproc_per_node}"]
+    if a.nnodes == 1:
+        cmd.append("--standalone")
+    else:
+        raise NotImplementedError("multi-node rendezvous lands with issue #3 (actor.rdzv_endpoint)")
+    return cmd + ["-m", "stages.train.worker", str(spec_path)]
+
+
+def worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # Two ranks on two cores: one thread each, or they fight over the cores.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // 2)))
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+class TrainingFailed(RuntimeError):
+    pass
+
+
+def run_torchrun(cmd: list[str], log_path: Path, on_line: Callable[[str], None] = print) -> None:
+    with open(log_path, "a", encoding="utf-8") as logf:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                env=worker_env(), start_new_session=True)
+        tail: list[str] = []
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                line = line.rstrip("\n")
+                logf.write(line + "\n")
+                tail = (tail + [line])[-20:]
+                on_line(line)
+            rc = proc.wait()
+        except BaseException:  # cancelled, timed out, Ctrl-C: no orphaned workers
+            kill_group(proc)
+            raise
+    if rc != 0:
+        raise TrainingFailed(f"torchrun exited with {rc}; last lines:\n" + "\n".join(tail) + f"\nfull log: {log_path}")
+
+
+def kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,45 @@
+"""Model types, registered by name (`actor.model.model_type`).
+
+A builder takes the `actor.model` config section plus the resolved weights path and returns
+an `nn.Module`. The worker shards whatever comes back with FSDP2; `fsdp_units` tells it
+which sub-modules to shard individually (transformer blocks, usually).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.nn as nn
+
+_MODEL_TYPES: dict[str, Callable] = {}
+
+
+def register_model_type(name: str):
+    def deco(builder: Callable) -> Callable:
+        _MODEL_TYPES[name] = builder
+        return builder
+    return deco
+
+
+def get_model_builder(name: str) -> Callable:
+    if name not in _MODEL_TYPES:
+        raise KeyError(f"actor.model.model_type: unknown '{name}'; registered: {', '.join(sorted(_MODEL_TYPES))}")
+    return _MODEL_TYPES[name]
+
+
+def registered_model_types() -> list[str]:
+    return sorted(_MODEL_TYPES)
+
+
+@register_model_type("causal_lm")
+def build_causal_lm(model_cfg: dict, weights_path: str, dtype=None) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(
+        weights_path, trust_remote_code=model_cfg.get("trust_remote_code", False), dtype=dtype or "float32",
+    )
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """Transformer blocks: HF models list them in `_no_split_modules`; otherwise none (root only)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]

@@ -1,0 +1,22 @@
+"""Under torchrun: one global batch through SFTWorker.forward_backward; rank 0 saves the full gradients."""
+
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from stages.train.worker import SFTWorker
+
+spec_path, out_path = sys.argv[1], sys.argv[2]
+import json  # noqa: E402
+worker = SFTWorker(json.loads(open(spec_path).read()))
+worker.setup()
+batch_idx = np.arange(worker.cfg.actor.global_batch_size)
+stats = worker.forward_backward(batch_idx)
+grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().cpu()
+         for n, p in worker.model.named_parameters() if p.grad is not None}
+if dist.get_rank() == 0:
+    torch.save({"grads": grads, "stats": stats, "batch": batch_idx.tolist()}, out_path)
+dist.barrier()
+dist.destroy_process_group()

@@ -1,0 +1,75 @@
+import pytest
+
+from conftest import sftflow, tiny_config_dict, write_config
+from stages.config import ConfigError, apply_overrides, config_from_dict, flatten, load_config
+
+
+def test_valid_config_and_dotted_overrides(tiny_config):
+    cfg = load_config(tiny_config, ["actor.optim.lr=2e-4", "runner.max_steps=9", "eval.max_new_tokens=3"])
+    assert cfg.actor.optim.lr == pytest.approx(2e-4)
+    assert cfg.runner.max_steps == 9 and cfg.eval.max_new_tokens == 3
+    assert cfg.actor.world_size == 2
+
+
+def test_default_config_loads_and_covers_the_sections_users_know():
+    cfg = load_config("configs/default.yaml")
+    keys = flatten(cfg.model_dump())
+    for key in ["runner.max_epochs", "runner.max_steps", "runner.val_check_interval", "runner.save_interval",
+                "runner.seed", "runner.resume", "actor.nproc_per_node", "actor.nnodes", "actor.micro_batch_size",
+                "actor.global_batch_size", "actor.precision", "actor.model.model_type", "actor.model.model_path",
+                "actor.model.trust_remote_code", "actor.optim.lr", "actor.optim.weight_decay", "actor.optim.warmup",
+                "actor.optim.scheduler", "actor.optim.clip_grad", "data.train_data_paths", "data.val_data_paths",
+                "data.format", "data.max_length", "eval.max_new_tokens", "eval.batch_size", "registry.tracking_uri",
+                "registry.model_name", "registry.promote"]:
+        assert key in keys, key
+    assert cfg.actor.nproc_per_node == 2 and cfg.actor.model.model_path.startswith("builtin:")
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("actor.optim.lrr=1", "unknown key 'actor.optim.lrr'"),
+    ("actor.micro_batch_size=four", "actor.micro_batch_size"),
+    ("actor.global_batch_size=20", "try actor.global_batch_size=16"),
+    ("data.train_data_paths=[/nonexistent/train.jsonl]", "'/nonexistent/train.jsonl' does not exist"),
+    ("registry.promote=sometimes", "registry.promote"),
+])
+def test_bad_config_is_one_line_naming_the_key(tmp_path, override, expected):
+    path = write_config(tmp_path, tiny_config_dict(tmp_path))
+    with pytest.raises(ConfigError) as e:
+        load_config(path, [override])
+    assert expected in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_key_lists_known_keys(tmp_path):
+    raw = tiny_config_dict(tmp_path)
+    raw["runner"]["max_step"] = 3
+    with pytest.raises(ConfigError, match="unknown key 'runner.max_step'.*max_steps"):
+        config_from_dict(raw)
+
+
+def test_override_syntax_errors():
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        apply_overrides({}, ["actor.optim.lr"])
+    with pytest.raises(ConfigError, match="is a value, not a section"):
+        apply_overrides({"actor": {"nnodes": 1}}, ["actor.nnodes.x=1"])
+
+
+def test_cli_reports_config_errors_with_exit_code_2(tmp_path):
+    path = write_config(tmp_path, tiny_config_dict(tmp_path))
+    for args in (["run", "-c", str(path), "actor.global_batch_size=20"],
+                 ["show", "-c", str(path), "actor.bogus=1"],
+                 ["stage", "train", "-c", str(path), "data.max_length=abc"]):
+        proc = sftflow(*args, cwd=tmp_path, timeout=120)
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
+        assert "Traceback" not in proc.stderr + proc.stdout
+        # nothing ran: no stage folder, no torchrun
+        assert not (tmp_path / "artifacts" / "train").exists()
+
+
+def test_stage_without_upstream_names_the_command_to_run(tmp_path):
+    path = write_config(tmp_path, tiny_config_dict(tmp_path))
+    proc = sftflow("stage", "evaluate", "-c", str(path), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert "sftflow stage train" in proc.stderr or "sftflow run" in proc.stderr
