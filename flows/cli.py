@@ -19,6 +19,9 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# Weight-loading and artifact-download bars add noise, not information, to the flow's log.
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
@@ -70,14 +73,16 @@ def _summary(results: list[dict]) -> None:
 
 
 def _run_flow(fn, **kwargs) -> list[dict]:
-    from stages.pipeline import MissingUpstream
-    from stages.train.launcher import TrainingFailed
+    """Runs a flow; its failure ends as one line (Prefect's log above has the details)."""
+    from stages.pipeline import StageError
     try:
         return fn(**kwargs)
-    except (ConfigError, MissingUpstream) as e:
+    except ConfigError as e:
         _fail(str(e))
-    except TrainingFailed as e:
+    except StageError as e:
         _fail(str(e), code=1)
+    except Exception as e:  # noqa: BLE001 - the flow log already holds the traceback
+        _fail(f"{type(e).__name__}: {str(e).strip() or 'failed'} (traceback in the log above)", code=1)
 
 
 @app.command()
@@ -133,24 +138,6 @@ def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg
     console.print(st)
 
 
-def resolve_chat_model(model: str, tracking_uri: Optional[str]) -> str:
-    """A stage folder, a Hugging Face folder or hub id, or models:/name@alias -> loadable HF path."""
-    path = Path(model)
-    if model.startswith("models:/"):
-        import mlflow
-        mlflow.set_tracking_uri(tracking_uri or f"sqlite:///{Path('artifacts/mlflow.db').resolve()}")
-        local = Path(mlflow.artifacts.download_artifacts(f"{model.rstrip('/')}"))
-        found = next((p.parent for p in local.rglob("config.json") if (p.parent / "tokenizer_config.json").is_file()), None)
-        if found is None:
-            _fail(f"{model}: no Hugging Face model inside the logged model")
-        return str(found)
-    if (path / "model" / "config.json").is_file():  # a train stage folder
-        return str(path / "model")
-    if path.is_dir() and not (path / "config.json").is_file():
-        _fail(f"{model}: not a model folder (no config.json) nor a train stage folder")
-    return model
-
-
 @app.command()
 def chat(question: str = typer.Argument(..., help="the user message"),
          model: str = typer.Option(..., "-m", "--model", help="train stage folder, HF folder, or models:/name@alias"),
@@ -158,7 +145,12 @@ def chat(question: str = typer.Argument(..., help="the user message"),
          tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI for models:/ (default: artifacts/mlflow.db)")) -> None:
     """Ask a model one question through its chat template."""
     from stages.evaluate.generate import generate, load
-    m, tok = load(resolve_chat_model(model, tracking_uri))
+    from stages.models import resolve_model_ref
+    try:
+        path = resolve_model_ref(model, tracking_uri or f"sqlite:///{Path('artifacts/mlflow.db').resolve()}")
+    except ValueError as e:
+        _fail(str(e))
+    m, tok = load(path)
     reply = generate(m, tok, [[{"role": "user", "content": question}]], max_new_tokens, batch_size=1)[0]["text"]
     console.print(reply, highlight=False, markup=False)
 

@@ -19,7 +19,7 @@ from prefect.cache_policies import CachePolicy
 from prefect.runtime import flow_run
 
 from stages.config import SFTConfig, load_config
-from stages.pipeline import STAGES, UPSTREAM, plan, run_stage
+from stages.pipeline import STAGES, UPSTREAM, StageError, plan, run_stage
 
 
 @dataclass
@@ -35,8 +35,10 @@ class StageFingerprint(CachePolicy):
 def _stage(stage: str, config: dict, fingerprint: str, force: bool, tags: dict | None = None) -> dict:
     logger = get_run_logger()
     p = plan(SFTConfig.model_validate(config))
-    if p.fingerprints[stage] != fingerprint:  # inputs changed between planning and running
-        logger.warning(f"{stage}: fingerprint moved {fingerprint} -> {p.fingerprints[stage]} (inputs edited mid-run)")
+    if p.fingerprints[stage] != fingerprint:
+        # Data or code edited after the flow planned: running now would file new outputs under an old key.
+        raise StageError(f"{stage}: inputs changed while the flow was running (fingerprint {fingerprint} -> "
+                         f"{p.fingerprints[stage]}); run the flow again")
     result = run_stage(p, stage, force=force, on_line=logger.info, extra_tags=tags)
     logger.info(f"{stage} {'cached' if result.cached else 'done'} -> {result.path}")
     return result.to_dict()

@@ -109,3 +109,25 @@ def build_tiny_chat(out: Path, corpus: list[Path], *, vocab_size: int, seed: int
     model.generation_config = GenerationConfig(eos_token_id=[eos, pad], pad_token_id=pad, do_sample=False)
     model.save_pretrained(out, safe_serialization=True)
     (out / "sftflow_builtin.json").write_text(json.dumps({"arch": arch, "vocab_size": len(hf_tok), "seed": seed}))
+
+
+def resolve_model_ref(ref: str, tracking_uri: str | None = None) -> str:
+    """A train stage folder, a Hugging Face folder or hub id, or `models:/name@alias|version` -> loadable path."""
+    path = Path(ref).expanduser()
+    if ref.startswith("models:/"):
+        import mlflow
+        if tracking_uri:
+            mlflow.set_tracking_uri(tracking_uri)
+        try:
+            local = Path(mlflow.artifacts.download_artifacts(ref))
+        except Exception as e:  # unknown name/alias/version, unreachable server
+            raise ValueError(f"{ref}: {str(e).splitlines()[0]}") from None
+        found = next((p.parent for p in sorted(local.rglob("config.json")) if (p.parent / "tokenizer_config.json").is_file()), None)
+        if found is None:
+            raise ValueError(f"{ref}: no Hugging Face model folder inside the logged model")
+        return str(found)
+    if (path / "model" / "config.json").is_file():  # a train stage folder
+        return str(path / "model")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ValueError(f"{ref}: neither a model folder (no config.json) nor a train stage folder")
+    return str(path) if path.is_dir() else ref

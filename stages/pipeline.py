@@ -24,6 +24,7 @@ from .artifacts import (
     stage_lock,
 )
 from .config import ConfigError, SFTConfig, expand_paths
+from .errors import StageError  # noqa: F401  (re-exported for orchestrators)
 from .models import model_fingerprint, resolve_model
 
 STAGES = ("prepare", "train", "evaluate", "register")
@@ -66,7 +67,7 @@ def plan(cfg: SFTConfig) -> Plan:
 
 
 class MissingUpstream(ConfigError):
-    pass
+    """A stage was asked for before the stages it reads from: a usage error (exit code 2)."""
 
 
 def require_upstream(p: Plan, stage: str) -> dict[str, str]:

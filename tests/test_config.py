@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from conftest import sftflow, tiny_config_dict, write_config
@@ -73,3 +75,15 @@ def test_stage_without_upstream_names_the_command_to_run(tmp_path):
     proc = sftflow("stage", "evaluate", "-c", str(path), cwd=tmp_path, timeout=120)
     assert proc.returncode == 2
     assert "sftflow stage train" in proc.stderr or "sftflow run" in proc.stderr
+
+
+def test_every_config_key_is_documented(tmp_path):
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
+    keys = flatten(config_from_dict(tiny_config_dict(tmp_path)).model_dump())
+    missing = [k for k in keys if f"`{k}`" not in doc]
+    assert not missing, f"undocumented config keys: {missing}"
+
+
+def test_example_configs_validate():
+    for path in sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml")):
+        load_config(path)

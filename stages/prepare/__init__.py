@@ -15,6 +15,7 @@ from pathlib import Path
 
 from stages.artifacts import StageBuild
 from stages.config import SFTConfig, expand_paths
+from stages.errors import StageError
 
 from .masking import Tokenized, tokenize_conversation
 from .readers import RowError, iter_conversations
@@ -27,9 +28,9 @@ def load_tokenizer(model_path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     if not tok.is_fast:
-        raise ValueError(f"{model_path}: sftflow needs a fast tokenizer (character offsets) for assistant masks")
+        raise StageError(f"{model_path}: sftflow needs a fast tokenizer (character offsets) for assistant masks")
     if not tok.chat_template:
-        raise ValueError(f"{model_path}: tokenizer has no chat_template; set one in tokenizer_config.json")
+        raise StageError(f"{model_path}: tokenizer has no chat_template; set one in tokenizer_config.json")
     return tok
 
 
@@ -88,7 +89,7 @@ def run_prepare(cfg: SFTConfig, fp: str, model_path: str) -> dict:
     (build.partial / "preview.txt").write_text("".join(preview), encoding="utf-8")
     for split, st in splits.items():
         if st["rows_kept"] == 0:
-            raise ValueError(f"prepare: no usable rows in the {split} split; see {build.final / 'quarantine.jsonl'} "
+            raise StageError(f"prepare: no usable rows in the {split} split; see {build.partial / 'quarantine.jsonl'} "
                              f"(dropped: {st['dropped']})")
     metrics = {f"{s}_{k}": v for s, st in splits.items() for k, v in st.items() if isinstance(v, int)}
     build.commit({"metrics": metrics, "splits": splits, "model_path": model_path,

@@ -93,8 +93,8 @@ def collate_padded(samples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     labels = torch.full((len(samples), longest), IGNORE_INDEX, dtype=torch.long)
     attn = torch.zeros((len(samples), longest), dtype=torch.long)
     for b, s in enumerate(samples):
-        x = torch.as_tensor(s["input_ids"], dtype=torch.long)
-        m = torch.as_tensor(s["loss_mask"], dtype=torch.bool)
+        x = torch.tensor(s["input_ids"], dtype=torch.long)
+        m = torch.tensor(s["loss_mask"], dtype=torch.bool)
         ids[b, : len(x)] = x
         labels[b, : len(x)] = torch.where(m, x, IGNORE_INDEX)
         attn[b, : len(x)] = 1

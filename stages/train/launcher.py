@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from stages.config import SFTConfig
+from stages.errors import StageError
 
 
 def torchrun_command(cfg: SFTConfig, spec_path: Path) -> list[str]:
@@ -33,12 +34,13 @@ def worker_env() -> dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // 2)))
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
 
-class TrainingFailed(RuntimeError):
+class TrainingFailed(StageError):
     pass
 
 

@@ -1,0 +1,37 @@
+"""The embedded demo, exactly as `make run` runs it: held-out accuracy must visibly rise.
+
+This is the slowest test (a few minutes on 2 cores): it is the promise the README makes.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, sftflow
+
+pytestmark = pytest.mark.slow
+
+
+def test_default_config_learns_the_demo(tmp_path):
+    env = {"PREFECT_HOME": str(tmp_path / ".prefect")}
+    proc = sftflow("run", "-c", str(ROOT / "configs" / "default.yaml"), f"artifacts_dir={tmp_path / 'artifacts'}",
+                   cwd=ROOT, env=env, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ev = next((tmp_path / "artifacts" / "evaluate").glob("[!.]*"))
+    metrics = json.loads((ev / "metrics.json").read_text())
+    assert metrics["total"] == 60
+    assert metrics["base_accuracy"] <= 0.1
+    assert metrics["accuracy"] >= 0.8, metrics
+    assert f"tuned {metrics['accuracy']:.3f}" in proc.stdout
+
+    # The champion answers through MLflow and through `sftflow chat`.
+    import mlflow
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'artifacts' / 'mlflow.db'}")
+    model = mlflow.pyfunc.load_model("models:/tiny-chat-sft@champion")
+    assert model.predict(["Who are you?"]) == ["I am TinyChat, a small assistant fine-tuned with sftflow."]
+    chat = sftflow("chat", "-m", "models:/tiny-chat-sft@champion", "Repeat after me: apple river stone",
+                   "--tracking-uri", f"sqlite:///{tmp_path / 'artifacts' / 'mlflow.db'}", cwd=tmp_path, env=env)
+    assert chat.returncode == 0, chat.stderr[-2000:]
+    assert chat.stdout.strip() == "You said: apple river stone"
