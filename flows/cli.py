@@ -15,6 +15,8 @@ from typing import Optional
 # Must be set before prefect is imported.
 os.environ.setdefault("PREFECT_HOME", str(Path("artifacts/.prefect").resolve()))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# The temporary API server migrates a fresh database on first start: slow on a busy 2-core box.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
