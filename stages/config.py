@@ -55,15 +55,32 @@ class OptimConfig(_Section):
 class ActorConfig(_Section):
     nproc_per_node: int = Field(1, ge=1)
     nnodes: int = Field(1, ge=1)
+    node_rank: int = Field(0, ge=0)
+    rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous; required when nnodes > 1")
     micro_batch_size: int = Field(4, ge=1)
     global_batch_size: int = Field(16, ge=1)
+    max_tokens_per_micro_batch: int = Field(0, ge=0, description="> 0: micro-batches filled up to this many tokens")
+    packing: bool = Field(True, description="padding-free packed micro-batches when the model supports them")
     precision: Literal["auto", "fp32", "bf16"] = "auto"
+    activation_checkpointing: bool = False
+    compile: bool = False
+    worker: str | None = Field(None, description="'pkg.module:Class' subclass of stages.train.worker.SFTWorker")
     model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig()
 
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
+
+    @model_validator(mode="after")
+    def _multi_node(self) -> "ActorConfig":
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("actor.rdzv_endpoint is required when actor.nnodes > 1; set it to host:port of node 0")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"actor.node_rank={self.node_rank} must be < actor.nnodes={self.nnodes}")
+        if self.worker and ":" not in self.worker:
+            raise ValueError(f"actor.worker='{self.worker}' must look like 'pkg.module:ClassName'")
+        return self
 
     @model_validator(mode="after")
     def _batch_divisible(self) -> "ActorConfig":

@@ -28,6 +28,7 @@ from .errors import StageError  # noqa: F401  (re-exported for orchestrators)
 from .models import model_fingerprint, resolve_model
 
 STAGES = ("prepare", "train", "evaluate", "register")
+EXECUTION_ONLY = {"nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "activation_checkpointing", "compile"}
 UPSTREAM = {"prepare": (), "train": ("prepare",), "evaluate": ("train", "prepare"), "register": ("evaluate", "train", "prepare")}
 
 
@@ -58,7 +59,9 @@ def plan(cfg: SFTConfig) -> Plan:
         val=_digests(cfg, d.val_data_paths, "data.val_data_paths"))
     train = fingerprint(
         "train", code=code_version("train", "models"), prepare=prepare, model=model_fp,
-        actor=a.model_dump(), runner=r.model_dump(exclude={"resume", "log_interval"}))
+        # How the work is spread (world size, rendezvous) and memory/speed knobs don't change the math,
+        # so they stay out: a run checkpointed on 2 processes resumes on 1 under the same fingerprint.
+        actor=a.model_dump(exclude=EXECUTION_ONLY), runner=r.model_dump(exclude={"resume", "log_interval"}))
     evaluate = fingerprint("evaluate", code=code_version("evaluate"), train=train, prepare=prepare,
                            eval=cfg.eval.model_dump())
     register = fingerprint("register", code=code_version("register"), evaluate=evaluate, train=train, prepare=prepare,

@@ -17,7 +17,7 @@ from typing import Callable
 from stages.artifacts import StageBuild
 from stages.config import SFTConfig
 
-from .launcher import run_torchrun, torchrun_command
+from .launcher import check_worker_and_model_type, run_torchrun, torchrun_command
 
 
 def read_metrics(folder: Path) -> list[dict]:
@@ -26,6 +26,7 @@ def read_metrics(folder: Path) -> list[dict]:
 
 
 def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, on_line: Callable[[str], None] = print) -> dict:
+    check_worker_and_model_type(cfg)
     # keep_partial: an interrupted run's checkpoints are where runner.resume=auto continues from
     build = StageBuild(cfg.artifacts_path, "train", fp, keep_partial=True)
     spec = {"config": cfg.model_dump(mode="json"), "model_path": model_path, "out_dir": str(build.partial),
@@ -34,7 +35,7 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, on_lin
     spec_path.write_text(json.dumps(spec, indent=2))
     run_torchrun(torchrun_command(cfg, spec_path), build.partial / "train.log", on_line)
     rows = read_metrics(build.partial)
-    if not (build.partial / "model" / "config.json").is_file():
+    if not (build.partial / "model").is_dir():
         raise RuntimeError(f"train: torchrun finished but exported no model in {build.partial / 'model'}")
     last = rows[-1] if rows else {}
     vals = [r for r in rows if "val_loss" in r]

@@ -45,7 +45,8 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict, keep: int) -> Path:
+def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict, keep: int,
+                    before_complete=None) -> Path:
     rank = dist.get_rank()
     root = Path(root)
     tmp, final = root / (_name(step) + ".tmp"), root / _name(step)
@@ -57,6 +58,8 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
     dcp.save(state, checkpoint_id=str(tmp))
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     dist.barrier()
+    if before_complete is not None:  # test hook: a crash here leaves a checkpoint without its marker
+        before_complete()
     if rank == 0:
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
         (tmp / COMPLETE).write_text(str(step))

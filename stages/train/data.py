@@ -4,10 +4,13 @@ The data position is `(epoch, consumed)`: how many samples of the epoch's permut
 finished global steps have used, counted globally. It does not depend on world size, and
 resuming from it is O(1): the epoch's permutation is a pure function of (seed, epoch).
 
-A global step takes the next `global_batch_size` samples of the permutation (the last step
-of an epoch takes what is left, never samples of the next epoch). Rank r takes every
-world-th of them; its share is cut into `micro_batch_size` micro-batches. Every rank runs
-the same number of micro-batches (FSDP's collectives need it): short ranks get empty ones.
+A global step takes the next `global_batch_size` samples of the permutation; the last step
+of an epoch takes what is left (never samples of the next epoch, never a stale batch).
+The step's samples are dealt to ranks balanced by token count (longest first, snake
+order), so every rank gets the same number of samples and nearly the same tokens. A
+rank's share is cut into micro-batches of `micro_batch_size` samples, or filled up to
+`max_tokens_per_micro_batch` tokens. Every rank runs the same number of micro-batches
+(FSDP's collectives need it): the orchestration pads short ranks with empty ones.
 """
 
 from __future__ import annotations
@@ -31,7 +34,11 @@ class DataPosition:
 
 
 class SFTDataset:
-    """Prepared Arrow shards, memory-mapped; rows are read on demand."""
+    """Prepared Arrow shards, memory-mapped; rows are read on demand.
+
+    The worker needs three things of any dataset: `len()`, `ds[i]`, and two int arrays,
+    `lengths` (tokens per sample, for balancing) and `trainable` (loss-bearing tokens per
+    sample, for exact loss weighting)."""
 
     def __init__(self, folder):
         from stages.prepare.shards import read_shards
@@ -58,9 +65,39 @@ class SFTDataset:
         return {"input_ids": self._ids[int(i)].values.to_numpy(), "loss_mask": self._mask[int(i)].values.to_numpy()}
 
 
+def balanced_shares(indices: np.ndarray, lengths: np.ndarray, world: int) -> list[np.ndarray]:
+    """Deal samples to ranks longest-first in snake order (0,1,..,w-1,w-1,..,0,...)."""
+    order = indices[np.argsort(-lengths[indices], kind="stable")]
+    shares: list[list[int]] = [[] for _ in range(world)]
+    for k, idx in enumerate(order):
+        lap, pos = divmod(k, world)
+        shares[pos if lap % 2 == 0 else world - 1 - pos].append(int(idx))
+    return [np.asarray(s, dtype=np.int64) for s in shares]
+
+
+def split_micro_batches(share: np.ndarray, lengths: np.ndarray, micro_batch_size: int, max_tokens: int) -> list[np.ndarray]:
+    if max_tokens <= 0:
+        return [share[i:i + micro_batch_size] for i in range(0, len(share), micro_batch_size)]
+    out, cur, tokens = [], [], 0
+    for idx in share:
+        n = int(lengths[idx])
+        if cur and tokens + n > max_tokens:
+            out.append(np.asarray(cur))
+            cur, tokens = [], 0
+        cur.append(int(idx))
+        tokens += n
+    if cur:
+        out.append(np.asarray(cur))
+    return out
+
+
 class GlobalBatchSampler:
-    def __init__(self, n: int, global_batch_size: int, micro_batch_size: int, world_size: int, seed: int):
-        self.n, self.gbs, self.mbs, self.world, self.seed = n, global_batch_size, micro_batch_size, world_size, seed
+    def __init__(self, lengths: np.ndarray, global_batch_size: int, micro_batch_size: int, world_size: int,
+                 seed: int, max_tokens_per_micro_batch: int = 0):
+        self.lengths = np.asarray(lengths)
+        self.n = len(self.lengths)
+        self.gbs, self.mbs, self.world, self.seed = global_batch_size, micro_batch_size, world_size, seed
+        self.max_tokens = max_tokens_per_micro_batch
         self.accum = global_batch_size // (micro_batch_size * world_size)
         self._perm_epoch, self._perm = -1, None
 
@@ -81,9 +118,17 @@ class GlobalBatchSampler:
         consumed = pos.consumed + taken
         return DataPosition(pos.epoch + 1, 0) if consumed >= self.n else DataPosition(pos.epoch, consumed)
 
+    def rank_share(self, batch: np.ndarray, rank: int) -> np.ndarray:
+        return balanced_shares(batch, self.lengths, self.world)[rank]
+
     def rank_micro_batches(self, batch: np.ndarray, rank: int) -> list[np.ndarray]:
-        mine = batch[rank:: self.world]
-        return [mine[k * self.mbs: (k + 1) * self.mbs] for k in range(self.accum)]
+        return split_micro_batches(self.rank_share(batch, rank), self.lengths, self.mbs, self.max_tokens)
+
+
+def _labels(s: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.tensor(s["input_ids"], dtype=torch.long)
+    m = torch.tensor(s["loss_mask"], dtype=torch.bool)
+    return x, torch.where(m, x, IGNORE_INDEX)
 
 
 def collate_padded(samples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
@@ -93,9 +138,20 @@ def collate_padded(samples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     labels = torch.full((len(samples), longest), IGNORE_INDEX, dtype=torch.long)
     attn = torch.zeros((len(samples), longest), dtype=torch.long)
     for b, s in enumerate(samples):
-        x = torch.tensor(s["input_ids"], dtype=torch.long)
-        m = torch.tensor(s["loss_mask"], dtype=torch.bool)
-        ids[b, : len(x)] = x
-        labels[b, : len(x)] = torch.where(m, x, IGNORE_INDEX)
-        attn[b, : len(x)] = 1
+        x, y = _labels(s)
+        ids[b, : len(x)], labels[b, : len(x)], attn[b, : len(x)] = x, y, 1
     return {"input_ids": ids, "attention_mask": attn, "labels": labels}
+
+
+def collate_packed(samples: list[dict]) -> dict[str, torch.Tensor]:
+    """One row of concatenated samples; `position_ids` restart at 0 per sample, which is how
+    transformers finds the sample boundaries (no attention across them). Each sample's first
+    label is ignored so no token is ever predicted from the previous sample."""
+    ids, labels, pos = [], [], []
+    for s in samples:
+        x, y = _labels(s)
+        y[0] = IGNORE_INDEX
+        ids.append(x)
+        labels.append(y)
+        pos.append(torch.arange(len(x)))
+    return {"input_ids": torch.cat(ids)[None], "labels": torch.cat(labels)[None], "position_ids": torch.cat(pos)[None]}

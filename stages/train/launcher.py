@@ -21,11 +21,28 @@ from stages.errors import StageError
 def torchrun_command(cfg: SFTConfig, spec_path: Path) -> list[str]:
     a = cfg.actor
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={a.nproc_per_node}"]
-    if a.nnodes == 1:
+    if a.nnodes == 1 and not a.rdzv_endpoint:
         cmd.append("--standalone")
     else:
-        raise NotImplementedError("multi-node rendezvous lands with issue #3 (actor.rdzv_endpoint)")
-    return cmd + ["-m", "stages.train.worker", str(spec_path)]
+        # Every node runs this same command (only node_rank differs) and meets at node 0's endpoint.
+        cmd += [f"--nnodes={a.nnodes}", f"--node_rank={a.node_rank}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={a.rdzv_endpoint}", f"--rdzv-id=sftflow-{spec_path.parent.name}"]
+    return cmd + ["-m", "stages.train", str(spec_path)]
+
+
+def check_worker_and_model_type(cfg: SFTConfig) -> None:
+    """Fail before torchrun starts: the worker class imports and the model type is registered."""
+    from stages.config import ConfigError
+    from stages.train.registry import UnknownModelType, get_model_builder
+    from stages.train.worker import load_worker_class
+    try:
+        load_worker_class(cfg.actor.worker)
+    except SystemExit as e:
+        raise ConfigError(str(e)) from None
+    try:
+        get_model_builder(cfg.actor.model.model_type)
+    except UnknownModelType as e:
+        raise ConfigError(str(e)) from None
 
 
 def worker_env() -> dict[str, str]:

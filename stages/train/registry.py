@@ -21,9 +21,15 @@ def register_model_type(name: str):
     return deco
 
 
+class UnknownModelType(KeyError):
+    def __str__(self) -> str:
+        return self.args[0]
+
+
 def get_model_builder(name: str) -> Callable:
     if name not in _MODEL_TYPES:
-        raise KeyError(f"actor.model.model_type: unknown '{name}'; registered: {', '.join(sorted(_MODEL_TYPES))}")
+        raise UnknownModelType(f"actor.model.model_type: unknown '{name}'; registered: {', '.join(sorted(_MODEL_TYPES))} "
+                               "(a custom type registers when the module named in actor.worker is imported)")
     return _MODEL_TYPES[name]
 
 

@@ -1,11 +1,11 @@
 """The SFT worker: one process per rank under torchrun.
 
-    python -m torch.distributed.run ... -m stages.train.worker <spec.json>
+    python -m torch.distributed.run ... -m stages.train <spec.json>
 
 `SFTWorker` owns the loop: process group, FSDP2 sharding, gradient accumulation, clipping,
 LR schedule, validation, checkpoints, metrics and export. A subclass adapts it to another
-model or data layout by overriding `build_dataloader`, `get_train_model_output` and
-`get_eval_model_output` (the RLinf recipe).
+model or data layout by overriding `build_dataloader`, `collate`, `get_train_model_output`
+and `get_eval_model_output` (the RLinf recipe; see docs/adding-a-model.md).
 
 Loss of a global step = (sum of token cross-entropy over all micro-batches on all ranks)
 / (trainable tokens of the whole global step, all-reduced before backward). FSDP averages
@@ -17,11 +17,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
+import signal
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -29,12 +30,22 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from stages.config import SFTConfig
 from stages.train import checkpoint as ckpt
-from stages.train.data import IGNORE_INDEX, DataPosition, GlobalBatchSampler, SFTDataset, collate_padded
+from stages.train.data import (
+    IGNORE_INDEX,
+    DataPosition,
+    GlobalBatchSampler,
+    SFTDataset,
+    collate_packed,
+    collate_padded,
+)
 from stages.train.registry import fsdp_units, get_model_builder
+
+# Dense bf16 peak FLOP/s per device, for the MFU estimate (unknown devices report none).
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
 
 
 def log(msg: str) -> None:
-    if dist.get_rank() == 0:
+    if not dist.is_initialized() or dist.get_rank() == 0:
         print(msg, flush=True)
 
 
@@ -52,18 +63,30 @@ def lr_lambda(total_steps: int, warmup: float, scheduler: str, min_ratio: float)
     return f
 
 
+def _fault(point: str, step: int) -> None:
+    """Test hook: SFTFLOW_FAULT=<point>:<step> SIGKILLs the whole torchrun process group there."""
+    want = os.environ.get("SFTFLOW_FAULT", "")
+    if want == f"{point}:{step}" and dist.get_rank() == 0:
+        print(f"SFTFLOW_FAULT: killing the process group at {want}", flush=True)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
 class SFTWorker:
     def __init__(self, spec: dict):
         self.spec = spec
         self.cfg = SFTConfig.model_validate(spec["config"])
         self.out = Path(spec["out_dir"])
         self.ckpt_dir = self.out / "checkpoints"
+        self.tokenizer = None
+        self.pad_id = 0
 
     # ------------------------------------------------------------------ setup
     def init_distributed(self) -> None:
-        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
-        if self.device.type == "cuda":
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
             torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
         dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         precision = self.cfg.actor.precision
@@ -72,42 +95,91 @@ class SFTWorker:
         self.precision = precision
 
     def build_model(self) -> torch.nn.Module:
-        builder = get_model_builder(self.cfg.actor.model.model_type)
+        actor = self.cfg.actor
+        try:
+            builder = get_model_builder(actor.model.model_type)
+        except KeyError as e:
+            raise SystemExit(str(e)) from None
         torch.manual_seed(self.cfg.runner.seed)
-        model = builder(self.cfg.actor.model.model_dump(), self.spec["model_path"])
+        model = builder(actor.model.model_dump(), self.spec.get("model_path"))
         model.to(self.device)
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.precision == "bf16" else MixedPrecisionPolicy()
-        for unit in fsdp_units(model):
+        units = fsdp_units(model)
+        if actor.activation_checkpointing:
+            if not hasattr(model, "gradient_checkpointing_enable"):
+                raise SystemExit("actor.activation_checkpointing needs a model with gradient_checkpointing_enable()")
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if actor.compile:
+            for unit in units or [model]:
+                unit.compile()
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if self.precision == "bf16" else MixedPrecisionPolicy())
+        for unit in units:
             fully_shard(unit, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
         return model
 
-    def build_dataloader(self, data_paths: str, eval_dataset: bool = False) -> SFTDataset:
+    def build_dataloader(self, data_paths: str, eval_dataset: bool = False):
+        """A dataset with len(), ds[i], and int arrays `lengths` and `trainable` (see data.SFTDataset)."""
         return SFTDataset(data_paths)
 
-    def load_tokenizer_info(self) -> None:
+    def load_tokenizer(self) -> None:
+        if not self.spec.get("model_path") or self.cfg.actor.model.model_type != "causal_lm":
+            return
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(self.spec["model_path"], trust_remote_code=self.cfg.actor.model.trust_remote_code)
         self.tokenizer = tok
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
 
+    def supports_packing(self) -> bool:
+        """Packed logits must equal unpacked ones; checked once on two short sequences, on every rank."""
+        from transformers import PreTrainedModel
+        if not isinstance(self.model, PreTrainedModel):
+            return False
+        ids = self.train_ds[0]["input_ids"][:12]
+        a = {"input_ids": ids, "loss_mask": np.ones_like(ids)}
+        b = {"input_ids": ids[::-1].copy(), "loss_mask": np.ones_like(ids)}
+        with torch.no_grad():
+            packed = self.model(**{k: v.to(self.device) for k, v in collate_packed([a, b]).items() if k != "labels"},
+                                use_cache=False).logits[0].float()
+            single = self.model(input_ids=torch.as_tensor(b["input_ids"], device=self.device)[None].long(),
+                                use_cache=False).logits[0].float()
+        tol = 1e-2 if self.precision == "bf16" else 1e-4
+        return bool(torch.allclose(packed[len(ids):], single, atol=tol, rtol=tol))
+
     # ------------------------------------------------------------------ model outputs
     def collate(self, samples: list[dict]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.device) for k, v in collate_padded(samples, self.pad_id).items()}
+        batch = collate_packed(samples) if self.packing else collate_padded(samples, self.pad_id)
+        return {k: v.to(self.device) for k, v in batch.items()}
 
     def _token_loss_sum(self, batch: dict) -> tuple[torch.Tensor, int]:
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = self.model(**inputs, use_cache=False).logits
         labels = batch["labels"][:, 1:]
         loss_sum = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), labels.reshape(-1),
                                    ignore_index=IGNORE_INDEX, reduction="sum")
         return loss_sum, int((labels != IGNORE_INDEX).sum())
 
     def get_train_model_output(self, batch: dict):
-        """(sum of token losses, number of trainable tokens) of one micro-batch."""
+        """The micro-batch's loss: `(loss_sum, n_tokens)` for exact token weighting, or a mean loss
+        (a tensor, or a list/tuple of tensors that are summed)."""
         return self._token_loss_sum(batch)
 
     def get_eval_model_output(self, batch: dict):
+        """`(loss_sum, n_tokens)` or a dict of summable numbers (`loss_sum`, `n_tokens`, `correct`, `total`, ...)."""
         return self._token_loss_sum(batch)
+
+    @staticmethod
+    def loss_sum_of(out, weight: float) -> torch.Tensor:
+        """Normalizes what get_train_model_output returned to a sum of per-token losses."""
+        if isinstance(out, (tuple, list)) and len(out) == 2 and torch.is_tensor(out[0]) and not (
+                torch.is_tensor(out[1]) and out[1].is_floating_point()):
+            return out[0]
+        if isinstance(out, (tuple, list)):
+            out = sum(out)
+        if not torch.is_tensor(out):
+            raise TypeError(f"get_train_model_output returned {type(out).__name__}; expected a tensor, "
+                            "a list/tuple of tensors, or (loss_sum, n_tokens)")
+        return out * weight  # a mean over the micro-batch's trainable tokens
 
     # ------------------------------------------------------------------ loop pieces
     def micro_batch(self, indices) -> tuple[dict, bool]:
@@ -123,21 +195,27 @@ class SFTWorker:
         mbs = self.cfg.actor.micro_batch_size
         mine = list(range(self.rank, len(self.val_ds), self.world))
         n_batches = math.ceil(math.ceil(len(self.val_ds) / self.world) / mbs)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        tokens = torch.zeros((), dtype=torch.float64, device=self.device)
+        sums: dict[str, float] = {}
         with torch.no_grad():
             for k in range(n_batches):
                 idx = mine[k * mbs: (k + 1) * mbs]
-                batch = self.collate([self.val_ds[i] for i in (idx or [0])])
-                ls, nt = self.get_eval_model_output(batch)
-                if idx:
-                    loss_sum += ls.double()
-                    tokens += nt
-        stats = torch.stack([loss_sum, tokens])
+                out = self.get_eval_model_output(self.collate([self.val_ds[i] for i in (idx or [0])]))
+                if not idx:
+                    continue
+                if not isinstance(out, dict):
+                    out = {"loss_sum": out[0], "n_tokens": out[1]}
+                for key, v in out.items():
+                    sums[key] = sums.get(key, 0.0) + float(v)
+        keys = ["loss_sum", "n_tokens", "correct", "total"]
+        keys += sorted(k for k in sums if k not in keys)
+        stats = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(stats)
         self.model.train()
-        val_loss = (stats[0] / stats[1].clamp(min=1)).item()
-        return {"val_loss": val_loss, "val_tokens": int(stats[1].item())}
+        total = dict(zip(keys, stats.tolist()))
+        out = {"val_loss": total["loss_sum"] / max(total["n_tokens"], 1.0), "val_tokens": int(total["n_tokens"])}
+        if total["total"] > 0:
+            out["val_accuracy"] = total["correct"] / total["total"]
+        return out
 
     def trainer_state(self, step: int, pos: DataPosition) -> dict:
         return {"step": step, "data_position": pos.to_dict(), "scheduler": self.scheduler.state_dict(),
@@ -160,45 +238,71 @@ class SFTWorker:
         self.scheduler.load_state_dict(state["scheduler"])
         pos = DataPosition(**state["data_position"])
         log(f"resumed from {path} at step {state['step']} (epoch {pos.epoch}, {pos.consumed} samples into it)"
-            + ("" if rng_ok else "; world size changed, RNG streams start fresh"))
+            + ("" if rng_ok else f"; world size {state['world_size']} -> {self.world}, RNG streams start fresh"))
         return state["step"], pos
 
     # ------------------------------------------------------------------ main loop
     def setup(self) -> None:
         self.init_distributed()
-        self.load_tokenizer_info()
+        self.load_tokenizer()
         run, actor = self.cfg.runner, self.cfg.actor
-        self.train_ds = self.build_dataloader(self.spec["train_dir"])
-        self.val_ds = self.build_dataloader(self.spec["val_dir"], eval_dataset=True) if self.spec.get("val_dir") else None
-        self.sampler = GlobalBatchSampler(len(self.train_ds), actor.global_batch_size, actor.micro_batch_size, self.world, run.seed)
+        self.train_ds = self.build_dataloader(self.spec.get("train_dir"))
+        self.val_ds = self.build_dataloader(self.spec.get("val_dir"), eval_dataset=True) if self.spec.get("val_dir", True) else None
+        self.lengths = np.asarray(getattr(self.train_ds, "lengths", np.ones(len(self.train_ds))), dtype=np.int64)
+        self.trainable = np.asarray(getattr(self.train_ds, "trainable", np.ones(len(self.train_ds))), dtype=np.int64)
+        self.sampler = GlobalBatchSampler(self.lengths, actor.global_batch_size, actor.micro_batch_size, self.world,
+                                          run.seed, actor.max_tokens_per_micro_batch)
         steps_all_epochs = self.sampler.steps_per_epoch * run.max_epochs
         self.total_steps = min(run.max_steps, steps_all_epochs) if run.max_steps > 0 else steps_all_epochs
         self.model = self.build_model()
         self.model.train()
         o = actor.optim
+        # Before any forward: FSDP2 keeps the root unsharded after a no-grad forward, and the
+        # optimizer must hold the sharded parameters.
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(self.total_steps, o.warmup, o.scheduler, o.min_lr_ratio))
+        self.packing = False
+        if actor.packing:
+            self.packing = self.supports_packing()
+            self.model.reshard()
+            if not self.packing:
+                log(f"packing: {type(self.model).__name__} can't be packed (packed logits differ from unpacked or "
+                    "no position_ids); using padded micro-batches")
+        self.n_params = sum(p.numel() for p in self.model.parameters()) * 1  # DTensor numel is the global size
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
+        self.peak_flops = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
     def forward_backward(self, batch_idx) -> dict:
         """Accumulates the gradient of one global batch; loss normalized by its total trainable tokens."""
-        mine = self.sampler.rank_micro_batches(batch_idx, self.rank)
-        share = batch_idx[self.rank::self.world]
-        counts = torch.tensor([float(self.train_ds.trainable[share].sum()), float(self.train_ds.lengths[share].sum())],
+        micro = self.sampler.rank_micro_batches(batch_idx, self.rank)
+        share = np.concatenate(micro) if micro else np.zeros(0, dtype=np.int64)
+        counts = torch.tensor([float(self.trainable[share].sum()), float(self.lengths[share].sum())],
                               dtype=torch.float64, device=self.device)
+        n_micro = torch.tensor([float(len(micro))], dtype=torch.float64, device=self.device)
         dist.all_reduce(counts)
+        dist.all_reduce(n_micro, op=dist.ReduceOp.MAX)
+        micro += [np.zeros(0, dtype=np.int64)] * (int(n_micro.item()) - len(micro))
         total_trainable = max(counts[0].item(), 1.0)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for k, idx in enumerate(mine):
+        for k, idx in enumerate(micro):
             batch, real = self.micro_batch(idx)
-            self.model.set_requires_gradient_sync(k == len(mine) - 1)
-            ls, _ = self.get_train_model_output(batch)
+            self.model.set_requires_gradient_sync(k == len(micro) - 1)
+            ls = self.loss_sum_of(self.get_train_model_output(batch), float(self.trainable[idx].sum()) if real else 0.0)
             ls = ls if real else ls * 0.0
             (ls * self.world / total_trainable).backward()
             loss_sum += ls.detach().double()
         dist.all_reduce(loss_sum)
         return {"loss": loss_sum.item() / total_trainable, "trainable_tokens": int(counts[0].item()),
-                "tokens": int(counts[1].item())}
+                "tokens": int(counts[1].item()), "micro_batches": len(micro)}
+
+    def optimizer_step(self) -> tuple[float, float]:
+        grad_norm = self._clip()
+        self.optimizer.step()
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, lr
 
     def fit(self) -> None:
         self.setup()
@@ -209,38 +313,56 @@ class SFTWorker:
             self._truncate_metrics(metrics_path, step)
         metrics_f = open(metrics_path, "a") if self.rank == 0 else None
         log(f"training {self.total_steps} steps: {len(self.train_ds)} samples, world {self.world}, "
-            f"accum {self.sampler.accum}, precision {self.precision}, device {self.device.type}")
+            f"accum {self.sampler.accum}, precision {self.precision}, device {self.device.type}, "
+            f"{'packed' if self.packing else 'padded'} micro-batches")
+        bar = self._progress_bar(step)
         while step < self.total_steps:
             t0 = time.perf_counter()
             batch_idx = self.sampler.global_batch(pos)
             row = self.forward_backward(batch_idx)
-            grad_norm = self._clip()
-            self.optimizer.step()
-            lr = self.scheduler.get_last_lr()[0]
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            grad_norm, lr = self.optimizer_step()
             pos = self.sampler.advance(pos, len(batch_idx))
             step += 1
             dt = time.perf_counter() - t0
             row = {"step": step, "epoch": round(pos.epoch + pos.consumed / len(self.train_ds), 4), **row,
                    "grad_norm": grad_norm, "lr": lr, "tokens_per_s": row["tokens"] / dt, "step_time": dt}
+            if self.peak_flops:
+                row["mfu"] = 6 * self.n_params * row["tokens_per_s"] / (self.peak_flops * self.world)
             if (run.val_check_interval > 0 and step % run.val_check_interval == 0) or step == self.total_steps:
                 row.update(self.validate())
             if metrics_f:
                 metrics_f.write(json.dumps(row) + "\n")
                 metrics_f.flush()
-            if step % run.log_interval == 0 or step == self.total_steps:
-                extra = f" val_loss {row['val_loss']:.4f}" if "val_loss" in row else ""
-                log(f"step {step}/{self.total_steps} epoch {row['epoch']:.2f} loss {row['loss']:.4f} "
-                    f"grad_norm {grad_norm:.3f} lr {lr:.2e} tok/s {row['tokens_per_s']:.0f}{extra}")
+            self._report(row, step, bar)
             if (run.save_interval > 0 and step % run.save_interval == 0) or step == self.total_steps:
                 ckpt.save_checkpoint(self.ckpt_dir, step, self.model, self.optimizer, self.trainer_state(step, pos),
-                                     keep=run.keep_checkpoints)
+                                     keep=run.keep_checkpoints, before_complete=lambda s=step: _fault("save", s))
+                log(f"checkpoint step {step} saved")
+                _fault("after_save", step)
+        if bar:
+            bar.close()
         if metrics_f:
             metrics_f.close()
         self.export()
         dist.barrier()
         dist.destroy_process_group()
+
+    def _progress_bar(self, step: int):
+        """A live bar when a person watches a terminal; under the flow, log lines instead."""
+        if self.rank != 0 or not sys.stderr.isatty():
+            return None
+        from tqdm import tqdm
+        return tqdm(total=self.total_steps, initial=step, desc="train", dynamic_ncols=True)
+
+    def _report(self, row: dict, step: int, bar) -> None:
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            return
+        if step % self.cfg.runner.log_interval == 0 or step == self.total_steps:
+            extra = f" val_loss {row['val_loss']:.4f}" if "val_loss" in row else ""
+            log(f"step {step}/{self.total_steps} epoch {row['epoch']:.2f} loss {row['loss']:.4f} "
+                f"grad_norm {row['grad_norm']:.3f} lr {row['lr']:.2e} tok/s {row['tokens_per_s']:.0f}{extra}")
 
     def _clip(self) -> float:
         max_norm = self.cfg.actor.optim.clip_grad
@@ -257,42 +379,58 @@ class SFTWorker:
         keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
         path.write_text("".join(line + "\n" for line in keep))
 
-    def export(self) -> None:
-        """Full state dict gathered to rank 0 on CPU, saved as a Hugging Face folder."""
+    def full_state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def export(self) -> None:
+        """Full state dict gathered to rank 0 on CPU; a Hugging Face folder for HF models,
+        `model.safetensors` of the state dict for anything else."""
+        full = self.full_state_dict()
         if self.rank != 0:
             return
-        from transformers import AutoConfig, AutoModelForCausalLM
-        src = self.spec["model_path"]
-        config = AutoConfig.from_pretrained(src, trust_remote_code=self.cfg.actor.model.trust_remote_code)
+        dest = self.out / "model"
+        dest.mkdir(parents=True, exist_ok=True)
+        if self.tokenizer is None:
+            from safetensors.torch import save_file
+            save_file({k: v.contiguous() for k, v in full.items()}, str(dest / "model.safetensors"))
+            log(f"exported state dict to {dest / 'model.safetensors'}")
+            return
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+        src, trust = self.spec["model_path"], self.cfg.actor.model.trust_remote_code
+        config = AutoConfig.from_pretrained(src, trust_remote_code=trust)
         with torch.device("cpu"):
-            plain = AutoModelForCausalLM.from_config(config, trust_remote_code=self.cfg.actor.model.trust_remote_code,
-                                                     dtype=torch.float32)
+            plain = AutoModelForCausalLM.from_config(config, trust_remote_code=trust, dtype=torch.float32)
         missing, unexpected = plain.load_state_dict(full, strict=False)
         tied = set(getattr(plain, "_tied_weights_keys", None) or [])
         if unexpected or [k for k in missing if k not in tied]:
             raise RuntimeError(f"export: state dict mismatch missing={missing} unexpected={unexpected}")
         plain.tie_weights()
-        dest = self.out / "model"
+        try:
+            plain.generation_config = GenerationConfig.from_pretrained(src)
+        except OSError:
+            pass
         plain.save_pretrained(dest, safe_serialization=True)
         self.tokenizer.save_pretrained(dest)
-        gen = Path(src) / "generation_config.json"
-        if gen.is_file():
-            shutil.copy(gen, dest / "generation_config.json")
         log(f"exported Hugging Face model to {dest}")
+
+
+def load_worker_class(path: str | None) -> type[SFTWorker]:
+    if not path:
+        return SFTWorker
+    import importlib
+    module, _, name = path.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"actor.worker='{path}': cannot import ({e})") from None
+    if not (isinstance(cls, type) and issubclass(cls, SFTWorker)):
+        raise SystemExit(f"actor.worker='{path}' is not a subclass of stages.train.worker.SFTWorker")
+    return cls
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     spec = json.loads(Path(argv[0]).read_text())
-    worker_cls = SFTWorker
-    if spec.get("worker"):
-        import importlib
-        mod, _, name = spec["worker"].partition(":")
-        worker_cls = getattr(importlib.import_module(mod), name)
-    worker_cls(spec).fit()
+    load_worker_class(spec["config"]["actor"].get("worker"))(spec).fit()
 
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,247 @@
+"""Training core: packing, sampling and data position, checkpoints and resume, world-size
+changes, multi-node rendezvous, export, and the worker extension API. Each check compares
+against an independent reference (an unpacked forward, an uninterrupted run, one agent)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, tiny_config_dict, write_config
+from stages.config import ConfigError, load_config
+from stages.models import resolve_model
+from stages.pipeline import plan, run_stage
+from stages.train.data import DataPosition, GlobalBatchSampler, collate_packed, collate_padded, split_micro_batches
+from stages.train.launcher import TrainingFailed, torchrun_command, worker_env
+
+
+def subdir(tmp: Path, name: str) -> Path:
+    (tmp / name).mkdir()
+    return tmp / name
+
+
+def make_cfg(tmp: Path, name: str = "config.yaml", **sections):
+    raw = tiny_config_dict(tmp, **sections)
+    return load_config(write_config(tmp, raw, name))
+
+
+# --------------------------------------------------------------------------- data (fast)
+
+
+def test_packed_logits_equal_unpacked_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+    cfg = make_cfg(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg), dtype=torch.float32).eval()
+    rng = np.random.default_rng(0)
+    samples = [{"input_ids": rng.integers(5, 500, n), "loss_mask": np.ones(n, dtype=np.int8)} for n in (7, 31, 2, 18)]
+    packed = collate_packed(samples)
+    with torch.no_grad():
+        logits = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False).logits[0]
+        start = 0
+        for s in samples:
+            alone = model(input_ids=torch.as_tensor(s["input_ids"])[None]).logits[0]
+            torch.testing.assert_close(logits[start:start + len(s["input_ids"])], alone, atol=1e-5, rtol=1e-4)
+            start += len(s["input_ids"])
+    # labels: nothing is predicted across a boundary
+    assert packed["labels"][0, [0, 7, 38, 40]].tolist() == [-100] * 4
+
+
+def test_padded_collate_masks_padding():
+    b = collate_padded([{"input_ids": np.array([1, 2, 3]), "loss_mask": np.array([0, 1, 1])},
+                        {"input_ids": np.array([4]), "loss_mask": np.array([1])}], pad_id=0)
+    assert b["labels"].tolist() == [[-100, 2, 3], [4, -100, -100]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_epochs_cover_every_sample_once_and_never_reuse_a_batch():
+    lengths = np.arange(1, 51)
+    s = GlobalBatchSampler(lengths, global_batch_size=16, micro_batch_size=4, world_size=2, seed=3)
+    pos, seen = DataPosition(), {0: [], 1: []}
+    while pos.epoch < 2:
+        batch = s.global_batch(pos)
+        seen[pos.epoch].extend(batch.tolist())
+        pos = s.advance(pos, len(batch))
+    assert sorted(seen[0]) == sorted(seen[1]) == list(range(50))
+    assert seen[0] != seen[1]  # reshuffled per epoch
+    assert s.steps_per_epoch == 4  # 16+16+16+2: the short last batch is the epoch's own remainder
+
+
+def test_data_position_is_world_size_independent_and_ranks_are_balanced():
+    lengths = np.random.default_rng(0).integers(5, 400, 200)
+    s2 = GlobalBatchSampler(lengths, 32, 4, 2, seed=1)
+    s4 = GlobalBatchSampler(lengths, 32, 2, 4, seed=1)
+    pos = DataPosition(1, 64)
+    batch = s2.global_batch(pos)
+    assert np.array_equal(batch, s4.global_batch(pos))
+    for s in (s2, s4):
+        shares = [s.rank_share(batch, r) for r in range(s.world)]
+        assert sorted(np.concatenate(shares).tolist()) == sorted(batch.tolist())
+        assert len({len(x) for x in shares}) == 1
+        tokens = [int(lengths[x].sum()) for x in shares]
+        assert max(tokens) - min(tokens) <= lengths[batch].max()
+
+
+def test_token_budget_micro_batches():
+    lengths = np.array([10, 30, 25, 5, 40, 50])
+    mbs = split_micro_batches(np.arange(6), lengths, micro_batch_size=2, max_tokens=60)
+    assert [x.tolist() for x in mbs] == [[0, 1], [2, 3], [4], [5]]
+    assert all(lengths[x].sum() <= 60 for x in mbs)
+
+
+def test_unknown_model_type_lists_registered_ones(tmp_path):
+    cfg = make_cfg(tmp_path, actor={"model": {"model_type": "nope"}})
+    from stages.train.launcher import check_worker_and_model_type
+    with pytest.raises(ConfigError, match="unknown 'nope'; registered: causal_lm"):
+        check_worker_and_model_type(cfg)
+
+
+# --------------------------------------------------------------------------- torchrun (slow)
+
+
+def train(cfg, env: dict | None = None):
+    p = plan(cfg)
+    run_stage(p, "prepare")
+    old = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        return run_stage(p, "train", on_line=lambda line: None)
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+
+
+def weights(folder) -> dict:
+    return load_file(str(Path(folder) / "model" / "model.safetensors"))
+
+
+def assert_same_weights(a: dict, b: dict, atol: float):
+    assert a.keys() == b.keys()
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst <= atol, worst
+
+
+RESUME = dict(runner={"max_epochs": 2, "max_steps": 8, "save_interval": 2, "val_check_interval": 4, "keep_checkpoints": 5})
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_equals_no_interruption(tmp_path):
+    ref = train(make_cfg(subdir(tmp_path, "ref"), **RESUME))
+    cfg = make_cfg(tmp_path, **RESUME)
+    with pytest.raises(TrainingFailed):  # killed right after the checkpoint at step 4
+        train(cfg, {"SFTFLOW_FAULT": "after_save:4"})
+    with pytest.raises(TrainingFailed):  # then killed in the middle of saving step 6
+        train(cfg, {"SFTFLOW_FAULT": "save:6"})
+    partial = next(cfg.artifacts_path.joinpath("train").glob(".*.partial"))
+    assert (partial / "checkpoints" / "step_00000006.tmp").is_dir()
+    assert not (partial / "checkpoints" / "step_00000006.tmp" / "COMPLETE").exists()
+    done = train(cfg)
+    log = (Path(done.path) / "train.log").read_text()
+    assert "ignoring incomplete checkpoint" in log and "resumed from" in log and "at step 4" in log
+    assert_same_weights(weights(done.path), weights(ref.path), atol=1e-6)
+    steps = [json.loads(line)["step"] for line in (Path(done.path) / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 9))
+    ref_rows = [json.loads(line) for line in (Path(ref.path) / "metrics.jsonl").read_text().splitlines()]
+    got_rows = [json.loads(line) for line in (Path(done.path) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in got_rows] == pytest.approx([r["loss"] for r in ref_rows], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_resume_on_another_world_size(tmp_path):
+    steps = dict(runner={"max_epochs": 2, "max_steps": 6, "save_interval": 3, "keep_checkpoints": 5})
+    ref = train(make_cfg(subdir(tmp_path, "ref"), **steps))
+    cfg2 = make_cfg(tmp_path, **steps)
+    with pytest.raises(TrainingFailed):
+        train(cfg2, {"SFTFLOW_FAULT": "after_save:3"})
+    cfg1 = make_cfg(tmp_path, "one.yaml", **steps, actor={"nproc_per_node": 1, "micro_batch_size": 4,
+                                                         "global_batch_size": 16, "optim": {"lr": 1e-3, "warmup": 1}})
+    assert plan(cfg1).fingerprints["train"] == plan(cfg2).fingerprints["train"]
+    done = train(cfg1)
+    log = (Path(done.path) / "train.log").read_text()
+    assert "at step 3 (epoch 0, 48 samples into it); world size 2 -> 1" in log
+    rows = [json.loads(line) for line in (Path(done.path) / "metrics.jsonl").read_text().splitlines()]
+    ref_rows = [json.loads(line) for line in (Path(ref.path) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    # same samples, same weights, only the reduction order differs
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref_rows], abs=1e-5)
+    assert_same_weights(weights(done.path), weights(ref.path), atol=1e-4)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_agents_rendezvous_like_one_agent_with_two_processes(tmp_path):
+    one = train(make_cfg(subdir(tmp_path, "one")))
+    port = _free_port()
+    cfgs = [make_cfg(tmp_path, f"node{r}.yaml", actor={"nproc_per_node": 1, "nnodes": 2, "node_rank": r,
+                                                        "rdzv_endpoint": f"127.0.0.1:{port}", "micro_batch_size": 4,
+                                                        "global_batch_size": 16, "optim": {"lr": 1e-3, "warmup": 1}})
+            for r in (0, 1)]
+    p = plan(cfgs[0])
+    assert p.fingerprints["train"] == plan(cfgs[1]).fingerprints["train"]
+    run_stage(p, "prepare")
+    from stages.artifacts import StageBuild
+    build = StageBuild(cfgs[0].artifacts_path, "train", p.fingerprints["train"], keep_partial=True)
+    procs = []
+    for cfg in cfgs:
+        spec = {"config": cfg.model_dump(mode="json"), "model_path": resolve_model(cfg), "out_dir": str(build.partial),
+                "train_dir": str(p.folder("prepare") / "train"), "val_dir": str(p.folder("prepare") / "val")}
+        spec_path = build.partial / f"spec{cfg.actor.node_rank}.json"
+        spec_path.write_text(json.dumps(spec))
+        cmd = torchrun_command(cfg, spec_path)
+        assert f"--node_rank={cfg.actor.node_rank}" in cmd and "--nnodes=2" in cmd
+        cmd[-1] = str(spec_path)
+        procs.append(subprocess.Popen(cmd, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [proc.communicate(timeout=300)[0] for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs), outs[0][-3000:] + outs[1][-3000:]
+    assert_same_weights(weights(build.partial), weights(one.path), atol=0.0)
+
+
+@pytest.mark.slow
+def test_exported_model_logits_equal_the_trained_model(tmp_path):
+    cfg = make_cfg(tmp_path)
+    p = plan(cfg)
+    run_stage(p, "prepare")
+    spec = {"config": cfg.model_dump(mode="json"), "model_path": resolve_model(cfg), "out_dir": str(tmp_path / "out"),
+            "train_dir": str(p.folder("prepare") / "train"), "val_dir": None}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "dist" / "export_check.py"), str(tmp_path / "spec.json"), str(tmp_path / "logits.pt")]
+    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from transformers import AutoModelForCausalLM
+    got = torch.load(tmp_path / "logits.pt")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model", dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = exported(input_ids=got["input_ids"]).logits
+    torch.testing.assert_close(logits, got["logits"], atol=1e-5, rtol=1e-5)
+    assert (tmp_path / "out" / "model" / "generation_config.json").is_file()
+    assert (tmp_path / "out" / "model" / "tokenizer_config.json").is_file()
+
+
+@pytest.mark.slow
+def test_custom_non_hf_model_trains_through_the_same_torchrun_path(tmp_path):
+    env = {"PYTHONPATH": str(ROOT / "tests") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cfg = make_cfg(tmp_path, runner={"max_epochs": 3, "max_steps": -1, "val_check_interval": 8, "save_interval": 0},
+                   actor={"worker": "custom_model:MLPWorker", "model": {"model_type": "tiny_mlp"},
+                          "micro_batch_size": 8, "global_batch_size": 32, "optim": {"lr": 1e-2, "warmup": 1}})
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        result = train(cfg, env)
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+    rows = [json.loads(line) for line in (Path(result.path) / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 * 16  # 512 samples / 32 per step, 3 epochs
+    assert rows[-1]["val_accuracy"] > 0.9 and rows[-1]["loss"] < rows[0]["loss"]
+    assert "padded micro-batches" in (Path(result.path) / "train.log").read_text()
+    assert set(load_file(str(Path(result.path) / "model" / "model.safetensors"))) == {"0.weight", "0.bias", "2.weight", "2.bias"}
