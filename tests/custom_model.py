@@ -52,3 +52,10 @@ class MLPWorker(SFTWorker):
         logits = self.model(batch["x"])
         return {"loss_sum": F.cross_entropy(logits, batch["y"], reduction="sum"), "n_tokens": len(batch["y"]),
                 "correct": int((logits.argmax(-1) == batch["y"]).sum()), "total": len(batch["y"])}
+
+
+class BrokenWorker(MLPWorker):
+    """The common mistake: the batch lacks a key the outputs read."""
+
+    def collate(self, samples: list[dict]) -> dict:
+        return {"x": torch.from_numpy(np.stack([s["x"] for s in samples])).to(self.device)}

@@ -159,7 +159,9 @@ def test_resume_on_another_world_size(tmp_path):
     cfg2 = make_cfg(tmp_path, **steps)
     with pytest.raises(TrainingFailed):
         train(cfg2, {"SFTFLOW_FAULT": "after_save:3"})
+    # activation checkpointing is execution-only: same fingerprint, same math
     cfg1 = make_cfg(tmp_path, "one.yaml", **steps, actor={"nproc_per_node": 1, "micro_batch_size": 4,
+                                                         "activation_checkpointing": True,
                                                          "global_batch_size": 16, "optim": {"lr": 1e-3, "warmup": 1}})
     assert plan(cfg1).fingerprints["train"] == plan(cfg2).fingerprints["train"]
     done = train(cfg1)
@@ -245,3 +247,16 @@ def test_custom_non_hf_model_trains_through_the_same_torchrun_path(tmp_path):
     assert rows[-1]["val_accuracy"] > 0.9 and rows[-1]["loss"] < rows[0]["loss"]
     assert "padded micro-batches" in (Path(result.path) / "train.log").read_text()
     assert set(load_file(str(Path(result.path) / "model" / "model.safetensors"))) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
+@pytest.mark.slow
+def test_a_worker_crash_is_reported_as_its_root_cause(tmp_path):
+    env = {"PYTHONPATH": str(ROOT / "tests") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cfg = make_cfg(tmp_path, actor={"worker": "custom_model:BrokenWorker", "model": {"model_type": "tiny_mlp"},
+                                    "micro_batch_size": 8, "global_batch_size": 32})
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        with pytest.raises(TrainingFailed, match=r"training failed \(torchrun exit 1\): rank \d: KeyError: 'y'"):
+            train(cfg, env)
+    finally:
+        sys.path.remove(str(ROOT / "tests"))

@@ -8,6 +8,7 @@ callback (Prefect's task logger, or stdout) and to `train.log` in the stage fold
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -61,24 +62,48 @@ class TrainingFailed(StageError):
     pass
 
 
+# "[rank1]: KeyError: 'labels'" -- the line that says why a worker died.
+_RANK_ERROR = re.compile(r"^\[rank(\d+)\]:\s*((?:[\w.]+)?(?:Error|Exception|Exit|Interrupt)\b.*)$")
+_TORCHRUN_NOISE = re.compile(r"^(W|E|I)\d{4} |^\s*$|^\*+$|Setting OMP_NUM_THREADS")
+
+
+def failure_reason(lines: list[str]) -> str:
+    """The root cause in a worker crash log: a rank's exception line, else the last plain line
+    printed before torchrun's failure report (a SystemExit message, or where a kill struck)."""
+    for line in reversed(lines):
+        m = _RANK_ERROR.match(line)
+        if m:
+            return f"rank {m.group(1)}: {m.group(2)}"
+    plain = []
+    for line in lines:
+        if line.startswith("Traceback") or "ChildFailedError" in line:
+            break
+        if not _TORCHRUN_NOISE.search(line):
+            plain.append(line.strip())
+    if plain:
+        return plain[-1]
+    return "see the log"
+
+
 def run_torchrun(cmd: list[str], log_path: Path, on_line: Callable[[str], None] = print) -> None:
     with open(log_path, "a", encoding="utf-8") as logf:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                 env=worker_env(), start_new_session=True)
-        tail: list[str] = []
+        lines: list[str] = []
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
                 line = line.rstrip("\n")
                 logf.write(line + "\n")
-                tail = (tail + [line])[-20:]
+                lines.append(line)
                 on_line(line)
             rc = proc.wait()
         except BaseException:  # cancelled, timed out, Ctrl-C: no orphaned workers
             kill_group(proc)
             raise
     if rc != 0:
-        raise TrainingFailed(f"torchrun exited with {rc}; last lines:\n" + "\n".join(tail) + f"\nfull log: {log_path}")
+        how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"torchrun exit {rc}"
+        raise TrainingFailed(f"training failed ({how}): {failure_reason(lines)}; full log: {log_path}")
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:

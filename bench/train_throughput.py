@@ -1,0 +1,324 @@
+"""Training throughput: sftflow's worker against a bare PyTorch loop, packed and padded.
+
+    .venv/bin/python bench/train_throughput.py                 # defaults: ~2 minutes on 2 CPU cores
+    .venv/bin/python bench/train_throughput.py --nproc 2 --steps 30 --global-batch 32 --micro-batch 4
+
+The same model (the builtin tiny Qwen2) is trained on the same global batches (same sample
+indices per step, from `GlobalBatchSampler` with the same seed) in up to four ways:
+
+  * sftflow worker (packed)  `SFTWorker` under torchrun with `actor.packing: true`: FSDP2,
+                             token-balanced ranks, gradient accumulation, clipping, LR schedule.
+  * sftflow worker (padded)  the same with `actor.packing: false` (skip with --no-worker-padded).
+  * bare loop (packed)       the ceiling: a plain `AutoModelForCausalLM`, no FSDP, micro-batches
+                             concatenated by `collate_packed`, summed cross-entropy / trainable
+                             tokens of the step, AdamW.
+  * bare loop (padded)       the same with `collate_padded` (right padding + attention_mask).
+
+Throughput is real (non-pad) tokens per second: the tokens of the timed steps divided by the
+wall time of their data fetch + collate + forward + backward + optimizer step, after
+`--warmup` untimed steps. Both sides run the same number of CPU threads (torchrun ranks x
+OMP_NUM_THREADS from `stages.train.launcher.worker_env`). The per-step losses of every
+method are compared with the bare packed loop's as a check that all do the same math.
+
+Data: synthetic, length-skewed chat rows (most replies a few dozen tokens, ~10% of them 10-30x
+longer), prepared by sftflow's own prepare stage in a temporary folder; nothing is downloaded.
+The CPU may be shared with other processes, so expect a few percent of noise between runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a file (also under torchrun): `stages` lives at the repo root
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from stages.train.data import IGNORE_INDEX, DataPosition, GlobalBatchSampler, collate_packed, collate_padded  # noqa: E402
+
+BARE = "bare loop (packed)"
+
+
+# --------------------------------------------------------------------------- synthetic data
+
+
+def synthetic_rows(n: int, seed: int) -> list[dict]:
+    """Chat rows over a Zipf-distributed pseudo-word vocabulary, so the BPE tokenizer the builtin
+    model trains on this corpus learns real merges and a word costs about one token."""
+    rng = np.random.default_rng(seed)
+    syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+    vocab = sorted({"".join(rng.choice(syllables, rng.integers(1, 4))) for _ in range(600)})
+    weights = 1.0 / np.arange(1, len(vocab) + 1)
+    weights /= weights.sum()
+
+    def text(n_words: int) -> str:
+        words = rng.choice(vocab, n_words, p=weights)
+        return " ".join(w + ("." if k % 10 == 9 else "") for k, w in enumerate(words))
+
+    rows = []
+    for _ in range(n):
+        reply = int(np.clip(rng.lognormal(np.log(12), 0.5), 3, 40))
+        if rng.random() < 0.1:  # the long tail that padding pays for
+            reply = int(reply * rng.uniform(10, 30))
+        reply = min(reply, 380)  # the builtin model has 512 positions
+        rows.append({"messages": [{"role": "user", "content": text(int(rng.integers(4, 16)))},
+                                  {"role": "assistant", "content": text(reply)}]})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def prepare(tmp: Path, args) -> tuple:
+    """A config, the builtin model's path and the prepared train shards, all under `tmp`."""
+    from stages.config import config_from_dict
+    from stages.models import resolve_model
+    from stages.pipeline import plan, run_stage
+
+    n_rows = int((args.warmup + args.steps) * args.global_batch * 1.05) + 1  # one epoch covers every step
+    cfg = config_from_dict({
+        "artifacts_dir": str(tmp / "artifacts"),
+        "runner": {"max_epochs": 1, "max_steps": args.warmup + args.steps, "val_check_interval": 0,
+                   "save_interval": 0, "seed": args.seed, "resume": "never"},
+        "actor": {"nproc_per_node": args.nproc, "micro_batch_size": args.micro_batch,
+                  "global_batch_size": args.global_batch, "packing": True},
+        "data": {"train_data_paths": [write_jsonl(tmp / "train.jsonl", synthetic_rows(n_rows, args.seed))],
+                 "val_data_paths": [write_jsonl(tmp / "val.jsonl", synthetic_rows(8, args.seed + 1))],
+                 "format": "messages", "max_length": 512},  # = the builtin model's max_position_embeddings
+    })
+    p = plan(cfg)
+    run_stage(p, "prepare")
+    return cfg, resolve_model(cfg), p.folder("prepare") / "train"
+
+
+# --------------------------------------------------------------------------- sftflow worker (torchrun)
+
+
+def run_worker(cfg, model_path: str, shards: Path, tmp: Path, args, packing: bool, env: dict) -> dict:
+    cfg = cfg.model_copy(deep=True)
+    cfg.actor.packing = packing
+    name = "packed" if packing else "padded"
+    job = {"warmup": args.warmup, "steps": args.steps,
+           "spec": {"config": cfg.model_dump(mode="json"), "model_path": model_path, "out_dir": str(tmp / f"worker-{name}"),
+                    "train_dir": str(shards), "val_dir": None}}
+    job_path, out_path = tmp / f"job-{name}.json", tmp / f"result-{name}.json"
+    job_path.write_text(json.dumps(job))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           str(Path(__file__).resolve()), "--worker-mode", str(job_path), str(out_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise SystemExit(f"worker ({name}) failed with exit code {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return json.loads(out_path.read_text())
+
+
+def worker_mode(job_path: str, out_path: str) -> None:
+    """One torchrun rank: the worker's own setup and step methods, timed the way the bare loops are."""
+    import torch.distributed as dist
+    from stages.train.worker import SFTWorker
+
+    job = json.loads(Path(job_path).read_text())
+    worker = SFTWorker(job["spec"])
+    worker.setup()
+    pos, tokens, seconds, losses = DataPosition(), 0, 0.0, []
+    for step in range(job["warmup"] + job["steps"]):
+        batch_idx = worker.sampler.global_batch(pos)
+        t0 = time.perf_counter()
+        row = worker.forward_backward(batch_idx)
+        worker.optimizer_step()
+        dt = time.perf_counter() - t0
+        pos = worker.sampler.advance(pos, len(batch_idx))
+        losses.append(row["loss"])
+        if step >= job["warmup"]:
+            tokens, seconds = tokens + row["tokens"], seconds + dt
+    if worker.rank == 0:
+        Path(out_path).write_text(json.dumps({
+            "tokens": tokens, "seconds": seconds, "losses": losses, "packing": worker.packing,
+            "threads": torch.get_num_threads() * worker.world, "world": worker.world}))
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- bare PyTorch loop
+
+
+def run_bare(cfg, model_path: str, ds, pad_id: int, args, packed: bool) -> dict:
+    """The ceiling: no FSDP, no collectives, no hooks. Same micro-batches (the sampler's
+    longest-first order, world size 1), same loss normalization, clipping and LR schedule as
+    the worker, so the losses must match it step for step."""
+    from transformers import AutoModelForCausalLM
+    from stages.train.worker import lr_lambda
+
+    torch.manual_seed(cfg.runner.seed)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).train()
+    o = cfg.actor.optim
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+    total = args.warmup + args.steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total, o.warmup, o.scheduler, o.min_lr_ratio))
+    sampler = GlobalBatchSampler(ds.lengths, args.global_batch, args.micro_batch, 1, cfg.runner.seed)
+    pos, tokens, seconds, losses = DataPosition(), 0, 0.0, []
+    for step in range(total):
+        batch_idx = sampler.global_batch(pos)
+        t0 = time.perf_counter()
+        n_trainable = max(float(ds.trainable[batch_idx].sum()), 1.0)
+        loss_sum = 0.0
+        for idx in sampler.rank_micro_batches(batch_idx, 0):
+            samples = [ds[int(i)] for i in idx]
+            batch = collate_packed(samples) if packed else collate_padded(samples, pad_id)
+            labels = batch.pop("labels")[:, 1:]
+            logits = model(**batch, use_cache=False).logits
+            ls = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), labels.reshape(-1),
+                                 ignore_index=IGNORE_INDEX, reduction="sum")
+            (ls / n_trainable).backward()
+            loss_sum += ls.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad if o.clip_grad > 0 else float("inf"))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        pos = sampler.advance(pos, len(batch_idx))
+        losses.append(loss_sum / n_trainable)
+        if step >= args.warmup:
+            tokens, seconds = tokens + int(ds.lengths[batch_idx].sum()), seconds + dt
+    return {"tokens": tokens, "seconds": seconds, "losses": losses, "threads": torch.get_num_threads(), "world": 1}
+
+
+def pad_waste(ds, args, seed: int, sort: bool) -> float:
+    """Share of padded micro-batch slots that are padding over the timed steps: micro-batches
+    as the sampler cuts them (longest first), or cut in sampling order (a naive loader)."""
+    sampler = GlobalBatchSampler(ds.lengths, args.global_batch, args.micro_batch, 1, seed)
+    pos, real, slots = DataPosition(), 0, 0
+    for step in range(args.warmup + args.steps):
+        batch_idx = sampler.global_batch(pos)
+        pos = sampler.advance(pos, len(batch_idx))
+        if step < args.warmup:
+            continue
+        micro = (sampler.rank_micro_batches(batch_idx, 0) if sort else
+                 [batch_idx[i:i + args.micro_batch] for i in range(0, len(batch_idx), args.micro_batch)])
+        for idx in micro:
+            real += int(ds.lengths[idx].sum())
+            slots += len(idx) * int(ds.lengths[idx].max())
+    return 1 - real / slots
+
+
+# --------------------------------------------------------------------------- report
+
+
+def report(results: dict[str, dict], waste_sorted: float, waste_naive: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def tps(r: dict) -> float:
+        return r["tokens"] / r["seconds"]
+
+    ceiling = tps(results[BARE])
+    rows = []
+    for name, r in results.items():
+        dloss = max(abs(a - b) for a, b in zip(r["losses"], results[BARE]["losses"]))
+        rows.append((name, str(r["world"]), str(r["threads"]), f"{tps(r):,.0f}", f"{tps(r) / ceiling:.2f}x",
+                     f"{r['losses'][-1]:.4f}", f"{dloss:.1e}"))
+    head = ("method", "procs", "threads", "tokens/s", "vs bare packed", "final loss", "max |dloss|")
+
+    table = Table(title="trained tokens/s (real tokens, timed steps only)")
+    for k, h in enumerate(head):
+        table.add_column(h, justify="left" if k == 0 else "right")
+    for r in rows:
+        table.add_row(*r)
+    console = Console()
+    console.print(table)
+
+    lines = []
+    worker = results.get("sftflow worker (packed)")
+    if worker:
+        ratio = tps(worker) / ceiling
+        lines.append(f"sftflow worker / bare packed loop: {ratio:.2f}x (goal >= 0.90x: {'met' if ratio >= 0.9 else 'NOT met'})")
+    lines.append(f"packing gain, bare loop: {ceiling / tps(results['bare loop (padded)']):.2f}x packed vs padded")
+    if worker and "sftflow worker (padded)" in results:
+        lines.append(f"packing gain, sftflow worker: {tps(worker) / tps(results['sftflow worker (padded)']):.2f}x")
+    lines.append(f"padding waste: {waste_sorted:.0%} of padded micro-batch tokens are pad "
+                 f"({waste_naive:.0%} if micro-batches were cut in sampling order instead of longest-first)")
+    for line in lines:
+        console.print(line)
+
+    print("\nMarkdown:\n")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+    print()
+    for line in lines:
+        print(f"- {line}")
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=20, help="timed optimizer steps per method")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    ap.add_argument("--global-batch", type=int, default=32)
+    ap.add_argument("--micro-batch", type=int, default=4, help="samples per micro-batch per rank")
+    ap.add_argument("--nproc", type=int, default=1, help="torchrun ranks for the sftflow worker")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-worker-padded", action="store_true", help="skip the sftflow worker with packing off")
+    ap.add_argument("--worker-mode", nargs=2, metavar=("JOB_JSON", "OUT_JSON"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker_mode:
+        worker_mode(*args.worker_mode)
+        return
+
+    from transformers import AutoTokenizer
+    from stages.train.data import SFTDataset
+    from stages.train.launcher import worker_env
+
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="sftflow-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        cfg, model_path, shards = prepare(tmp, args)
+        ds = SFTDataset(shards)
+        lengths = ds.lengths
+        print(f"data: {len(ds)} samples, tokens per sample mean {lengths.mean():.0f} / median {np.median(lengths):.0f} "
+              f"/ p90 {np.percentile(lengths, 90):.0f} / max {lengths.max()}; global batch {args.global_batch}, "
+              f"micro-batch {args.micro_batch}, {args.warmup} warmup + {args.steps} timed steps")
+
+        env = worker_env()
+        # The worker gets nproc ranks x OMP_NUM_THREADS; the bare loops get the same total.
+        threads = args.nproc * int(env["OMP_NUM_THREADS"])
+        torch.set_num_threads(threads)
+        print(f"threads: worker {args.nproc} rank(s) x OMP_NUM_THREADS={env['OMP_NUM_THREADS']}, "
+              f"bare loops torch.set_num_threads({threads}); {os.cpu_count()} CPUs")
+
+        results: dict[str, dict] = {}
+        for packing in (True, False) if not args.no_worker_padded else (True,):
+            name = f"sftflow worker ({'packed' if packing else 'padded'})"
+            print(f"running {name} ...", flush=True)
+            r = run_worker(cfg, model_path, shards, tmp, args, packing, env)
+            if packing and not r["packing"]:
+                name = "sftflow worker (packing fell back to padded)"
+            results[name] = r
+        tok = AutoTokenizer.from_pretrained(model_path)
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        for packed in (True, False):
+            name = f"bare loop ({'packed' if packed else 'padded'})"
+            print(f"running {name} ...", flush=True)
+            results[name] = run_bare(cfg, model_path, ds, pad_id, args, packed)
+        workers = [k for k in results if k.startswith("sftflow")]
+        order = workers[:1] + [BARE, "bare loop (padded)"] + workers[1:]
+        report({k: results[k] for k in order}, pad_waste(ds, args, args.seed, True), pad_waste(ds, args, args.seed, False))
+    print(f"\ntotal bench time {time.perf_counter() - t_start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
