@@ -280,9 +280,11 @@ def main() -> None:
         return
 
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
     from stages.train.data import SFTDataset
     from stages.train.launcher import worker_env
 
+    hf_logging.disable_progress_bar()  # model save/load bars would interleave with the report
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="sftflow-bench-") as tmp_name:
         tmp = Path(tmp_name)

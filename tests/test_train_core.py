@@ -117,6 +117,17 @@ def train(cfg, env: dict | None = None):
         os.environ.update(old)
 
 
+def live_processes_mentioning(text: str) -> list[int]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text in cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            pass
+    return found
+
+
 def weights(folder) -> dict:
     return load_file(str(Path(folder) / "model" / "model.safetensors"))
 
@@ -127,26 +138,30 @@ def assert_same_weights(a: dict, b: dict, atol: float):
     assert worst <= atol, worst
 
 
-RESUME = dict(runner={"max_epochs": 2, "max_steps": 8, "save_interval": 2, "val_check_interval": 4, "keep_checkpoints": 5})
+# 96 samples / 16 per step = 6 steps per epoch; 2 epochs = 12 steps; step 6 ends epoch 0
+RESUME = dict(runner={"max_epochs": 2, "max_steps": -1, "save_interval": 2, "val_check_interval": 4, "keep_checkpoints": 5})
 
 
 @pytest.mark.slow
 def test_resume_after_sigkill_equals_no_interruption(tmp_path):
     ref = train(make_cfg(subdir(tmp_path, "ref"), **RESUME))
     cfg = make_cfg(tmp_path, **RESUME)
-    with pytest.raises(TrainingFailed):  # killed right after the checkpoint at step 4
-        train(cfg, {"SFTFLOW_FAULT": "after_save:4"})
-    with pytest.raises(TrainingFailed):  # then killed in the middle of saving step 6
-        train(cfg, {"SFTFLOW_FAULT": "save:6"})
+    # killed right after the checkpoint at step 6, which is exactly the end of epoch 0
+    with pytest.raises(TrainingFailed, match="killed by SIGKILL"):
+        train(cfg, {"SFTFLOW_FAULT": "after_save:6"})
+    with pytest.raises(TrainingFailed):  # then killed in the middle of saving step 10
+        train(cfg, {"SFTFLOW_FAULT": "save:10"})
     partial = next(cfg.artifacts_path.joinpath("train").glob(".*.partial"))
-    assert (partial / "checkpoints" / "step_00000006.tmp").is_dir()
-    assert not (partial / "checkpoints" / "step_00000006.tmp" / "COMPLETE").exists()
+    assert not live_processes_mentioning(str(partial)), "a killed run left workers behind"
+    assert (partial / "checkpoints" / "step_00000010.tmp").is_dir()
+    assert not (partial / "checkpoints" / "step_00000010.tmp" / "COMPLETE").exists()
     done = train(cfg)
     log = (Path(done.path) / "train.log").read_text()
-    assert "ignoring incomplete checkpoint" in log and "resumed from" in log and "at step 4" in log
+    assert "resumed from" in log and "at step 6 (epoch 1, 0 samples into it)" in log  # the epoch boundary
+    assert "ignoring incomplete checkpoint" in log and "at step 8 (epoch 1, 32 samples into it)" in log
     assert_same_weights(weights(done.path), weights(ref.path), atol=1e-6)
     steps = [json.loads(line)["step"] for line in (Path(done.path) / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 9))
+    assert steps == list(range(1, 13))
     ref_rows = [json.loads(line) for line in (Path(ref.path) / "metrics.jsonl").read_text().splitlines()]
     got_rows = [json.loads(line) for line in (Path(done.path) / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in got_rows] == pytest.approx([r["loss"] for r in ref_rows], abs=1e-6)

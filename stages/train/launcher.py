@@ -17,6 +17,7 @@ from typing import Callable
 
 from stages.config import SFTConfig
 from stages.errors import StageError
+from stages.train.proctree import descendants, signal_tree
 
 
 def torchrun_command(cfg: SFTConfig, spec_path: Path) -> list[str]:
@@ -107,11 +108,13 @@ def run_torchrun(cmd: list[str], log_path: Path, on_line: Callable[[str], None] 
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM lets torchrun stop its workers cleanly; whatever is left after `grace` is SIGKILLed,
+    workers included (they live in sessions of their own)."""
+    tree = descendants(proc.pid)
+    signal_tree(proc.pid, signal.SIGTERM, [])
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
         pass
+    signal_tree(proc.pid, signal.SIGKILL, tree + descendants(proc.pid))
+    proc.wait()

@@ -64,11 +64,18 @@ def lr_lambda(total_steps: int, warmup: float, scheduler: str, min_ratio: float)
 
 
 def _fault(point: str, step: int) -> None:
-    """Test hook: SFTFLOW_FAULT=<point>:<step> SIGKILLs the whole torchrun process group there."""
+    """Test hook: SFTFLOW_FAULT=<point>:<step> SIGKILLs torchrun and every worker at that point,
+    as an OOM killer or a lost node would."""
     want = os.environ.get("SFTFLOW_FAULT", "")
     if want == f"{point}:{step}" and dist.get_rank() == 0:
-        print(f"SFTFLOW_FAULT: killing the process group at {want}", flush=True)
-        os.killpg(os.getpgrp(), signal.SIGKILL)
+        from stages.train.proctree import descendants
+        agent = os.getppid()
+        print(f"SFTFLOW_FAULT: killing torchrun and its workers at {want}", flush=True)
+        for pid in [agent, *[p for p in descendants(agent) if p != os.getpid()], os.getpid()]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 class SFTWorker:
