@@ -102,18 +102,21 @@ def run(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
 @app.command()
 def stage(name: str = typer.Argument(..., help="prepare | train | evaluate | register"),
           config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
-          force: bool = typer.Option(False, "--force", help="re-run even if the stage folder is complete")) -> None:
+          force: bool = typer.Option(False, "--force", help="re-run even if the stage folder is complete"),
+          with_upstream: bool = typer.Option(False, "--with-upstream", help="first run upstream stages that are missing")) -> None:
     """One stage; upstream stages come from their completed folders."""
     if name not in STAGES:
         _fail(f"unknown stage '{name}'; stages: {', '.join(STAGES)}")
     cfg = _load(config, overrides)
     from stages.pipeline import MissingUpstream, require_upstream
-    try:
-        require_upstream(plan(cfg), name)
-    except MissingUpstream as e:
-        _fail(str(e))
+    if not with_upstream:
+        try:
+            require_upstream(plan(cfg), name)
+        except MissingUpstream as e:
+            _fail(f"{e} (or add --with-upstream)")
     from flows.sft import sft_stage
-    _summary(_run_flow(sft_stage, stage=name, config_path=str(config), overrides=overrides or [], force=force))
+    _summary(_run_flow(sft_stage, stage=name, config_path=str(config), overrides=overrides or [], force=force,
+                       with_upstream=with_upstream))
 
 
 @app.command()
@@ -157,7 +160,14 @@ def chat(question: str = typer.Argument(..., help="the user message"),
     console.print(reply, highlight=False, markup=False)
 
 
+def _terminate(signum, frame) -> None:
+    # SIGTERM unwinds like Ctrl-C, so the launcher's cleanup kills the torchrun tree.
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main() -> None:
+    import signal
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         app()
     except KeyboardInterrupt:

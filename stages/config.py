@@ -121,8 +121,17 @@ class RegistryConfig(_Section):
     promote: Literal["always", "if_better", "never"] = "if_better"
 
 
+class FlowConfig(_Section):
+    """How Prefect runs the stages; never part of a fingerprint."""
+
+    retries: int = Field(0, ge=0, description="task retries; a retried train resumes from its last checkpoint")
+    retry_delay_seconds: float = Field(10, ge=0)
+    timeout_seconds: float | None = Field(None, gt=0, description="per-task timeout; the torchrun tree is killed")
+
+
 class SFTConfig(_Section):
     artifacts_dir: str = "artifacts"
+    flow: FlowConfig = FlowConfig()
     runner: RunnerConfig = RunnerConfig()
     actor: ActorConfig = ActorConfig()
     data: DataConfig

@@ -121,3 +121,44 @@ def test_eval_knob_changes_only_evaluate_and_register(flow_run):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = summary_rows(proc.stdout)
     assert [rows[s][2] for s in ("prepare", "train", "evaluate", "register")] == ["yes", "yes", "no", "no"]
+
+
+def stage_status_after(tmp: Path, cfg_path: Path, *overrides: str) -> list[str]:
+    proc = sftflow("run", "-c", str(cfg_path), *overrides, cwd=tmp)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = summary_rows(proc.stdout)
+    return [rows[s][2] for s in ("prepare", "train", "evaluate", "register")]
+
+
+def test_lr_change_reruns_train_evaluate_register(flow_run):
+    tmp, cfg_path, _ = flow_run
+    assert stage_status_after(tmp, cfg_path, "actor.optim.lr=2e-3") == ["yes", "no", "no", "no"]
+
+
+def test_world_size_is_not_part_of_the_result(flow_run):
+    tmp, cfg_path, _ = flow_run
+    info = show(cfg_path, tmp)
+    one = sftflow("show", "-c", str(cfg_path), "--json", "actor.nproc_per_node=1", cwd=tmp)
+    assert json.loads(one.stdout)["stages"]["train"]["fingerprint"] == info["stages"]["train"]["fingerprint"]
+
+
+def test_stage_with_upstream_runs_what_is_missing(flow_run):
+    tmp, cfg_path, _ = flow_run
+    proc = sftflow("stage", "evaluate", "-c", str(cfg_path), "runner.seed=99", cwd=tmp)
+    assert proc.returncode == 2 and "--with-upstream" in proc.stderr
+    proc = sftflow("stage", "evaluate", "-c", str(cfg_path), "runner.seed=99", "--with-upstream", cwd=tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = summary_rows(proc.stdout)
+    assert [rows[s][2] for s in ("prepare", "train", "evaluate")] == ["yes", "no", "no"] and "register" not in rows
+
+
+def test_edited_data_file_reruns_everything_and_touching_it_does_not(flow_run):
+    tmp, cfg_path, _ = flow_run
+    import os
+    import time
+    train = tmp / "train.jsonl"
+    os.utime(train, (time.time() + 5, time.time() + 5))  # same bytes, new mtime
+    assert stage_status_after(tmp, cfg_path) == ["yes", "yes", "yes", "yes"]
+    lines = train.read_text(encoding="utf-8").splitlines()
+    train.write_text("\n".join(lines[:-1]) + "\n", encoding="utf-8")  # one row fewer
+    assert stage_status_after(tmp, cfg_path) == ["no", "no", "no", "no"]

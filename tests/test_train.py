@@ -42,7 +42,7 @@ def test_grads_equal_one_big_batch(prepared, tmp_path, n_samples):
     out = tmp_path / "grads.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "dist" / "grad_check.py"), str(spec_path), str(out), str(n_samples)]
-    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=worker_env(2), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = torch.load(out)
     assert cfg.actor.global_batch_size // (cfg.actor.micro_batch_size * 2) == 2  # really accumulates

@@ -218,7 +218,7 @@ def test_two_agents_rendezvous_like_one_agent_with_two_processes(tmp_path):
         cmd = torchrun_command(cfg, spec_path)
         assert f"--node_rank={cfg.actor.node_rank}" in cmd and "--nnodes=2" in cmd
         cmd[-1] = str(spec_path)
-        procs.append(subprocess.Popen(cmd, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(subprocess.Popen(cmd, env=worker_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = [proc.communicate(timeout=300)[0] for proc in procs]
     assert all(proc.returncode == 0 for proc in procs), outs[0][-3000:] + outs[1][-3000:]
     assert_same_weights(weights(build.partial), weights(one.path), atol=0.0)
@@ -234,7 +234,7 @@ def test_exported_model_logits_equal_the_trained_model(tmp_path):
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "dist" / "export_check.py"), str(tmp_path / "spec.json"), str(tmp_path / "logits.pt")]
-    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=worker_env(2), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     from transformers import AutoModelForCausalLM
     got = torch.load(tmp_path / "logits.pt")

@@ -33,7 +33,7 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, on_lin
             "train_dir": str(Path(prepare_dir) / "train"), "val_dir": str(Path(prepare_dir) / "val")}
     spec_path = build.partial / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=2))
-    run_torchrun(torchrun_command(cfg, spec_path), build.partial / "train.log", on_line)
+    run_torchrun(torchrun_command(cfg, spec_path), build.partial / "train.log", on_line, cfg.actor.nproc_per_node)
     rows = read_metrics(build.partial)
     if not (build.partial / "model").is_dir():
         raise RuntimeError(f"train: torchrun finished but exported no model in {build.partial / 'model'}")

@@ -75,8 +75,15 @@ def balanced_shares(indices: np.ndarray, lengths: np.ndarray, world: int) -> lis
     return [np.asarray(s, dtype=np.int64) for s in shares]
 
 
-def split_micro_batches(share: np.ndarray, lengths: np.ndarray, micro_batch_size: int, max_tokens: int) -> list[np.ndarray]:
+def split_micro_batches(share: np.ndarray, lengths: np.ndarray, micro_batch_size: int, max_tokens: int,
+                        interleave: bool = False) -> list[np.ndarray]:
+    """Cuts a longest-first share into micro-batches: contiguous runs (similar lengths, least
+    padding) or, with `interleave`, every n-th sample (equal token totals: packed attention
+    costs the square of a row's length, so no row should hold all the long samples)."""
     if max_tokens <= 0:
+        if interleave:
+            n = math.ceil(len(share) / micro_batch_size)
+            return [share[k::n] for k in range(n)]
         return [share[i:i + micro_batch_size] for i in range(0, len(share), micro_batch_size)]
     out, cur, tokens = [], [], 0
     for idx in share:
@@ -93,11 +100,12 @@ def split_micro_batches(share: np.ndarray, lengths: np.ndarray, micro_batch_size
 
 class GlobalBatchSampler:
     def __init__(self, lengths: np.ndarray, global_batch_size: int, micro_batch_size: int, world_size: int,
-                 seed: int, max_tokens_per_micro_batch: int = 0):
+                 seed: int, max_tokens_per_micro_batch: int = 0, interleave: bool = False):
         self.lengths = np.asarray(lengths)
         self.n = len(self.lengths)
         self.gbs, self.mbs, self.world, self.seed = global_batch_size, micro_batch_size, world_size, seed
         self.max_tokens = max_tokens_per_micro_batch
+        self.interleave = interleave
         self.accum = global_batch_size // (micro_batch_size * world_size)
         self._perm_epoch, self._perm = -1, None
 
@@ -122,7 +130,7 @@ class GlobalBatchSampler:
         return balanced_shares(batch, self.lengths, self.world)[rank]
 
     def rank_micro_batches(self, batch: np.ndarray, rank: int) -> list[np.ndarray]:
-        return split_micro_batches(self.rank_share(batch, rank), self.lengths, self.mbs, self.max_tokens)
+        return split_micro_batches(self.rank_share(batch, rank), self.lengths, self.mbs, self.max_tokens, self.interleave)
 
 
 def _labels(s: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,10 +47,10 @@ def check_worker_and_model_type(cfg: SFTConfig) -> None:
         raise ConfigError(str(e)) from None
 
 
-def worker_env() -> dict[str, str]:
+def worker_env(nproc_per_node: int = 1) -> dict[str, str]:
     env = dict(os.environ)
-    # Two ranks on two cores: one thread each, or they fight over the cores.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // 2)))
+    # Share the cores among the ranks of this node, or they fight over them.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -86,10 +86,10 @@ def failure_reason(lines: list[str]) -> str:
     return "see the log"
 
 
-def run_torchrun(cmd: list[str], log_path: Path, on_line: Callable[[str], None] = print) -> None:
+def run_torchrun(cmd: list[str], log_path: Path, on_line: Callable[[str], None] = print, nproc_per_node: int = 1) -> None:
     with open(log_path, "a", encoding="utf-8") as logf:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                env=worker_env(), start_new_session=True)
+                                env=worker_env(nproc_per_node), start_new_session=True)
         lines: list[str] = []
         try:
             assert proc.stdout is not None

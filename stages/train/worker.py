@@ -118,6 +118,11 @@ class SFTWorker:
         if actor.compile:
             for unit in units or [model]:
                 unit.compile()
+        # One fp32 process has nothing to shard, reduce or cast: FSDP would only add per-layer hooks.
+        # DCP checkpoints stay interchangeable with sharded runs (they reshard on load).
+        self.fsdp = self.world > 1 or self.precision == "bf16"
+        if not self.fsdp:
+            return model
         mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if self.precision == "bf16" else MixedPrecisionPolicy())
         for unit in units:
@@ -254,11 +259,11 @@ class SFTWorker:
         self.load_tokenizer()
         run, actor = self.cfg.runner, self.cfg.actor
         self.train_ds = self.build_dataloader(self.spec.get("train_dir"))
-        self.val_ds = self.build_dataloader(self.spec.get("val_dir"), eval_dataset=True) if self.spec.get("val_dir", True) else None
+        self.val_ds = self.build_dataloader(self.spec["val_dir"], eval_dataset=True) if self.spec.get("val_dir") else None
         self.lengths = np.asarray(getattr(self.train_ds, "lengths", np.ones(len(self.train_ds))), dtype=np.int64)
         self.trainable = np.asarray(getattr(self.train_ds, "trainable", np.ones(len(self.train_ds))), dtype=np.int64)
         self.sampler = GlobalBatchSampler(self.lengths, actor.global_batch_size, actor.micro_batch_size, self.world,
-                                          run.seed, actor.max_tokens_per_micro_batch)
+                                          run.seed, actor.max_tokens_per_micro_batch, interleave=actor.packing)
         steps_all_epochs = self.sampler.steps_per_epoch * run.max_epochs
         self.total_steps = min(run.max_steps, steps_all_epochs) if run.max_steps > 0 else steps_all_epochs
         self.model = self.build_model()
@@ -272,11 +277,12 @@ class SFTWorker:
         self.packing = False
         if actor.packing:
             self.packing = self.supports_packing()
-            self.model.reshard()
+            if self.fsdp:
+                self.model.reshard()
             if not self.packing:
                 log(f"packing: {type(self.model).__name__} can't be packed (packed logits differ from unpacked or "
                     "no position_ids); using padded micro-batches")
-        self.n_params = sum(p.numel() for p in self.model.parameters()) * 1  # DTensor numel is the global size
+        self.n_params = sum(p.numel() for p in self.model.parameters())  # a DTensor's numel is the global size
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
         self.peak_flops = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
@@ -294,7 +300,8 @@ class SFTWorker:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for k, idx in enumerate(micro):
             batch, real = self.micro_batch(idx)
-            self.model.set_requires_gradient_sync(k == len(micro) - 1)
+            if self.fsdp:
+                self.model.set_requires_gradient_sync(k == len(micro) - 1)
             ls = self.loss_sum_of(self.get_train_model_output(batch), float(self.trainable[idx].sum()) if real else 0.0)
             ls = ls if real else ls * 0.0
             (ls * self.world / total_trainable).backward()

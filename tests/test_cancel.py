@@ -1,0 +1,71 @@
+"""Stopping a run stops all of it: no torchrun agent or worker survives a SIGTERM of the CLI
+(what Prefect sends when a flow run is cancelled) or a task timeout."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import sftflow, tiny_config_dict, write_config
+
+pytestmark = pytest.mark.slow
+
+LONG = ["runner.max_steps=100000", "runner.max_epochs=1000", "runner.save_interval=0", "runner.val_check_interval=0"]
+
+
+def live_processes_mentioning(text: str) -> list[str]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            cmd = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd:
+            found.append(cmd)
+    return found
+
+
+def wait_gone(text: str, seconds: float = 30) -> list[str]:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        left = live_processes_mentioning(text)
+        if not left:
+            return []
+        time.sleep(0.5)
+    return live_processes_mentioning(text)
+
+
+def test_sigterm_mid_training_leaves_no_process_alive(tmp_path):
+    cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path))
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / ".prefect")}
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "stage", "train", "-c", str(cfg_path),
+                             "--with-upstream", *LONG], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+    marker = str(tmp_path / "artifacts" / "train")
+    try:
+        for line in proc.stdout:
+            if "step 1/" in line:
+                break
+        assert live_processes_mentioning(marker), "training should be running"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert wait_gone(marker) == []
+
+
+def test_task_timeout_kills_the_torchrun_tree(tmp_path):
+    cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path))
+    ready = sftflow("stage", "prepare", "-c", str(cfg_path), cwd=tmp_path)
+    assert ready.returncode == 0, ready.stderr[-2000:]
+    proc = sftflow("stage", "train", "-c", str(cfg_path), *LONG, "flow.timeout_seconds=25", cwd=tmp_path)
+    assert proc.returncode == 1
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors and "time" in errors[0].lower(), proc.stderr[-2000:]
+    assert wait_gone(str(tmp_path / "artifacts" / "train")) == []
