@@ -58,8 +58,52 @@ def tiny_config(tmp_path) -> Path:
     return write_config(tmp_path, tiny_config_dict(tmp_path))
 
 
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory):
+    """One real `prefect server start` on loopback for the session: each CLI call then skips the
+    ~6 s temporary-server start it needs on its own (tests/test_demo.py still covers that path)."""
+    import time
+    import urllib.request
+    home = tmp_path_factory.mktemp("prefect-server")
+    port = _free_port()
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "false",
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    prefect = Path(sys.executable).with_name("prefect")
+    proc = subprocess.Popen([str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
+                            stdout=open(home / "server.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api"
+    deadline = time.time() + 180
+    while True:
+        try:
+            if urllib.request.urlopen(f"{url}/health", timeout=2).status == 200:
+                break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            raise RuntimeError("prefect server did not start:\n" + (home / "server.log").read_text()[-3000:])
+        time.sleep(0.5)
+    os.environ["PREFECT_API_URL"] = url  # every CLI call the tests make from now on uses it
+    yield url
+    os.environ.pop("PREFECT_API_URL", None)
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def sftflow(*args: str, cwd: Path, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """The CLI as a user runs it, with Prefect's home inside the test's folder."""
+    """The CLI as a user runs it, with Prefect's home inside the test's folder; it talks to the
+    session's Prefect server once a test has asked for `prefect_api`, else starts a temporary one."""
     full_env = {**os.environ, "PREFECT_HOME": str(cwd / ".prefect"), **(env or {})}
+    full_env = {k: v for k, v in full_env.items() if v is not None}  # env={"X": None} unsets X
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=full_env, capture_output=True,
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_default_config_learns_the_demo(tmp_path):
-    env = {"PREFECT_HOME": str(tmp_path / ".prefect")}
+    # exactly what a user gets: no Prefect server running, so the CLI starts a temporary one
+    env = {"PREFECT_HOME": str(tmp_path / ".prefect"), "PREFECT_API_URL": None}
     proc = sftflow("run", "-c", str(ROOT / "configs" / "default.yaml"), f"artifacts_dir={tmp_path / 'artifacts'}",
                    cwd=ROOT, env=env, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

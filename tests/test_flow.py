@@ -8,7 +8,7 @@ import pytest
 
 from conftest import sftflow, tiny_config_dict, write_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api")]
 
 
 def show(cfg_path: Path, cwd: Path) -> dict:
