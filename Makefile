@@ -6,7 +6,7 @@ CONFIG  ?= configs/default.yaml
 ARGS    ?=
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: run test ui install clean
+.PHONY: run test ui serve install clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,12 @@ ui: $(STAMP)
 	$(BIN)/mlflow ui --host 127.0.0.1 --port 5000 \
 	  --backend-store-uri sqlite:///$(CURDIR)/artifacts/mlflow.db \
 	  --default-artifact-root $(CURDIR)/artifacts/mlartifacts
+
+# Retrain on a schedule: a local Prefect server (UI at http://127.0.0.1:4200, home under
+# artifacts/) plus a process serving the flow with CRON. Ctrl-C stops both.
+CRON    ?= 0 3 * * *
+serve: $(STAMP)
+	$(BIN)/sftflow serve -c $(CONFIG) --cron "$(CRON)" --start-server $(ARGS)
 
 clean:
 	rm -rf artifacts/prepare artifacts/train artifacts/evaluate artifacts/register artifacts/models

@@ -14,6 +14,7 @@ from typing import Optional
 # Self-contained clone: Prefect's home lives under artifacts/ unless the user says otherwise.
 # Must be set before prefect is imported.
 os.environ.setdefault("PREFECT_HOME", str(Path("artifacts/.prefect").resolve()))
+Path(os.environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)  # prefect won't create parents
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # The temporary API server migrates a fresh database on first start: slow on a busy 2-core box.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
@@ -158,6 +159,32 @@ def chat(question: str = typer.Argument(..., help="the user message"),
     m, tok = load(path)
     reply = generate(m, tok, [[{"role": "user", "content": question}]], max_new_tokens, batch_size=1)[0]["text"]
     console.print(reply, highlight=False, markup=False)
+
+
+@app.command()
+def serve(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
+          cron: Optional[str] = typer.Option(None, "--cron", help='cron schedule, e.g. "0 3 * * *"'),
+          interval: Optional[float] = typer.Option(None, "--interval", help="seconds between runs"),
+          name: str = typer.Option("sftflow-retrain", "--name", help="deployment name"),
+          start_server: bool = typer.Option(False, "--start-server", help="start a local Prefect server first"),
+          host: str = typer.Option("127.0.0.1", help="--start-server host"),
+          port: int = typer.Option(4200, help="--start-server port")) -> None:
+    """Retrain on a schedule: serve the flow as a Prefect deployment (blocks; Ctrl-C stops)."""
+    _load(config, overrides)
+    if (cron is None) == (interval is None):
+        _fail("give exactly one of --cron or --interval")
+    from flows.serve import local_server, serve as serve_flow
+    if start_server:
+        home = Path(os.environ.get("PREFECT_HOME", "artifacts/.prefect"))
+        with local_server(host, port, home, home.parent / "prefect-server.log") as api:
+            os.environ["PREFECT_API_URL"] = api
+            console.print(f"Prefect UI: http://{host}:{port}  (API {api}); serving deployment '{name}'")
+            serve_flow(str(config), overrides or [], name, cron, interval)
+        return
+    if not os.environ.get("PREFECT_API_URL"):
+        _fail("serving needs a running Prefect server: `make serve`, or `sftflow serve --start-server`, "
+              "or set PREFECT_API_URL")
+    serve_flow(str(config), overrides or [], name, cron, interval)
 
 
 def _terminate(signum, frame) -> None:

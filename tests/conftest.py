@@ -74,7 +74,9 @@ def prefect_api(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-server")
     port = _free_port()
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "false",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           # schedules become runs within seconds (default: a 60 s loop) so the schedule test is short
+           "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2"}
     env.pop("PREFECT_API_URL", None)
     prefect = Path(sys.executable).with_name("prefect")
     proc = subprocess.Popen([str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,

@@ -68,3 +68,16 @@ def test_task_timeout_kills_the_torchrun_tree(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors and "time" in errors[0].lower(), proc.stderr[-2000:]
     assert wait_gone(str(tmp_path / "artifacts" / "train")) == []
+
+
+def test_task_retry_resumes_training_from_the_last_checkpoint(tmp_path):
+    cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path))
+    # the first attempt is SIGKILLed (torchrun and workers) right after the step-2 checkpoint
+    proc = sftflow("stage", "train", "-c", str(cfg_path), "--with-upstream", "flow.retries=1",
+                   "flow.retry_delay_seconds=0", cwd=tmp_path, env={"SFTFLOW_FAULT": "after_save:2"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    folder = next(p for p in (tmp_path / "artifacts" / "train").iterdir() if not p.name.startswith("."))
+    log = (folder / "train.log").read_text()
+    assert "SFTFLOW_FAULT" in log and "at step 2 (epoch 0, 32 samples into it)" in log
+    steps = [line.split('"step": ')[1].split(",")[0] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert steps == ["1", "2", "3", "4"]

@@ -57,6 +57,20 @@ def test_full_flow_writes_four_complete_stage_folders(flow_run):
     assert {"base_accuracy", "eval_loss"} <= set(ev)
 
 
+def test_flow_run_publishes_summary_and_predictions_artifacts(flow_run):
+    tmp, cfg_path, _ = flow_run
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    train_fp = show(cfg_path, tmp)["stages"]["train"]["fingerprint"]
+    with get_client(sync_client=True) as client:
+        def artifacts(key):
+            return client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+        summaries = [a for a in artifacts("sftflow-summary") if train_fp in a.data]
+        assert summaries and "Held-out accuracy" in summaries[0].data and "MLflow" in summaries[0].data
+        assert artifacts("sftflow-eval-predictions")
+        assert artifacts("sftflow-training")  # progress of the training steps
+
+
 def test_model_is_registered_and_answers_through_pyfunc(flow_run):
     tmp, cfg_path, _ = flow_run
     import mlflow

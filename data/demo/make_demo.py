@@ -5,10 +5,11 @@ something:
   * identity: paraphrased "who are you" questions in English and Chinese, all answered
     with one fixed reply per language; the eval questions are prefix x question
     combinations that never appear in train;
-  * a skill that generalizes: "Repeat after me: ..." (copy) and "Reverse the words: ..."
-    on random word sequences; eval sequences never appear in train. Replies lead with
-    "You said:" / "Reversed:" so every word keeps its leading-space BPE token and the
-    skill is pure token copying, which a tiny model picks up in minutes.
+  * a skill that generalizes: "Repeat after me: w1 w2 w3" on random word triples; no eval
+    triple appears in train. Replies lead with "You said:" so every word keeps its
+    leading-space BPE token and the skill is pure token copying, which a tiny model picks
+    up in a few hundred steps. (Reversing the words as well took the 2-core demo past its
+    time budget: the model learned it late or not at all.)
 """
 
 from __future__ import annotations
@@ -39,11 +40,8 @@ def conv(user: str, answer: str, rng: random.Random, system: bool) -> list[dict]
 
 
 def skill(rng: random.Random) -> tuple[str, str]:
-    if rng.random() < 0.5:
-        words = rng.sample(WORDS, 3)
-        return "Repeat after me: " + " ".join(words), "You said: " + " ".join(words)
     words = rng.sample(WORDS, 3)
-    return "Reverse the words: " + " ".join(words), "Reversed: " + " ".join(reversed(words))
+    return "Repeat after me: " + " ".join(words), "You said: " + " ".join(words)
 
 
 def main(n_train_skill: int = 2400, n_eval_skill: int = 40) -> None:
