@@ -6,27 +6,14 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import sftflow, tiny_config_dict, write_config
+from conftest import live_processes_mentioning, sftflow, tiny_config_dict, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api")]
 
 LONG = ["runner.max_steps=100000", "runner.max_epochs=1000", "runner.save_interval=0", "runner.val_check_interval=0"]
-
-
-def live_processes_mentioning(text: str) -> list[str]:
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            cmd = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmd:
-            found.append(cmd)
-    return found
 
 
 def wait_gone(text: str, seconds: float = 30) -> list[str]:

@@ -4,8 +4,6 @@ This is the slowest test (a few minutes on 2 cores): it is the promise the READM
 """
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 

@@ -2,7 +2,6 @@
 `return_assistant_tokens_mask` (builtin template has {% generation %} markers) and decoding."""
 
 import json
-from pathlib import Path
 
 import pytest
 

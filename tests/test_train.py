@@ -1,7 +1,6 @@
 """The train stage under torchrun, checked against single-process references."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -82,7 +81,6 @@ def test_two_process_training_writes_metrics_checkpoints_and_a_loadable_model(pr
     assert [c.name for c in ckpts] == ["step_00000002", "step_00000004"]
     assert all((c / "COMPLETE").is_file() for c in ckpts)
     assert (folder / "manifest.json").is_file()
-    assert "torchrun" not in (folder / "train.log").read_text() or True
 
     # The exported folder is an ordinary HF model, and training moved it away from the base.
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -4,7 +4,6 @@ against an independent reference (an unpacked forward, an uninterrupted run, one
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, tiny_config_dict, write_config
+from conftest import ROOT, free_port, live_processes_mentioning, tiny_config_dict, write_config
 from stages.config import ConfigError, load_config
 from stages.models import resolve_model
 from stages.pipeline import plan, run_stage
@@ -117,17 +116,6 @@ def train(cfg, env: dict | None = None):
         os.environ.update(old)
 
 
-def live_processes_mentioning(text: str) -> list[int]:
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if text in cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace"):
-                found.append(int(cmdline.parent.name))
-        except OSError:
-            pass
-    return found
-
-
 def weights(folder) -> dict:
     return load_file(str(Path(folder) / "model" / "model.safetensors"))
 
@@ -190,16 +178,10 @@ def test_resume_on_another_world_size(tmp_path):
     assert_same_weights(weights(done.path), weights(ref.path), atol=1e-4)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_agents_rendezvous_like_one_agent_with_two_processes(tmp_path):
     one = train(make_cfg(subdir(tmp_path, "one")))
-    port = _free_port()
+    port = free_port()
     cfgs = [make_cfg(tmp_path, f"node{r}.yaml", actor={"nproc_per_node": 1, "nnodes": 2, "node_rank": r,
                                                         "rdzv_endpoint": f"127.0.0.1:{port}", "micro_batch_size": 4,
                                                         "global_batch_size": 16, "optim": {"lr": 1e-3, "warmup": 1}})
