@@ -155,21 +155,28 @@ def test_resume_after_sigkill_equals_no_interruption(tmp_path):
     assert [r["loss"] for r in got_rows] == pytest.approx([r["loss"] for r in ref_rows], abs=1e-6)
 
 
+ONE_PROC = {"nproc_per_node": 1, "micro_batch_size": 4, "global_batch_size": 16, "optim": {"lr": 1e-3, "warmup": 1}}
+
+
+@pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
 @pytest.mark.slow
-def test_resume_on_another_world_size(tmp_path):
+def test_resume_on_another_world_size(tmp_path, first, then):
+    """Checkpointed on `first` processes (sharded, or a plain model for one fp32 process),
+    resumed on `then`: DCP reshards, training continues from the same global sample."""
     steps = dict(runner={"max_epochs": 2, "max_steps": 6, "save_interval": 3, "keep_checkpoints": 5})
     ref = train(make_cfg(subdir(tmp_path, "ref"), **steps))
-    cfg2 = make_cfg(tmp_path, **steps)
+
+    def cfg_for(nproc: int, name: str):
+        # activation checkpointing is execution-only: same fingerprint, same math
+        return make_cfg(tmp_path, name, **steps, actor=ONE_PROC | {"activation_checkpointing": True}) if nproc == 1 \
+            else make_cfg(tmp_path, name, **steps)
+    before, after = cfg_for(first, "before.yaml"), cfg_for(then, "after.yaml")
+    assert plan(before).fingerprints["train"] == plan(after).fingerprints["train"]
     with pytest.raises(TrainingFailed):
-        train(cfg2, {"SFTFLOW_FAULT": "after_save:3"})
-    # activation checkpointing is execution-only: same fingerprint, same math
-    cfg1 = make_cfg(tmp_path, "one.yaml", **steps, actor={"nproc_per_node": 1, "micro_batch_size": 4,
-                                                         "activation_checkpointing": True,
-                                                         "global_batch_size": 16, "optim": {"lr": 1e-3, "warmup": 1}})
-    assert plan(cfg1).fingerprints["train"] == plan(cfg2).fingerprints["train"]
-    done = train(cfg1)
+        train(before, {"SFTFLOW_FAULT": "after_save:3"})
+    done = train(after)
     log = (Path(done.path) / "train.log").read_text()
-    assert "at step 3 (epoch 0, 48 samples into it); world size 2 -> 1" in log
+    assert f"at step 3 (epoch 0, 48 samples into it); world size {first} -> {then}" in log
     rows = [json.loads(line) for line in (Path(done.path) / "metrics.jsonl").read_text().splitlines()]
     ref_rows = [json.loads(line) for line in (Path(ref.path) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 7))
