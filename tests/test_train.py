@@ -39,8 +39,12 @@ def test_grads_equal_one_big_batch(prepared, tmp_path, n_samples):
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
     out = tmp_path / "grads.pt"
+    # samples spread over the whole length range, so micro-batches and ranks get very unequal lengths
+    lengths = read_shards(p.folder("prepare") / "train", ["length"]).column("length").to_numpy()
+    order = lengths.argsort(kind="stable")
+    chosen = order[[round(k * (len(order) - 1) / (n_samples - 1)) for k in range(n_samples)]]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "dist" / "grad_check.py"), str(spec_path), str(out), str(n_samples)]
+           str(ROOT / "tests" / "dist" / "grad_check.py"), str(spec_path), str(out), ",".join(map(str, chosen))]
     proc = subprocess.run(cmd, env=worker_env(2), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = torch.load(out)
@@ -51,8 +55,8 @@ def test_grads_equal_one_big_batch(prepared, tmp_path, n_samples):
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     table = read_shards(p.folder("prepare") / "train").to_pylist()
     rows = [table[i] for i in got["batch"]]
-    lengths = {len(r["input_ids"]) for r in rows}
-    assert len(lengths) == len(rows) or len(lengths) > 3, "the batch should mix very different lengths"
+    sizes = [len(r["input_ids"]) for r in rows]
+    assert max(sizes) >= 2 * min(sizes), "the batch should mix very different lengths"
     total = sum(sum(r["loss_mask"]) for r in rows)
     for r in rows:
         ids = torch.tensor([r["input_ids"]])

@@ -9,12 +9,12 @@ import torch.distributed as dist
 from stages.train.worker import SFTWorker
 
 spec_path, out_path = sys.argv[1], sys.argv[2]
-n_samples = int(sys.argv[3]) if len(sys.argv) > 3 else None
+indices = [int(i) for i in sys.argv[3].split(",")] if len(sys.argv) > 3 else None
 import json  # noqa: E402
 worker = SFTWorker(json.loads(open(spec_path).read()))
 worker.setup()
-# default: a full global batch; fewer: the short last batch of an epoch (some ranks get empty micro-batches)
-batch_idx = np.arange(n_samples or worker.cfg.actor.global_batch_size)
+# a full global batch, or fewer samples: an epoch's short last batch (some ranks get empty micro-batches)
+batch_idx = np.asarray(indices) if indices else np.arange(worker.cfg.actor.global_batch_size)
 stats = worker.forward_backward(batch_idx)
 grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().cpu()
          for n, p in worker.model.named_parameters() if p.grad is not None}
