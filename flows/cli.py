@@ -28,6 +28,7 @@ os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
+from rich.markup import escape  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from stages.config import ConfigError, SFTConfig, flatten, load_config  # noqa: E402
@@ -42,7 +43,7 @@ OverridesArg = typer.Argument(None, help="dotted overrides, e.g. actor.optim.lr=
 
 
 def _fail(msg: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
