@@ -104,7 +104,7 @@ def run_stage(p: Plan, stage: str, force: bool = False, on_line: Callable[[str],
             metrics = run_evaluate(cfg, fp, resolve_model(cfg), str(p.folder("train") / "model"), dirs["prepare"])
         elif stage == "register":
             from .register import run_register
-            metrics = run_register(cfg, fp, p.fingerprints, {**dirs, "evaluate": dirs["evaluate"]}, extra_tags)
+            metrics = run_register(cfg, fp, p.fingerprints, dirs, extra_tags)
         else:
             raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
     return StageResult(stage, fp, str(p.folder(stage)), metrics, cached=False, seconds=round(time.time() - t0, 2))
