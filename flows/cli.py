@@ -73,7 +73,7 @@ def _summary(results: list[dict]) -> None:
     if reg:
         m = reg["metrics"]
         aliases = ", ".join(m.get("aliases", [])) or "no alias"
-        console.print(f"registered model version {m['version']} ({aliases}){' [reused]' if m.get('reused_version') else ''}")
+        console.print(f"registered model version {m['version']} ({aliases}){escape(' [reused]') if m.get('reused_version') else ''}")
 
 
 def _run_flow(fn, **kwargs) -> list[dict]:
@@ -93,7 +93,8 @@ def _run_flow(fn, **kwargs) -> list[dict]:
 def run(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
         force: list[str] = typer.Option([], "--force", help="redo this stage (and everything after it); repeatable")) -> None:
     """The full flow: prepare -> train -> evaluate -> register."""
-    _load(config, overrides)
+    if _load(config, overrides).eval.model is not None:
+        _fail("eval.model is for `sftflow stage evaluate --model`: the flow registers the model it trains")
     for s in force:
         if s not in STAGES:
             _fail(f"--force {s}: unknown stage; stages: {', '.join(STAGES)}")
@@ -105,10 +106,18 @@ def run(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
 def stage(name: str = typer.Argument(..., help="prepare | train | evaluate | register"),
           config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
           force: bool = typer.Option(False, "--force", help="re-run even if the stage folder is complete"),
-          with_upstream: bool = typer.Option(False, "--with-upstream", help="first run upstream stages that are missing")) -> None:
+          with_upstream: bool = typer.Option(False, "--with-upstream", help="first run upstream stages that are missing"),
+          model: Optional[str] = typer.Option(None, "--model", help="evaluate only: score this model instead of the "
+                                              "trained one: base, a model, train stage or checkpoint folder, or "
+                                              "models:/name@alias (sets eval.model)")) -> None:
     """One stage; upstream stages come from their completed folders."""
     if name not in STAGES:
         _fail(f"unknown stage '{name}'; stages: {', '.join(STAGES)}")
+    if model is not None:
+        if name != "evaluate":
+            _fail(f"--model applies to `sftflow stage evaluate` only, not {name}")
+        local = Path(model).expanduser()
+        overrides = [*(overrides or []), f"eval.model={json.dumps(str(local.resolve()) if local.exists() else model)}"]
     cfg = _load(config, overrides)
     from stages.pipeline import MissingUpstream, require_upstream
     if not with_upstream:
@@ -116,6 +125,8 @@ def stage(name: str = typer.Argument(..., help="prepare | train | evaluate | reg
             require_upstream(plan(cfg), name)
         except MissingUpstream as e:
             _fail(f"{e} (or add --with-upstream)")
+        except ConfigError as e:
+            _fail(str(e))
     from flows.sft import sft_stage
     _summary(_run_flow(sft_stage, stage=name, config_path=str(config), overrides=overrides or [], force=force,
                        with_upstream=with_upstream))
@@ -123,10 +134,18 @@ def stage(name: str = typer.Argument(..., help="prepare | train | evaluate | reg
 
 @app.command()
 def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
-         as_json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
-    """The resolved config and each stage's fingerprint and status."""
+         as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+         preview: int = typer.Option(0, "--preview", metavar="N",
+                                     help="print N prepared training samples, trainable tokens highlighted")) -> None:
+    """The resolved config and each stage's fingerprint and status (or, with --preview, samples)."""
     cfg = _load(config, overrides)
-    p = plan(cfg)
+    try:
+        p = plan(cfg)
+    except ConfigError as e:
+        _fail(str(e))
+    if preview > 0:
+        _preview(cfg, p, preview)
+        return
     stages = {s: {"fingerprint": p.fingerprints[s], "status": p.status(s), "path": str(p.folder(s))} for s in STAGES}
     if as_json:
         print(json.dumps({"config": cfg.model_dump(mode="json"), "stages": stages}, indent=2))
@@ -143,6 +162,28 @@ def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg
     for s, info in stages.items():
         st.add_row(s, info["fingerprint"], info["status"], info["path"])
     console.print(st)
+
+
+def _preview(cfg: SFTConfig, p, n: int) -> None:
+    """What the model is trained on, as a careful user checks it by hand: from the prepared shards
+    when prepare has run, else prepared on the fly from the first rows (nothing is written)."""
+    from rich.text import Text
+    from stages.errors import StageError
+    from stages.models import resolve_model
+    from stages.prepare import preview_samples
+    try:
+        samples = preview_samples(cfg, p.folder("prepare"), resolve_model(cfg), n)
+    except (StageError, ConfigError) as e:
+        _fail(str(e), 1)
+    for source, segments in samples:
+        console.rule(escape(source), style="dim")
+        text = Text()
+        for piece, trainable in segments:
+            text.append(piece, style="bold black on green" if trainable else "dim")
+        console.print(text, soft_wrap=True)
+    where = "prepared shards" if p.status("prepare") == "complete" else "first rows, prepared on the fly"
+    console.print(f"{len(samples)} sample(s) from the {where}; [bold black on green]highlighted[/] = trained "
+                  f"(data.loss_on={cfg.data.loss_on})", highlight=False)
 
 
 @app.command()

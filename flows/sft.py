@@ -77,8 +77,8 @@ def prepare_task(config: dict, fingerprint: str, force: bool = False) -> dict:
 
 
 @task(name="train", **_opts)
-def train_task(config: dict, fingerprint: str, force: bool = False) -> dict:
-    return _stage("train", config, fingerprint, force)
+def train_task(config: dict, fingerprint: str, force: bool = False, tags: dict | None = None) -> dict:
+    return _stage("train", config, fingerprint, force, tags)
 
 
 @task(name="evaluate", **_opts)
@@ -110,7 +110,7 @@ def _run_one(stage: str, cfg: SFTConfig, force: bool) -> dict:
     t = TASKS[stage].with_options(refresh_cache=force or not complete, retries=f.retries,
                                   retry_delay_seconds=f.retry_delay_seconds, timeout_seconds=f.timeout_seconds)
     kwargs: dict[str, Any] = dict(config=cfg.model_dump(mode="json"), fingerprint=p.fingerprints[stage], force=force)
-    if stage == "register":
+    if stage in ("train", "register"):  # tags of the MLflow run (opened by train, finished by register)
         kwargs["tags"] = {"sftflow.git_commit": _git_commit(), "prefect.flow_run_id": str(flow_run.id or "")}
     t0 = time.time()
     state = t(return_state=True, **kwargs)

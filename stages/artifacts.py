@@ -54,6 +54,27 @@ def file_digest(path: Path, index_dir: Path | None = None) -> str:
     return digest
 
 
+def input_digest(ref: Path | str, index_dir: Path | None = None) -> str:
+    """Content digest of one input: a file, a folder (every file in it), or `hf:NAME` (its hub revision)."""
+    if isinstance(ref, str) and ref.startswith("hf:"):
+        return hub_revision(ref)
+    path = Path(ref)
+    if path.is_dir():
+        files = sorted(f for f in path.rglob("*") if f.is_file())
+        return sha256_text(canonical_json({str(f.relative_to(path)): file_digest(f, index_dir) for f in files}))
+    return file_digest(path, index_dir)
+
+
+def hub_revision(ref: str) -> str:
+    """`hf:NAME[:split]` -> the dataset's current commit on the hub (network); offline, the name alone."""
+    name = ref[3:].partition(":")[0]
+    try:
+        from huggingface_hub import HfApi
+        return f"{ref}@{HfApi().dataset_info(name).sha}"
+    except Exception:  # offline or unknown: the cache can't see hub edits, so say so in the key
+        return f"{ref}@unresolved"
+
+
 def code_version(*packages: str) -> str:
     """Hash of the source files of the given sub-packages/modules of `stages` (relative names)."""
     h = hashlib.sha256()

@@ -95,16 +95,36 @@ class ActorConfig(_Section):
         return self
 
 
+CANONICAL_FIELDS = ("messages", "conversations", "conversation", "role", "content", "from", "value", "prompt",
+                    "completion", "instruction", "input", "output", "system")
+
+
 class DataConfig(_Section):
     train_data_paths: list[str] = Field(default_factory=list, min_length=1)
     val_data_paths: list[str] = Field(default_factory=list)
-    format: Literal["auto", "messages", "sharegpt", "prompt_completion", "alpaca"] = "auto"
+    val_fraction: float = Field(0.0, ge=0, lt=1, description="without val_data_paths: held-out share, by row hash")
+    format: Literal["auto", "messages", "sharegpt", "prompt_completion", "alpaca", "conversation"] = "auto"
+    columns: dict[str, str] = Field(default_factory=dict, description="canonical field -> your field name")
     max_length: int = Field(1024, ge=8)
+    truncation: Literal["drop", "keep_start"] = "drop"
+    loss_on: Literal["assistant", "last_assistant", "all"] = "assistant"
+    strict: bool = Field(False, description="the first bad row is an error instead of being quarantined")
+    shard_rows: int = Field(50_000, ge=1)
+    num_proc: int = Field(1, ge=1, description="tokenizing processes; the output is identical for any value")
 
     @field_validator("train_data_paths", "val_data_paths", mode="before")
     @classmethod
     def _one_path_is_a_list(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
+
+    @field_validator("columns")
+    @classmethod
+    def _known_columns(cls, v: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(v) - set(CANONICAL_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown field(s) {unknown}; data.columns maps one of {', '.join(CANONICAL_FIELDS)} "
+                             "to the name your data uses")
+        return v
 
 
 class EvalConfig(_Section):
@@ -112,6 +132,28 @@ class EvalConfig(_Section):
     batch_size: int = Field(16, ge=1)
     max_samples: int = Field(0, description="<= 0: every held-out sample")
     eval_base: bool = Field(True, description="also score the untrained base model (base_accuracy)")
+    scorer: str = Field("exact", description="exact | normalized | contains | regex | numeric | 'pkg.module:fn'")
+    answer_pattern: str = Field(r"####\s*(-?[\d,]*\.?\d+)", description="regex/numeric: the answer is group 1 of the last match")
+    numeric_tolerance: float = Field(1e-6, ge=0, description="numeric: relative or absolute tolerance")
+    model: str | None = Field(None, description="None: the trained model; base | folder | train stage folder | "
+                                                "checkpoint folder | models:/name@alias")
+
+    @field_validator("scorer")
+    @classmethod
+    def _known_scorer(cls, v: str) -> str:
+        from stages.evaluate.scorers import check_scorer_name
+        check_scorer_name(v)
+        return v
+
+    @field_validator("answer_pattern")
+    @classmethod
+    def _compiles(cls, v: str) -> str:
+        import re
+        try:
+            re.compile(v)
+        except re.error as e:
+            raise ValueError(f"not a valid regular expression ({e})") from None
+        return v
 
 
 class RegistryConfig(_Section):
@@ -119,6 +161,8 @@ class RegistryConfig(_Section):
     experiment: str = "sftflow"
     model_name: str = "sftflow-model"
     promote: Literal["always", "if_better", "never"] = "if_better"
+    live_after_seconds: float = Field(10, description="rank 0 logs to MLflow live once training looks this long; "
+                                                      "< 0: only when the train stage ends")
 
 
 class FlowConfig(_Section):
@@ -206,15 +250,27 @@ def _section_for(dotted: str) -> type[BaseModel] | None:
     return model
 
 
-def expand_paths(patterns: list[str], key: str) -> list[Path]:
-    """Files named by paths, globs or directories, sorted; an empty match is an error."""
-    files: list[Path] = []
+def expand_paths(patterns: list[str], key: str) -> list[Path | str]:
+    """Inputs named by paths, globs or directories, sorted; an empty match is an error.
+
+    A directory means the data files under it (by suffix), unless it is a `datasets`
+    save_to_disk folder, which is one input; `hf:NAME` (a hub dataset) passes through."""
+    from stages.prepare.readers import HUB_PREFIX, SUFFIXES, is_datasets_folder
+    files: list[Path | str] = []
     for pattern in patterns:
+        if pattern.startswith(HUB_PREFIX):
+            files.append(pattern)
+            continue
         p = Path(pattern).expanduser()
         if any(ch in pattern for ch in "*?["):
-            matches = sorted(Path(m) for m in glob.glob(str(p), recursive=True) if Path(m).is_file())
+            matches = sorted(Path(m) for m in glob.glob(str(p), recursive=True) if Path(m).is_file() or is_datasets_folder(Path(m)))
+        elif is_datasets_folder(p):
+            matches = [p]
         elif p.is_dir():
-            matches = sorted(f for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
+            matches = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in SUFFIXES
+                             and not any(part.startswith(".") for part in f.relative_to(p).parts))
+            if not matches:
+                raise ConfigError(f"{key}: directory '{pattern}' holds no data files ({', '.join(sorted(SUFFIXES))})")
         elif p.is_file():
             matches = [p]
         else:
@@ -248,8 +304,9 @@ def config_from_dict(raw: dict, source: str = "<config>") -> SFTConfig:
     expand_paths(cfg.data.train_data_paths, "data.train_data_paths")
     if cfg.data.val_data_paths:
         expand_paths(cfg.data.val_data_paths, "data.val_data_paths")
-    else:
-        raise ConfigError(f"{source}: data.val_data_paths is required (held-out prompts for evaluate)")
+    elif cfg.data.val_fraction <= 0:
+        raise ConfigError(f"{source}: evaluate needs held-out prompts: set data.val_data_paths, "
+                          "or data.val_fraction (e.g. 0.05) to hold out a share of the training rows")
     return cfg
 
 

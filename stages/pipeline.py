@@ -17,15 +17,16 @@ from .artifacts import (
     StageResult,
     cached_result,
     code_version,
-    file_digest,
     fingerprint,
+    input_digest,
     is_complete,
     stage_dir,
     stage_lock,
 )
 from .config import ConfigError, SFTConfig, expand_paths
 from .errors import StageError  # noqa: F401  (re-exported for orchestrators)
-from .models import model_fingerprint, resolve_model
+from .evaluate.scorers import scorer_identity
+from .models import eval_model_identity, model_fingerprint, resolve_model
 
 STAGES = ("prepare", "train", "evaluate", "register")
 EXECUTION_ONLY = {"nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "activation_checkpointing", "compile"}
@@ -45,7 +46,7 @@ class Plan:
 
 
 def _digests(cfg: SFTConfig, paths: list[str], key: str) -> list[str]:
-    return [file_digest(p, cfg.artifacts_path) for p in expand_paths(paths, key)]
+    return [input_digest(p, cfg.artifacts_path) for p in expand_paths(paths, key)]
 
 
 def plan(cfg: SFTConfig) -> Plan:
@@ -54,7 +55,8 @@ def plan(cfg: SFTConfig) -> Plan:
     model_fp = model_fingerprint(cfg)
     prepare = fingerprint(
         "prepare", code=code_version("prepare"), model=model_fp, trust_remote_code=a.model.trust_remote_code,
-        data=d.model_dump(exclude={"train_data_paths", "val_data_paths"}),
+        # num_proc only spreads the work: the shards are identical for any value
+        data=d.model_dump(exclude={"train_data_paths", "val_data_paths", "num_proc"}),
         train=_digests(cfg, d.train_data_paths, "data.train_data_paths"),
         val=_digests(cfg, d.val_data_paths, "data.val_data_paths"))
     train = fingerprint(
@@ -62,11 +64,28 @@ def plan(cfg: SFTConfig) -> Plan:
         # How the work is spread (world size, rendezvous) and memory/speed knobs don't change the math,
         # so they stay out: a run checkpointed on 2 processes resumes on 1 under the same fingerprint.
         actor=a.model_dump(exclude=EXECUTION_ONLY), runner=r.model_dump(exclude={"resume", "log_interval"}))
-    evaluate = fingerprint("evaluate", code=code_version("evaluate"), train=train, prepare=prepare,
-                           eval=cfg.eval.model_dump())
+    evaluate = fingerprint("evaluate", code=code_version("evaluate"), prepare=prepare, eval=cfg.eval.model_dump(),
+                           scorer=scorer_identity(cfg.eval.scorer), **_evaluated_model(cfg, train, model_fp))
     register = fingerprint("register", code=code_version("register"), evaluate=evaluate, train=train, prepare=prepare,
-                           registry=cfg.registry.model_dump(), tracking_uri=cfg.resolved_tracking_uri)
+                           registry=cfg.registry.model_dump(exclude={"live_after_seconds"}),
+                           tracking_uri=cfg.resolved_tracking_uri)
     return Plan(cfg, {"prepare": prepare, "train": train, "evaluate": evaluate, "register": register})
+
+
+def _evaluated_model(cfg: SFTConfig, train: str, model_fp: str) -> dict:
+    """What evaluate scores: the train stage's model, or `eval.model` (its content identity, plus the
+    base model and the actor's model type/worker that load and score it); world size never matters."""
+    identity = eval_model_identity(cfg)
+    if identity is None:
+        return {"train": train}
+    return {"model": identity, "base": model_fp, "actor": cfg.actor.model_dump(include={"worker", "model"})}
+
+
+def upstream(cfg: SFTConfig, stage: str) -> tuple[str, ...]:
+    """Stages `stage` reads; evaluate with `eval.model` set needs only prepare."""
+    if stage == "evaluate" and cfg.eval.model is not None:
+        return ("prepare",)
+    return UPSTREAM[stage]
 
 
 class MissingUpstream(ConfigError):
@@ -74,8 +93,11 @@ class MissingUpstream(ConfigError):
 
 
 def require_upstream(p: Plan, stage: str) -> dict[str, str]:
+    if stage == "register" and p.cfg.eval.model is not None:
+        raise ConfigError(f"register: eval.model={p.cfg.eval.model!r} scores another model than the trained one "
+                          "register would log; unset eval.model (it is for `sftflow stage evaluate --model`)")
     dirs = {}
-    for up in UPSTREAM[stage]:
+    for up in upstream(p.cfg, stage):
         if p.status(up) != "complete":
             raise MissingUpstream(f"{stage} needs the {up} stage ({p.fingerprints[up]}), which has not run for this "
                                   f"config; run `sftflow stage {up} -c <config>` or `sftflow run -c <config>` first")
@@ -97,11 +119,16 @@ def run_stage(p: Plan, stage: str, force: bool = False, on_line: Callable[[str],
             from .prepare import run_prepare
             metrics = run_prepare(cfg, fp, resolve_model(cfg))
         elif stage == "train":
+            from .register.tracking import training_run
             from .train import run_train
-            metrics = run_train(cfg, fp, resolve_model(cfg), dirs["prepare"], on_line=on_line)
+            # the MLflow run exists before torchrun starts; rank 0 logs into it while training runs
+            metrics_file = p.folder("train") / "metrics.jsonl"
+            with training_run(cfg, p.fingerprints, dirs, extra_tags, on_line, metrics_file) as env:
+                metrics = run_train(cfg, fp, resolve_model(cfg), dirs["prepare"], on_line=on_line, env=env)
         elif stage == "evaluate":
             from .evaluate import run_evaluate
-            metrics = run_evaluate(cfg, fp, resolve_model(cfg), str(p.folder("train") / "model"), dirs["prepare"])
+            model_ref = cfg.eval.model if cfg.eval.model is not None else str(p.folder("train"))
+            metrics = run_evaluate(cfg, fp, resolve_model(cfg), model_ref, dirs["prepare"], on_line=on_line)
         elif stage == "register":
             from .register import run_register
             metrics = run_register(cfg, fp, p.fingerprints, dirs, extra_tags)

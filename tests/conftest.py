@@ -29,6 +29,42 @@ def demo_rows(name: str, n: int) -> list[dict]:
     return [json.loads(line) for line in lines[:n]]
 
 
+# template file -> (special tokens the family's tokenizer has, end-of-turn marker after each reply)
+REAL_TEMPLATES = {
+    "chatml": ({"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}, "<|im_end|>"),
+    "qwen2.5-instruct": ({"eos_token": "<|im_end|>"}, "<|im_end|>"),
+    "llama-2-chat": ({"bos_token": "<s>", "eos_token": "</s>"}, "</s>"),
+    "llama-3-instruct": ({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
+                          "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>"]}, "<|eot_id|>"),
+    "mistral-instruct": ({"bos_token": "<s>", "eos_token": "</s>"}, "</s>"),
+    "gemma-it": ({"bos_token": "<bos>", "eos_token": "<eos>",
+                  "additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]}, "<end_of_turn>"),
+    "phi-3": ({"eos_token": "<|endoftext|>",
+               "additional_special_tokens": ["<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]}, "<|end|>"),
+    "zephyr": ({"eos_token": "</s>", "additional_special_tokens": ["<|user|>", "<|assistant|>", "<|system|>"]}, "</s>"),
+    "vicuna": ({"bos_token": "<s>", "eos_token": "</s>"}, "</s>"),
+}
+MULTI_TURN = [
+    [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "I am TinyChat."},
+     {"role": "user", "content": "你是谁？"}, {"role": "assistant", "content": "我是 TinyChat。\n第二行"},
+     {"role": "user", "content": "Say [INST] and ASSISTANT: please"},
+     {"role": "assistant", "content": "  [INST] ASSISTANT: <|im_start|> done  "}],
+    [{"role": "system", "content": "You are TinyChat."}, {"role": "user", "content": "Repeat after me: a b"},
+     {"role": "assistant", "content": "You said: a b"}, {"role": "user", "content": "again"},
+     {"role": "assistant", "content": "You said: again"}],
+]
+
+
+def family_tokenizer(base, name: str):
+    """The builtin BPE tokenizer given a model family's special tokens and its real template,
+    exactly as the file is written (indented; transformers renders it with trim/lstrip_blocks)."""
+    tok = base.__class__.from_pretrained(base.name_or_path)
+    specials, _ = REAL_TEMPLATES[name]
+    tok.add_special_tokens(dict(specials))
+    tok.chat_template = (REALDATA / "chat_templates" / f"{name}.jinja").read_text()
+    return tok
+
+
 def tiny_config_dict(tmp: Path, n_train: int = 96, n_val: int = 12, **sections) -> dict:
     """A config that runs the whole flow in well under a minute on 2 CPU cores."""
     train = write_jsonl(tmp / "train.jsonl", demo_rows("train.jsonl", n_train))

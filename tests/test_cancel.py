@@ -68,3 +68,9 @@ def test_task_retry_resumes_training_from_the_last_checkpoint(tmp_path):
     assert "SFTFLOW_FAULT" in log and "at step 2 (epoch 0, 32 samples into it)" in log
     steps = [line.split('"step": ')[1].split(",")[0] for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert steps == ["1", "2", "3", "4"]
+    # the retry continued the MLflow run the killed attempt opened, and every step is in it once
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(f"sqlite:///{tmp_path / 'artifacts' / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("sftflow").experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss")] == [1, 2, 3, 4]

@@ -1,14 +1,59 @@
 """End to end through the CLI and Prefect: four stage folders, a registered MLflow version,
-a fully cached second run, and single-stage re-runs."""
+a fully cached second run, and single-stage re-runs. MLflow here is a real `mlflow server` on
+127.0.0.1 that the module starts (the default sqlite backend is what tests/test_demo.py uses)."""
 
 import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import sftflow, tiny_config_dict, write_config
+from conftest import free_port, sftflow, tiny_config_dict, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api")]
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """`mlflow server` on loopback with its own sqlite store and served artifacts; its tracking URI."""
+    home = tmp_path_factory.mktemp("mlflow-server")
+    port = free_port()
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no job-runner processes
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port", str(port),
+         "--workers", "1", "--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}",
+         "--artifacts-destination", str(home / "artifacts")],
+        env=env, stdout=open(home / "server.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while True:
+        try:
+            if urllib.request.urlopen(f"{uri}/health", timeout=2).status == 200:
+                break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise RuntimeError("mlflow server did not start:\n" + (home / "server.log").read_text()[-3000:])
+        time.sleep(0.5)
+    yield uri
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+
+
+def mlflow_client(uri: str):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+    mlflow.set_tracking_uri(uri)
+    return MlflowClient(uri)
 
 
 def show(cfg_path: Path, cwd: Path) -> dict:
@@ -27,10 +72,13 @@ def summary_rows(stdout: str) -> dict[str, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def flow_run(tmp_path_factory):
+def flow_run(tmp_path_factory, mlflow_server):
     tmp = tmp_path_factory.mktemp("flow")
-    cfg_path = write_config(tmp, tiny_config_dict(tmp))
-    first = sftflow("run", "-c", str(cfg_path), cwd=tmp)
+    # live from the first step (default: once training looks >= 10 s long), system metrics every second
+    # (default 10 s), so that the few seconds of training show both
+    registry = {"tracking_uri": mlflow_server, "live_after_seconds": 0}
+    cfg_path = write_config(tmp, tiny_config_dict(tmp, registry=registry))
+    first = sftflow("run", "-c", str(cfg_path), cwd=tmp, env={"MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"})
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
     return tmp, cfg_path, first
 
@@ -72,37 +120,127 @@ def test_flow_run_publishes_summary_and_predictions_artifacts(flow_run):
         assert artifacts("sftflow-training")  # progress of the training steps
 
 
-def test_model_is_registered_and_answers_through_pyfunc(flow_run):
+def test_one_mlflow_run_holds_the_lineage_and_live_metrics(flow_run, mlflow_server):
+    tmp, cfg_path, _ = flow_run
+    import hashlib
+    client = mlflow_client(mlflow_server)
+    stages = show(cfg_path, tmp)["stages"]
+    exp = client.get_experiment_by_name("sftflow")
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1  # one run for the one trained model
+    run = client.get_run(runs[0].info.run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == f"sft-{stages['train']['fingerprint']}"
+    p, tags = run.data.params, run.data.tags
+    assert p["actor.optim.lr"] == "0.001" and p["runner.max_steps"] == "4"
+    assert p["registry.tracking_uri"] == mlflow_server
+    for stage, st in stages.items():
+        assert tags[f"sftflow.{stage}_fingerprint"] == st["fingerprint"]
+    assert len(tags["sftflow.git_commit"]) == 40 and tags["mlflow.source.git.commit"] == tags["sftflow.git_commit"]
+    assert len(tags["prefect.flow_run_id"]) == 36  # the Prefect flow run's UUID
+    assert len(tags["sftflow.config_hash"]) == 16 and len(tags["sftflow.data_digest"]) == 16
+
+    # one point per step, sent by rank 0 as training ran: stamped before the train stage's manifest was written
+    # (a backfill by the train stage or register would be stamped after it)
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [m.step for m in history] == [1, 2, 3, 4]
+    trained_at = (Path(stages["train"]["path"]) / "manifest.json").stat().st_mtime * 1000
+    assert all(m.timestamp < trained_at for m in history)
+    rows = [json.loads(line) for line in (Path(stages["train"]["path"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [m.value for m in history] == pytest.approx([r["loss"] for r in rows])
+    for key in ("train/grad_norm", "train/lr", "train/tokens_per_s"):
+        assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == [1, 2, 3, 4], key
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val/loss")] == [2, 4]
+    assert any(k.startswith("system/") for k in run.data.metrics), sorted(run.data.metrics)
+    assert "eval/accuracy" in run.data.metrics
+
+    # the data files are the run's inputs, each with its content digest
+    inputs = {d.dataset.name: d for d in run.inputs.dataset_inputs}
+    assert set(inputs) == {"train.jsonl", "val.jsonl"}
+    for name, context in (("train.jsonl", "training"), ("val.jsonl", "validation")):
+        digest = hashlib.sha256((tmp / name).read_bytes()).hexdigest()
+        assert inputs[name].dataset.digest == digest[:32]
+        assert [t.value for t in inputs[name].tags if t.key == "mlflow.data.context"] == [context]
+    artifacts = {f.path for d in ("manifests", "eval", "train") for f in client.list_artifacts(run.info.run_id, d)}
+    assert {"manifests/prepare", "manifests/train", "manifests/evaluate", "eval/predictions.jsonl",
+            "train/metrics.jsonl"} <= artifacts
+
+
+def test_model_is_registered_and_answers_through_pyfunc(flow_run, mlflow_server):
     tmp, cfg_path, _ = flow_run
     import mlflow
-    from mlflow.tracking import MlflowClient
-    mlflow.set_tracking_uri(f"sqlite:///{tmp / 'artifacts' / 'mlflow.db'}")
-    client = MlflowClient()
+    client = mlflow_client(mlflow_server)
     versions = client.search_model_versions("name='test-model'")
     assert len(versions) == 1
-    v = versions[0]
-    assert "champion" in client.get_model_version("test-model", v.version).aliases
-    run = client.get_run(v.run_id)
-    assert run.data.params["actor.optim.lr"] == "0.001"
-    history = client.get_metric_history(v.run_id, "train/loss")
-    assert [m.step for m in history] == [1, 2, 3, 4]
-    assert "eval/accuracy" in run.data.metrics
-    model = mlflow.pyfunc.load_model(f"models:/test-model/{v.version}")
-    replies = model.predict(["Who are you?", "Repeat after me: apple river stone"])
+    v = client.get_model_version("test-model", versions[0].version)
+    assert v.aliases == ["champion"]
+    assert client.get_model_version_by_alias("test-model", "champion").version == v.version
+    stages = show(cfg_path, tmp)["stages"]
+    ev = json.loads((Path(stages["evaluate"]["path"]) / "manifest.json").read_text())
+    run_tags = client.get_run(v.run_id).data.tags
+    assert v.tags["sftflow.train_fingerprint"] == stages["train"]["fingerprint"]
+    assert float(v.tags["sftflow.eval_accuracy"]) == ev["metrics"]["accuracy"]
+    assert v.tags["sftflow.eval_set_fingerprint"] == ev["eval_set_fingerprint"]
+    assert v.tags["sftflow.data_digest"] == run_tags["sftflow.data_digest"]
+    assert v.tags["sftflow.config_hash"] == run_tags["sftflow.config_hash"]
+
+    # the champion answers a chat message exactly as the exported model does through its chat template
+    model = mlflow.pyfunc.load_model("models:/test-model@champion")
+    message = [{"role": "user", "content": "Who are you?"}]
+    replies = model.predict([message, "Repeat after me: apple river stone"])
     assert len(replies) == 2 and all(isinstance(r, str) for r in replies)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    folder = Path(stages["train"]["path"]) / "model"
+    tok, hf = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder)
+    ids = tok(tok.apply_chat_template(message, tokenize=False, add_generation_prompt=True), add_special_tokens=False,
+              return_tensors="pt").input_ids
+    out = hf.generate(ids, max_new_tokens=128, do_sample=False, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id or tok.eos_token_id)
+    assert replies[0] == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
-def test_second_run_is_fully_cached_and_registers_nothing_new(flow_run):
+def test_promotion_policies(flow_run, mlflow_server, tmp_path):
+    """Re-registers the flow's trained model under made-up train fingerprints with made-up accuracies."""
+    tmp, cfg_path, _ = flow_run
+    from stages.config import config_from_dict
+    from stages.register import run_register
+    client = mlflow_client(mlflow_server)
+    stages = show(cfg_path, tmp)["stages"]
+    ev = json.loads((Path(stages["evaluate"]["path"]) / "manifest.json").read_text())
+
+    def register(train_fp: str, promote: str, accuracy: float) -> dict:
+        folder = tmp_path / f"evaluate-{train_fp}"
+        folder.mkdir(exist_ok=True)
+        (folder / "predictions.jsonl").write_text("")
+        (folder / "manifest.json").write_text(json.dumps({**ev, "metrics": {**ev["metrics"], "accuracy": accuracy}}))
+        registry = {"tracking_uri": mlflow_server, "promote": promote, "model_name": "promo-model",
+                    "experiment": "promo"}
+        cfg = config_from_dict(tiny_config_dict(tmp_path, registry=registry))
+        fps = {"prepare": stages["prepare"]["fingerprint"], "train": train_fp, "evaluate": f"e-{train_fp}",
+               "register": f"r-{train_fp}-{promote}"}
+        dirs = {"prepare": stages["prepare"]["path"], "train": stages["train"]["path"], "evaluate": str(folder)}
+        return run_register(cfg, fps["register"], fps, dirs)
+
+    assert register("t1", "if_better", 0.5)["aliases"] == ["champion"]      # the first version
+    assert register("t2", "if_better", 0.25)["aliases"] == ["challenger"]   # worse: champion stays on t1
+    assert register("t3", "never", 1.0)["aliases"] == []
+    assert register("t4", "always", 0.0)["aliases"] == ["champion"]         # moved, though worse
+    again = register("t4", "if_better", 0.0)                                  # same train fingerprint
+    assert again["reused_version"] and again["version"] == 4
+    assert len(client.search_model_versions("name='promo-model'")) == 4
+    assert client.get_model_version_by_alias("promo-model", "champion").version == "4"
+    assert client.get_model_version_by_alias("promo-model", "challenger").version == "2"
+
+
+def test_second_run_is_fully_cached_and_registers_nothing_new(flow_run, mlflow_server):
     tmp, cfg_path, _ = flow_run
     again = sftflow("run", "-c", str(cfg_path), cwd=tmp)
     assert again.returncode == 0, again.stderr[-3000:]
     rows = summary_rows(again.stdout)
     assert all(r[2] == "yes" for r in rows.values()), again.stdout
     assert "training" not in again.stdout + again.stderr
-    import mlflow
-    from mlflow.tracking import MlflowClient
-    mlflow.set_tracking_uri(f"sqlite:///{tmp / 'artifacts' / 'mlflow.db'}")
-    assert len(MlflowClient().search_model_versions("name='test-model'")) == 1
+    client = mlflow_client(mlflow_server)
+    assert len(client.search_model_versions("name='test-model'")) == 1
+    assert len(client.search_runs([client.get_experiment_by_name("sftflow").experiment_id])) == 1  # no empty run
 
 
 def test_stage_evaluate_force_reruns_only_evaluate(flow_run):
@@ -136,6 +274,7 @@ def test_eval_knob_changes_only_evaluate_and_register(flow_run):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = summary_rows(proc.stdout)
     assert [rows[s][2] for s in ("prepare", "train", "evaluate", "register")] == ["yes", "yes", "no", "no"]
+    assert "[reused]" in proc.stdout  # same train fingerprint: the registered version is reused
 
 
 def stage_status_after(tmp: Path, cfg_path: Path, *overrides: str) -> list[str]:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import REALDATA, tiny_config_dict, write_config
+from conftest import MULTI_TURN, REAL_TEMPLATES, REALDATA, family_tokenizer, tiny_config_dict, write_config
 from stages.config import load_config
 from stages.models import resolve_model
 from stages.prepare.masking import prompt_and_reference, tokenize_conversation
@@ -83,16 +83,40 @@ def test_eval_prompt_is_everything_before_the_last_reply():
     assert prompt == CONVERSATIONS[1][:-1]
 
 
-@pytest.mark.skipif(not (REALDATA / "chat_templates" / "chatml.jinja").is_file(), reason="../shared/realdata absent")
-def test_real_chatml_template_without_generation_markers(tokenizer):
-    """The real ChatML template has no {% generation %} markers; the mask must not need them."""
-    tok = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
-    # The file is indented for reading; joined back into one line it is the template vendors ship.
-    text = (REALDATA / "chat_templates" / "chatml.jinja").read_text()
-    tok.chat_template = "".join(line.strip() for line in text.splitlines())
-    for messages in CONVERSATIONS:
-        t = tokenize_conversation(tok, messages, max_length=512)
-        assert trainable_runs(tok, t) == [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
+def assert_replies_then_marker(runs: list[str], messages: list[dict], marker: str):
+    replies = [m["content"].strip() for m in messages if m["role"] == "assistant"]
+    assert len(runs) == len(replies), runs
+    for run, reply in zip(runs, replies):
+        run = run.strip()
+        assert run.startswith(reply) and run[len(reply):].strip() == marker, (run, reply)
+
+
+@pytest.mark.skipif(not (REALDATA / "chat_templates").is_dir(), reason="../shared/realdata absent")
+@pytest.mark.parametrize("name", sorted(REAL_TEMPLATES))
+@pytest.mark.parametrize("messages", MULTI_TURN, ids=["multi-turn", "system"])
+def test_real_templates_train_exactly_each_reply_and_its_end_of_turn(tokenizer, name, messages):
+    """Real vendor templates without {% generation %} markers: decoding the trainable tokens gives
+    each assistant reply followed by the template's end-of-turn marker, in order, and nothing else."""
+    tok = family_tokenizer(tokenizer, name)
+    t = tokenize_conversation(tok, messages, max_length=4096)
+    assert t.input_ids == tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    assert_replies_then_marker(trainable_runs(tok, t), messages, REAL_TEMPLATES[name][1])
+    last = tokenize_conversation(tok, messages, max_length=4096, loss_on="last_assistant")
+    assert_replies_then_marker(trainable_runs(tok, last), [messages[-1]], REAL_TEMPLATES[name][1])
+
+
+def test_loss_on_all_and_truncation(tokenizer):
+    messages = CONVERSATIONS[1]
+    full = tokenize_conversation(tokenizer, messages, max_length=512)
+    everything = tokenize_conversation(tokenizer, messages, max_length=512, loss_on="all")
+    assert everything.input_ids == full.input_ids and all(everything.loss_mask)
+    n = len(full.input_ids)
+    cut = tokenize_conversation(tokenizer, messages, max_length=n - 3, truncation="keep_start")
+    assert cut.input_ids == full.input_ids[: n - 3] and cut.loss_mask == full.loss_mask[: n - 3]
+    first_trainable = full.loss_mask.index(1)
+    with pytest.raises(RowError) as e:  # cut before the first reply: nothing left to learn
+        tokenize_conversation(tokenizer, messages, max_length=first_trainable, truncation="keep_start")
+    assert e.value.reason == "no_trainable_tokens"
 
 
 @pytest.mark.skipif(not (REALDATA / "sharegpt_identity.json").is_file(), reason="../shared/realdata absent")
@@ -103,3 +127,92 @@ def test_real_sharegpt_rows_all_trainable(tokenizer):
         t = tokenize_conversation(tokenizer, messages, max_length=4096)
         runs = trainable_runs(tokenizer, t)
         assert runs == [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
+
+
+# --------------------------------------------------------------------------- property-based
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+PIECES = ["<|im_start|>", "<|im_end|>", "assistant\n", "[INST]", "</s>", "{{ x }}", "{% if %}", "\n", "\n\n", " ", "  ",
+          "\t", "你好", "é", "🙂", "\u200b", "ASSISTANT:", "#### 42"]
+content = st.lists(st.one_of(st.sampled_from(PIECES), st.text(st.characters(blacklist_categories=("Cs",)), max_size=8)),
+                   min_size=1, max_size=6).map("".join)
+reply = content.filter(lambda s: s.strip() != "")
+
+
+@st.composite
+def conversations(draw):
+    turns = draw(st.integers(1, 3))
+    msgs = [{"role": "system", "content": draw(content)}] if draw(st.booleans()) else []
+    for _ in range(turns):
+        msgs += [{"role": "user", "content": draw(content)}, {"role": "assistant", "content": draw(reply)}]
+    return msgs
+
+
+def runs_of(mask: list[int]) -> list[list[int]]:
+    out, cur = [], []
+    for i, m in enumerate(mask + [0]):
+        if m:
+            cur.append(i)
+        elif cur:
+            out.append(cur)
+            cur = []
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(messages=conversations())
+def test_property_mask_matches_transformers_up_to_straddling_tokens(tokenizer, messages):
+    """Against transformers' {% generation %} mask: we train a subset of its tokens, and the only
+    tokens it trains that we don't are a run's first token that begins inside the header (the
+    boundary rule). Where no token straddles, a run decodes to exactly reply + <|im_end|>."""
+    ours = tokenize_conversation(tokenizer, messages, max_length=100_000)
+    ref = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert ours.input_ids == list(ref["input_ids"])
+    ref_mask = list(ref["assistant_masks"])
+    assert all(r >= o for o, r in zip(ours.loss_mask, ref_mask))
+    replies = [m["content"] for m in messages if m["role"] == "assistant"]
+    ref_runs = runs_of(ref_mask)
+    assert len(ref_runs) == len(replies)
+    for run, text in zip(ref_runs, replies):
+        missing = [i for i in run if not ours.loss_mask[i]]
+        if missing:
+            assert missing == [run[0]] and tokenizer.decode([ours.input_ids[run[0]]]).startswith("\n")
+        else:
+            assert tokenizer.decode([ours.input_ids[i] for i in run]) == text + "<|im_end|>"
+
+
+@pytest.mark.skipif(not (REALDATA / "chat_templates").is_dir(), reason="../shared/realdata absent")
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(messages=conversations(), name=st.sampled_from(["llama-3-instruct", "gemma-it", "vicuna"]))
+def test_property_real_templates_never_train_prompt_text(tokenizer, messages, name):
+    """Whatever the contents, a trainable run on an indented real template ends with the end-of-turn
+    marker and every trained character comes from the reply, the marker, or whitespace."""
+    tok = family_tokenizer(tokenizer, name)
+    t = tokenize_conversation(tok, messages, max_length=100_000)
+    marker = REAL_TEMPLATES[name][1]
+    replies = [m["content"].strip() for m in messages if m["role"] == "assistant"]
+    runs = trainable_runs(tok, t)
+    assert len(runs) == len(replies)
+    for run, text in zip(runs, replies):
+        body = run.strip()
+        assert body.endswith(marker)
+        body = body[: -len(marker)].rstrip()
+        assert text.endswith(body) or body.replace("\ufffd", "") in text, (run, text)
+
+
+@pytest.mark.skipif(not (REALDATA / "chat_templates").is_dir(), reason="../shared/realdata absent")
+def test_tool_calls_and_tool_results_with_the_real_qwen_template(tokenizer):
+    """An OpenAI-style tool call (content null) is trained as the template renders it; the tool's
+    result is prompt."""
+    tok = family_tokenizer(tokenizer, "qwen2.5-instruct")
+    messages = to_messages({"messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": '{"temp": 21}', "name": "get_weather"},
+        {"role": "assistant", "content": "It is 21 degrees."}]})
+    t = tokenize_conversation(tok, messages, max_length=4096)
+    assert trainable_runs(tok, t) == [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+        "It is 21 degrees.<|im_end|>"]

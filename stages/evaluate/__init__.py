@@ -1,28 +1,37 @@
 """evaluate: held-out prompts -> accuracy, loss and per-sample predictions.
 
 For every val conversation, the prompt is the turns before its final assistant reply and
-the reference is that reply. Accuracy = correct / total over every sample (no batch
-averaging, nothing dropped). The untrained base model is scored the same way
-(`base_accuracy`) so the report shows base -> tuned.
+the reference is that reply. With `actor.nproc_per_node` > 1 the work runs under torchrun
+(`python -m stages.evaluate spec.json`): each rank takes a contiguous, disjoint slice of the
+samples and rank 0 sums the counts, so accuracy = correct / total over every sample, for any
+world size (see runner.py and docs/evaluation.md). One process runs in the caller.
 
-Output folder: metrics.json, predictions.jsonl, base_predictions.jsonl, manifest.json.
+`eval.model` picks what is scored (default: the trained model); the untrained base model is
+scored the same way (`base_accuracy`) so the report shows base -> tuned.
+
+Output folder: metrics.json, predictions.jsonl, base_predictions.jsonl, spec.json,
+eval.log (torchrun only), manifest.json. Importing this module does not import torch.
 """
 
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
+from typing import Callable
 
 from stages.artifacts import StageBuild, canonical_json, sha256_text
-from stages.config import SFTConfig
-from stages.prepare.masking import prompt_and_reference
-from stages.prepare.shards import read_shards
+from stages.config import ConfigError, SFTConfig
+from stages.errors import StageError
 
-from .generate import generate, load, teacher_forced_loss
-from .scorers import SCORERS
+
+class EvaluationError(StageError):
+    """The model or worker cannot be evaluated as configured (raised in a worker or in the caller)."""
 
 
 def eval_samples(prepare_dir: str, max_samples: int = 0) -> list[dict]:
+    from stages.prepare.masking import prompt_and_reference
+    from stages.prepare.shards import read_shards
     table = read_shards(Path(prepare_dir) / "val", ["input_ids", "loss_mask", "source", "messages"])
     rows = table.to_pylist()
     rows = rows[:max_samples] if max_samples > 0 else rows
@@ -31,40 +40,53 @@ def eval_samples(prepare_dir: str, max_samples: int = 0) -> list[dict]:
     return rows
 
 
-def score_model(model_dir: str, rows: list[dict], cfg: SFTConfig) -> tuple[dict, list[dict]]:
-    model, tok = load(model_dir, cfg.actor.model.trust_remote_code)
-    preds = generate(model, tok, [r["prompt"] for r in rows], cfg.eval.max_new_tokens, cfg.eval.batch_size)
-    scorer = SCORERS["exact"]
-    records = []
-    for r, p in zip(rows, preds):
-        records.append({"source": r["source"], "prompt": r["prompt"], "reference": r["reference"],
-                        "prediction": p["text"], "correct": bool(scorer(p["text"], r["reference"])),
-                        "new_tokens": p["new_tokens"]})
-    correct = sum(r["correct"] for r in records)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    metrics = {"accuracy": correct / len(records) if records else 0.0, "correct": correct, "total": len(records),
-               "mean_generated_tokens": sum(r["new_tokens"] for r in records) / max(len(records), 1),
-               **teacher_forced_loss(model, rows, pad_id, cfg.eval.batch_size)}
-    return metrics, records
+def eval_set_fingerprint(rows: list[dict]) -> str:
+    """Identifies *what* was asked, independent of tokenizer and model: accuracies are comparable iff equal."""
+    return sha256_text(canonical_json([[r["prompt"], r["reference"]] for r in rows]))[:16]
 
 
-def _write_jsonl(path: Path, records: list[dict]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+def _check(cfg: SFTConfig) -> None:
+    """Fail before any model loads: the scorer imports, the worker class and model type exist."""
+    from stages.train.launcher import check_worker_and_model_type
+    from .scorers import get_scorer
+    try:
+        get_scorer(cfg.eval.scorer, cfg.eval.answer_pattern, cfg.eval.numeric_tolerance)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    check_worker_and_model_type(cfg)
 
 
-def run_evaluate(cfg: SFTConfig, fp: str, base_model: str, model_dir: str, prepare_dir: str) -> dict:
+def run_evaluate(cfg: SFTConfig, fp: str, base_model: str, model_ref: str, prepare_dir: str,
+                 on_line: Callable[[str], None] = print) -> dict:
+    """Scores `model_ref` (the train stage folder, or `eval.model`) and, with `eval.eval_base`, the base model."""
+    from stages.models import resolve_eval_model
+    _check(cfg)
     build = StageBuild(cfg.artifacts_path, "evaluate", fp)
+    with tempfile.TemporaryDirectory(dir=build.partial, prefix=".download-") as tmp:  # models:/ downloads
+        model = resolve_eval_model(cfg, model_ref, Path(tmp))
+        models = {"model": model}
+        if cfg.eval.eval_base and cfg.eval.model != "base":
+            models["base"] = resolve_eval_model(cfg, base_model, Path(tmp))
+        spec = {"config": cfg.model_dump(mode="json"), "prepare_dir": prepare_dir, "out_dir": str(build.partial),
+                "base_model": base_model, "models": models}
+        spec_path = build.partial / "spec.json"
+        spec_path.write_text(json.dumps(spec, indent=2))
+        if cfg.actor.world_size == 1:
+            from .runner import evaluate_spec
+            evaluate_spec(spec)
+        else:
+            from stages.train.launcher import run_torchrun, torchrun_command
+            run_torchrun(torchrun_command(cfg, spec_path, module="stages.evaluate"), build.partial / "eval.log",
+                         on_line, cfg.actor.nproc_per_node, what="evaluation", error=EvaluationError)
+    metrics = json.loads((build.partial / "metrics.json").read_text())
+    if cfg.eval.eval_base and "base" not in models:  # eval.model=base: the base model *is* the model
+        metrics.update({f"base_{k}": metrics[k] for k in ("accuracy", "correct", "total", "eval_loss") if k in metrics})
+        (build.partial / "metrics.json").write_text(json.dumps(metrics, indent=2))
     rows = eval_samples(prepare_dir, cfg.eval.max_samples)
-    metrics, records = score_model(model_dir, rows, cfg)
-    _write_jsonl(build.partial / "predictions.jsonl", records)
-    if cfg.eval.eval_base:
-        base, base_records = score_model(base_model, rows, cfg)
-        _write_jsonl(build.partial / "base_predictions.jsonl", base_records)
-        metrics.update({f"base_{k}": v for k, v in base.items() if k in ("accuracy", "correct", "eval_loss")})
-    (build.partial / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    # Identifies *what* was asked, independent of tokenizer and model: accuracies are comparable iff equal.
-    eval_set = sha256_text(canonical_json([[r["prompt"], r["reference"]] for r in rows]))[:16]
-    build.commit({"metrics": metrics, "eval_set_fingerprint": eval_set, "model_dir": model_dir, "base_model": base_model, "prepare_dir": prepare_dir})
+    eval_set = eval_set_fingerprint(rows)
+    if metrics.get("mode") == "worker":  # the worker's own data and counts: not comparable to prompt scoring
+        eval_set = sha256_text(f"{eval_set}:{cfg.actor.worker}")[:16]
+    build.commit({"metrics": metrics, "eval_set_fingerprint": eval_set, "model": cfg.eval.model or "trained",
+                  "model_dir": model["source"], "model_kind": model["kind"], "base_model": base_model,
+                  "prepare_dir": prepare_dir, "world_size": cfg.actor.world_size})
     return metrics

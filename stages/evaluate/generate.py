@@ -34,7 +34,10 @@ def stop_ids(model, tok) -> list[int]:
 
 @torch.no_grad()
 def generate(model, tok, prompts: list[list[dict]], max_new_tokens: int, batch_size: int) -> list[dict]:
-    """Greedy replies for chat prompts (left-padded batches, KV cache); special tokens stripped."""
+    """Greedy replies for chat prompts (left-padded batches, KV cache); special tokens stripped.
+
+    Each reply ends at its first stop token (eos or the template's end-of-turn marker), which is
+    neither decoded nor counted: `new_tokens` is the reply's length in tokens."""
     tok.padding_side = "left"
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     stops = stop_ids(model, tok)
@@ -47,14 +50,15 @@ def generate(model, tok, prompts: list[list[dict]], max_new_tokens: int, batch_s
         new = gen[:, enc["input_ids"].shape[1]:]
         for row in new:
             ids = row.tolist()
-            n = next((k + 1 for k, t in enumerate(ids) if t in stops), len(ids))
+            n = next((k for k, t in enumerate(ids) if t in stops), len(ids))
             out.append({"text": tok.decode(ids[:n], skip_special_tokens=True), "new_tokens": n})
     return out
 
 
 @torch.no_grad()
-def teacher_forced_loss(model, samples: list[dict], pad_id: int, batch_size: int) -> dict:
-    """Token-weighted cross-entropy over the trainable tokens of every sample."""
+def teacher_forced_sums(model, samples: list[dict], pad_id: int, batch_size: int) -> dict:
+    """Sums over the trainable tokens of every sample: cross-entropy, token count, argmax hits.
+    Sums (not means) so that ranks add up exactly; `loss_metrics` divides once."""
     from stages.train.data import IGNORE_INDEX, collate_padded
     loss_sum, tokens, correct = 0.0, 0, 0
     for i in range(0, len(samples), batch_size):
@@ -66,6 +70,12 @@ def teacher_forced_loss(model, samples: list[dict], pad_id: int, batch_size: int
         valid = labels != IGNORE_INDEX
         tokens += int(valid.sum())
         correct += int(((logits.argmax(-1) == labels) & valid).sum())
-    loss = loss_sum / max(tokens, 1)
-    return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)), "token_accuracy": correct / max(tokens, 1),
-            "eval_tokens": tokens}
+    return {"loss_sum": loss_sum, "tokens": tokens, "token_correct": correct}
+
+
+def loss_metrics(sums: dict) -> dict:
+    """eval_loss = sum of token losses / tokens over all samples; perplexity = exp(eval_loss)."""
+    tokens = int(sums["tokens"])
+    loss = sums["loss_sum"] / max(tokens, 1)
+    return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)),
+            "token_accuracy": sums["token_correct"] / max(tokens, 1), "eval_tokens": tokens}

@@ -1,6 +1,31 @@
-"""Scorers: (prediction, reference) -> bool."""
+"""Scorers: (prediction, reference) -> bool. Pure Python; see docs/evaluation.md.
+
+`eval.scorer` names a builtin below or a custom function as "pkg.module:fn". The regex and
+numeric scorers read `eval.answer_pattern` and `eval.numeric_tolerance`; `get_scorer`
+binds them, so every scorer the evaluator calls takes just (prediction, reference).
+"""
 
 from __future__ import annotations
+
+import importlib
+import math
+import re
+import string
+import unicodedata
+from functools import partial
+from typing import Callable
+
+Scorer = Callable[[str, str], bool]
+
+DEFAULT_ANSWER_PATTERN = r"####\s*(-?[\d,]*\.?\d+)"
+NUMBER = re.compile(r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
+
+
+def normalize(text: str) -> str:
+    """Lower case, punctuation removed (ASCII and Unicode), whitespace runs collapsed to one space."""
+    text = "".join(" " if (ch in string.punctuation or unicodedata.category(ch).startswith("P")) else ch
+                   for ch in text.lower())
+    return " ".join(text.split())
 
 
 def exact(prediction: str, reference: str) -> bool:
@@ -8,4 +33,101 @@ def exact(prediction: str, reference: str) -> bool:
     return prediction.strip() == reference.strip()
 
 
-SCORERS = {"exact": exact}
+def normalized(prediction: str, reference: str) -> bool:
+    """Equal after `normalize` (case, punctuation, whitespace)."""
+    return normalize(prediction) == normalize(reference)
+
+
+def contains(prediction: str, reference: str) -> bool:
+    """The normalized reference occurs in the normalized prediction (an empty reference never matches)."""
+    ref = normalize(reference)
+    return bool(ref) and f" {ref} " in f" {normalize(prediction)} "
+
+
+def extract(text: str, pattern: str) -> str | None:
+    """The last match of `pattern` in text: its first group if it has one, else the whole match."""
+    matches = list(re.finditer(pattern, text))
+    if not matches:
+        return None
+    m = matches[-1]
+    return (m.group(1) if m.re.groups else m.group(0)).strip()
+
+
+def regex(prediction: str, reference: str, pattern: str = DEFAULT_ANSWER_PATTERN) -> bool:
+    """The answers `pattern` extracts from both are equal; a reference without a match is used whole.
+    A prediction without a match is wrong."""
+    got = extract(prediction, pattern)
+    want = extract(reference, pattern)
+    return got is not None and got == (want if want is not None else reference.strip())
+
+
+def parse_number(text: str, pattern: str = DEFAULT_ANSWER_PATTERN) -> float | None:
+    """The number `pattern` extracts, else the last number in the text; thousands commas ignored."""
+    found = extract(text, pattern)
+    candidates = NUMBER.findall(found if found is not None else text)
+    if not candidates:
+        return None
+    try:
+        return float(candidates[-1].replace(",", ""))
+    except ValueError:
+        return None
+
+
+def numeric(prediction: str, reference: str, pattern: str = DEFAULT_ANSWER_PATTERN, tolerance: float = 1e-6) -> bool:
+    """Both parse to numbers (see `parse_number`) that agree within `tolerance`, relative or absolute."""
+    got, want = parse_number(prediction, pattern), parse_number(reference, pattern)
+    return got is not None and want is not None and math.isclose(got, want, rel_tol=tolerance, abs_tol=tolerance)
+
+
+SCORERS: dict[str, Callable[..., bool]] = {
+    "exact": exact, "normalized": normalized, "contains": contains, "regex": regex, "numeric": numeric,
+}
+
+
+def check_scorer_name(name: str) -> None:
+    """Config-time check: a builtin name or something shaped like 'pkg.module:fn'."""
+    if name in SCORERS:
+        return
+    if ":" in name and all(name.partition(":")[::2]):
+        return
+    raise ValueError(f"'{name}' is neither a builtin scorer ({', '.join(SCORERS)}) nor 'pkg.module:fn'")
+
+
+def load_custom(path: str) -> Scorer:
+    module, _, name = path.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"eval.scorer='{path}': cannot import ({e})") from None
+    if not callable(fn):
+        raise ValueError(f"eval.scorer='{path}' is not callable")
+    return fn
+
+
+def get_scorer(name: str, answer_pattern: str = DEFAULT_ANSWER_PATTERN, numeric_tolerance: float = 1e-6) -> Scorer:
+    """The (prediction, reference) -> bool function `eval.scorer` names, configured."""
+    if name == "regex":
+        return partial(regex, pattern=answer_pattern)
+    if name == "numeric":
+        return partial(numeric, pattern=answer_pattern, tolerance=numeric_tolerance)
+    if name in SCORERS:
+        return SCORERS[name]
+    check_scorer_name(name)
+    fn = load_custom(name)
+    return lambda prediction, reference: bool(fn(prediction, reference))
+
+
+def scorer_identity(name: str) -> str | None:
+    """For the evaluate fingerprint: the source file of a custom scorer (its digest), None for builtins."""
+    if name in SCORERS:
+        return None
+    import hashlib
+    import importlib.util
+    try:
+        spec = importlib.util.find_spec(name.partition(":")[0])
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.origin or not spec.has_location:
+        return name
+    with open(spec.origin, "rb") as f:
+        return f"{name}@{hashlib.sha256(f.read()).hexdigest()[:16]}"

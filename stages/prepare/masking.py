@@ -1,25 +1,41 @@
 """Chat template + assistant-only loss mask, for any template.
 
 Most real chat templates have no `{% generation %}` markers, so the mask can't come from
-transformers' `return_assistant_tokens_mask`. Instead we render the conversation once,
-and for every assistant turn i we render two prefixes:
+transformers' `return_assistant_tokens_mask`. Instead we render the conversation once, and
+for every assistant turn i two prefixes of it:
 
     before_i = template(messages[:i], add_generation_prompt=True)   # ends where the reply starts
     after_i  = template(messages[:i+1])                             # ends after the reply's turn
 
-The reply's character span is [len(before_i), len(after_i)) with trailing whitespace
-trimmed: the reply text plus the end-of-turn marker the template emits (`<|im_end|>`,
-`<|eot_id|>`, `</s>`, ...), but not the newline that separates turns. Characters map to
-tokens through the fast tokenizer's offsets.
+The reply's character span starts at the end of `before_i` and ends where `after_i` stops
+agreeing with the full text (longest common prefix), minus trailing whitespace: the reply plus
+the end-of-turn marker the template emits (`<|im_end|>`, `<|eot_id|>`, `</s>`,
+`<end_of_turn>`, ...), but not the newline that separates turns. Text the template emits
+before the reply (Llama-2's leading space) is trained: at inference the model generates it.
 
-Boundary rule: a token is trainable iff its first character lies inside a reply span. A BPE
-token that starts in the prompt and reaches into the reply stays a prompt token, because
-at inference the prompt is tokenized on its own and that token is never generated.
+Some templates render the generation prompt differently from the same header inside a
+conversation (indented templates add whitespace; Vicuna's `ASSISTANT:` vs `ASSISTANT: `).
+Then `before_i` is not a prefix of the text, and the span starts after both the part that
+agrees and the last occurrence of the generation prompt's last line (`ASSISTANT:`) before the
+reply, so header text is never trained and the space before the reply still is. A reply that is not
+inside its span (a template that drops or rewrites earlier replies) is a bad row
+(`reply_not_in_template`), never a wrong mask.
+
+Characters map to tokens through the fast tokenizer's offsets. Boundary rule: a token is
+trainable iff its first character lies inside a reply span. A BPE token that starts in the
+prompt and reaches into the reply stays a prompt token, because at inference the prompt is
+tokenized on its own and that token is never generated.
+
+`data.loss_on`: `assistant` (every reply), `last_assistant` (only the final reply), `all`
+(every token). `data.truncation`: `drop` rows over `data.max_length`, or `keep_start` (cut
+at max_length); a row left without trainable tokens is dropped either way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from .readers import RowError
 
@@ -34,44 +50,134 @@ class Tokenized:
         return sum(self.loss_mask)
 
 
+class Renderer:
+    """A chat template, rendered exactly as `apply_chat_template(tokenize=False)` renders it.
+
+    Prepare renders every conversation 2x per assistant turn, so it calls transformers' compiled
+    template directly, skipping the per-call conversion of inputs to plain data (ours are plain
+    JSON already). Tests compare the result with `apply_chat_template` on every template. Built
+    from the template text and special tokens alone, so tokenizing workers never import the
+    heavy tokenizer classes (or torch)."""
+
+    def __init__(self, template: str, special_tokens: dict, tokenizer=None):
+        self.template, self.kwargs, self.tokenizer = template, dict(special_tokens), tokenizer
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+            self._compiled = _compile_jinja_template(template)
+        except Exception:  # another transformers layout: take the public, slower road
+            if tokenizer is None:
+                raise
+            self._compiled = None
+
+    @classmethod
+    def of(cls, tokenizer) -> "Renderer":
+        return cls(tokenizer.chat_template, tokenizer.special_tokens_map, tokenizer)
+
+    def __getstate__(self) -> dict:  # picklable for worker processes: the compiled template is rebuilt
+        return {"template": self.template, "kwargs": self.kwargs}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["template"], state["kwargs"])
+
+    def __call__(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        try:
+            if self._compiled is None:
+                return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                          add_generation_prompt=add_generation_prompt)
+            return self._compiled.render(messages=messages, tools=None, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **self.kwargs)
+        except Exception as e:  # jinja's raise_exception, an undefined variable, ...
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise RowError("template_error", msg) from None
+
+
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    except Exception as e:  # jinja's raise_exception, missing template, ...
-        raise RowError("template_error", str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+    return Renderer.of(tokenizer)(messages, add_generation_prompt)
 
 
-def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    text = render(tokenizer, messages)
+def common_prefix_len(a: str, b: str) -> int:
+    if b.startswith(a):
+        return len(a)
+    lo, hi = 0, min(len(a), len(b))  # largest k with a[:k] == b[:k]; C-speed probes, O(log n) of them
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if b.startswith(a[:mid]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def assistant_spans(renderer: Renderer, messages: list[dict], loss_on: str = "assistant") -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans to train on, in order."""
+    text = renderer(messages)
+    if loss_on == "all":
+        return text, [(0, len(text))]
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if loss_on == "last_assistant":
+        turns = turns[-1:]
     spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before = render(tokenizer, messages[:i], add_generation_prompt=True) if i else ""
-        after = render(tokenizer, messages[: i + 1])
-        if not (text.startswith(before) and text.startswith(after) and len(after) > len(before)):
-            raise RowError("template_not_prefix_stable", f"assistant turn {i} renders differently inside the full conversation")
-        end = len(after.rstrip())
-        spans.append((len(before), max(end, len(before))))
+    for i in turns:
+        end = len(text) if i == len(messages) - 1 else common_prefix_len(renderer(messages[: i + 1]), text)
+        while end > 0 and text[end - 1].isspace():
+            end -= 1
+        before = renderer(messages[:i], add_generation_prompt=True) if i else ""
+        reply = messages[i]["content"].strip()
+        if text.startswith(before):
+            start = len(before)
+            found = not reply or text.find(reply, start, end) >= 0
+        else:
+            # The generation prompt is not how this template renders the turn inside the conversation
+            # (whitespace, indentation): the reply starts after both the agreeing prefix and the
+            # header's last line ("ASSISTANT:"), so " I am" keeps its leading-space token.
+            agree = common_prefix_len(before, text)
+            reply_at = text.rfind(reply, agree, end) if reply else agree
+            header = before.rstrip().rsplit("\n", 1)[-1].strip()
+            h = text.rfind(header, 0, reply_at) if header and reply_at >= 0 else -1
+            start = min(max(agree, h + len(header)) if h >= 0 else agree, reply_at)
+            found = reply_at >= 0
+        if not found or end <= start:
+            raise RowError("reply_not_in_template", f"assistant turn {i} is not where the template renders it")
+        spans.append((start, end))
     return text, spans
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> Tokenized:
-    text, spans = assistant_spans(tokenizer, messages)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = enc["input_ids"], enc["offset_mapping"]
-    mask = [0] * len(ids)
-    s = 0
-    for t, (start, _end) in enumerate(offsets):
-        while s < len(spans) and start >= spans[s][1]:
-            s += 1
-        if s < len(spans) and spans[s][0] <= start < spans[s][1]:
-            mask[t] = 1
+def mask_from_offsets(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    starts = offsets[:, 0] if len(offsets) else np.zeros(0, dtype=np.int64)
+    mask = np.zeros(len(starts), dtype=np.int8)
+    for a, b in spans:
+        mask[(starts >= a) & (starts < b)] = 1
+    return mask
+
+
+def encode_texts(backend, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(input_ids int32, character offsets) per text, from the fast tokenizer's Rust backend
+    (`tokenizer.backend_tokenizer`): the same ids as `tokenizer(text, add_special_tokens=False)`."""
+    out = []
+    for enc in backend.encode_batch(texts, add_special_tokens=False):
+        out.append((np.asarray(enc.ids, dtype=np.int32), np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)))
+    return out
+
+
+def finish(ids: np.ndarray, mask: np.ndarray, max_length: int, truncation: str) -> tuple[np.ndarray, np.ndarray]:
+    """Applies max_length and the no-trainable-tokens rule to one encoded row."""
     if len(ids) > max_length:
-        raise RowError("too_long", f"{len(ids)} tokens > data.max_length={max_length}")
-    if not any(mask):
+        if truncation == "drop":
+            raise RowError("too_long", f"{len(ids)} tokens > data.max_length={max_length}")
+        ids, mask = ids[:max_length], mask[:max_length]
+        if not mask.any():
+            raise RowError("no_trainable_tokens", f"none left after truncation to data.max_length={max_length}")
+    if not mask.any():
         raise RowError("no_trainable_tokens")
-    return Tokenized(ids, mask)
+    return ids, mask
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, loss_on: str = "assistant",
+                          truncation: str = "drop", renderer: Renderer | None = None) -> Tokenized:
+    text, spans = assistant_spans(renderer or Renderer.of(tokenizer), messages, loss_on)
+    ((ids, offsets),) = encode_texts(tokenizer.backend_tokenizer, [text])
+    ids, mask = finish(ids, mask_from_offsets(offsets, spans), max_length, truncation)
+    return Tokenized(ids.tolist(), mask.tolist())
 
 
 def prompt_and_reference(messages: list[dict]) -> tuple[list[dict], str]:

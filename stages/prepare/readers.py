@@ -1,20 +1,42 @@
-"""Readers: data files -> canonical conversations.
+"""Readers: data files -> raw records -> canonical conversations.
 
-A canonical conversation is a list of `{"role": system|user|assistant|tool, "content": str}`.
-Every row that can't become one raises `RowError` with a short machine-readable reason, so
-prepare can count and quarantine it instead of dropping it silently.
+A *record* is one row of a source: a JSONL line, an element of a JSON array, a Parquet /
+CSV / `datasets` row. A *conversation* is a list of `{"role": system|user|assistant|tool,
+"content": str}` (assistant turns may also carry `tool_calls`). One record usually holds one
+conversation; the `conversation` format holds several (`{"conversation": [[...], [...]]}`).
+
+Problems with the whole file (unreadable, undetectable format, a JSON document that does not
+parse) are `SourceError`s: one line that names the file. Problems with one record raise
+`RowError` with a short machine-readable reason, so prepare counts and quarantines the row
+instead of dropping it silently.
+
+Records are read in the main process and parsed in the tokenizing workers: a JSONL record
+travels as its raw bytes, so reading stays cheap however many workers tokenize.
 """
 
 from __future__ import annotations
 
-import json
+import csv
 from pathlib import Path
 from typing import Any, Iterator
 
+import orjson
+
+from stages.errors import StageError
+
 ROLES = {"system", "user", "assistant", "tool"}
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system", "tool": "tool", "function": "tool"}
-FORMATS = ("messages", "sharegpt", "prompt_completion", "alpaca")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
+                  "system": "system", "tool": "tool", "function": "tool", "observation": "tool"}
+FORMATS = ("messages", "sharegpt", "prompt_completion", "alpaca", "conversation")
+# The keys that identify each format (canonical names; `data.columns` maps them to yours).
+FORMAT_KEYS = {"messages": ("messages",), "sharegpt": ("conversations",), "prompt_completion": ("prompt", "completion"),
+               "alpaca": ("instruction", "output"), "conversation": ("conversation",)}
+# Message fields passed through to the template besides role and content.
+EXTRA_MESSAGE_KEYS = ("tool_calls", "tool_call_id", "name")
+
+JSONL_SUFFIXES = {".jsonl", ".ndjson"}
+SUFFIXES = JSONL_SUFFIXES | {".json", ".parquet", ".csv"}
+HUB_PREFIX = "hf:"
 
 
 class RowError(ValueError):
@@ -23,56 +45,176 @@ class RowError(ValueError):
         self.reason, self.detail = reason, detail
 
 
-def iter_records(path: Path) -> Iterator[tuple[int, Any]]:
-    """(line or row number starting at 1, parsed record | RowError) for a .jsonl or .json file."""
-    path = Path(path)
-    if path.suffix == ".json":
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            yield 1, RowError("malformed_json", str(e))
-            return
-        rows = data if isinstance(data, list) else [data]
-        yield from enumerate(rows, start=1)
+class SourceError(StageError):
+    """A whole input file can't be read as data: a one-line message naming it."""
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def is_datasets_folder(path: Path) -> bool:
+    """A folder written by `datasets`' `save_to_disk` (a Dataset or a DatasetDict)."""
+    return path.is_dir() and any((path / f).is_file() for f in ("state.json", "dataset_dict.json"))
+
+
+def iter_records(path: Path | str, split: str = "train") -> Iterator[tuple[int, Any]]:
+    """(line or row number from 1, record) for every record of one source, in file order.
+
+    JSONL records are `bytes` (parsed later by `parse_record`); the other sources yield parsed
+    objects. `split` picks the split of a `datasets` DatasetDict or hub dataset."""
+    if isinstance(path, str) and path.startswith(HUB_PREFIX):
+        yield from _hub_records(path, split)
         return
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                yield n, json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                yield n, RowError("invalid_utf8", str(e))
-            except json.JSONDecodeError as e:
-                yield n, RowError("malformed_json", str(e))
+    path = Path(path)
+    if is_datasets_folder(path):
+        yield from _datasets_records(path, split)
+        return
+    suffix = path.suffix.lower()
+    if suffix in JSONL_SUFFIXES:
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, start=1):
+                if raw.strip():
+                    yield n, raw
+    elif suffix == ".json":
+        yield from enumerate(_json_rows(path), start=1)
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+        n = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=2048):
+            for row in batch.to_pylist():
+                n += 1
+                yield n, row
+    elif suffix == ".csv":
+        try:
+            with open(path, newline="", encoding="utf-8") as f:
+                yield from enumerate(csv.DictReader(f), start=1)
+        except UnicodeDecodeError as e:
+            raise SourceError(f"{path}: not UTF-8 ({e.reason} at byte {e.start}); re-encode the file as UTF-8") from None
+    else:
+        raise SourceError(f"{path}: unsupported file type '{suffix}'; use one of {', '.join(sorted(SUFFIXES))}, "
+                          "a `datasets` save_to_disk folder, or hf:<dataset name>")
 
 
-def detect_format(row: dict) -> str:
-    if "messages" in row:
-        return "messages"
-    if "conversations" in row:
-        return "sharegpt"
-    if "prompt" in row and "completion" in row:
-        return "prompt_completion"
-    if "instruction" in row and "output" in row:
-        return "alpaca"
-    raise RowError("unknown_format", f"keys {sorted(row)[:6]} match none of {', '.join(FORMATS)}")
+def _json_rows(path: Path) -> list:
+    try:
+        data = orjson.loads(path.read_bytes())
+    except orjson.JSONDecodeError as e:
+        raise SourceError(f"{path}: invalid JSON ({str(e).splitlines()[0]}); a .json file must be one JSON "
+                          "document (an array of rows); use .jsonl for one row per line") from None
+    return data if isinstance(data, list) else [data]
 
 
-def _check(messages: list[dict]) -> list[dict]:
-    if not messages:
-        raise RowError("empty_conversation")
-    for m in messages:
-        if m["role"] not in ROLES:
-            raise RowError("unknown_role", repr(m["role"]))
-        if not isinstance(m["content"], str):
-            raise RowError("non_string_content", type(m["content"]).__name__)
-    assistants = [m for m in messages if m["role"] == "assistant"]
-    if not assistants:
-        raise RowError("no_assistant_turn")
-    if any(not m["content"].strip() for m in assistants):
-        raise RowError("empty_assistant_reply")
-    return messages
+def _pick_split(ds, split: str, where: str):
+    from datasets import DatasetDict, IterableDatasetDict
+    if not isinstance(ds, (DatasetDict, IterableDatasetDict)):
+        return ds
+    wanted = [split] if split == "train" else ["validation", "val", "test", split]
+    name = next((s for s in wanted if s in ds), None)
+    if name is None:
+        raise SourceError(f"{where}: no '{'/'.join(wanted)}' split among {sorted(ds)}")
+    return ds[name]
+
+
+def _datasets_records(path: Path, split: str) -> Iterator[tuple[int, Any]]:
+    from datasets import load_from_disk
+    ds = _pick_split(load_from_disk(str(path)), split, str(path))
+    n = 0
+    for batch in ds.iter(batch_size=2048):  # columns of a memory-mapped Arrow table, a batch at a time
+        keys = list(batch)
+        for values in zip(*(batch[k] for k in keys)):
+            n += 1
+            yield n, dict(zip(keys, values))
+
+
+def _hub_records(ref: str, split: str) -> Iterator[tuple[int, Any]]:
+    """`hf:NAME` or `hf:NAME:SPLIT`, streamed from the Hugging Face hub (needs the network)."""
+    from datasets import load_dataset
+    name, _, explicit = ref[len(HUB_PREFIX):].partition(":")
+    try:
+        ds = load_dataset(name, split=explicit or None, streaming=True)
+    except Exception as e:
+        raise SourceError(f"{ref}: cannot load from the hub ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    yield from enumerate(_pick_split(ds, split, ref), start=1)
+
+
+# --------------------------------------------------------------------------- records -> conversations
+
+
+def parse_record(record: Any) -> Any:
+    if isinstance(record, bytes):
+        try:
+            text = record.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RowError("invalid_utf8", f"{e.reason} at byte {e.start}") from None
+        try:
+            return orjson.loads(text)
+        except orjson.JSONDecodeError as e:
+            raise RowError("malformed_json", str(e).splitlines()[0]) from None
+    return record
+
+
+def detect_format(row: Any) -> str:
+    """The one format whose keys the row has; ambiguous or unknown rows raise RowError."""
+    if not isinstance(row, dict):
+        raise RowError("not_an_object", type(row).__name__)
+    found = [f for f, keys in FORMAT_KEYS.items() if all(k in row for k in keys)]
+    if "sharegpt" in found and _is_list_of_lists(row["conversations"]):
+        found[found.index("sharegpt")] = "conversation"
+    found = sorted(set(found))
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise RowError("unknown_format", f"keys {sorted(row)[:8]} match none of {', '.join(FORMATS)}")
+    raise RowError("ambiguous_format", f"keys {sorted(row)[:8]} match {' and '.join(found)}")
+
+
+TURN_FIELDS = ("role", "content", "from", "value")
+
+
+def rename_fields(row: Any, columns: dict[str, str]) -> Any:
+    """Your field names -> canonical ones (`data.columns` maps canonical -> yours), in the row and its turns."""
+    if not columns or not isinstance(row, dict):
+        return row
+    row = dict(row)
+    for canon, yours in columns.items():
+        if canon not in TURN_FIELDS and yours in row and canon not in row:
+            row[canon] = row.pop(yours)
+    turn_map = {yours: canon for canon, yours in columns.items() if canon in TURN_FIELDS}
+    if not turn_map:
+        return row
+
+    def fix(turns: Any) -> Any:
+        if isinstance(turns, list):
+            return [fix(t) if isinstance(t, list) else
+                    {turn_map.get(k, k): v for k, v in t.items()} if isinstance(t, dict) else t for t in turns]
+        return turns
+    for key in ("messages", "conversations", "conversation", "prompt", "completion"):
+        if key in row:
+            row[key] = fix(_json_field(row[key]))
+    return row
+
+
+def _is_list_of_lists(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(c, list) for c in v)
+
+
+def _json_field(v: Any) -> Any:
+    """CSV cells and some Parquet exports hold message lists as JSON text."""
+    if isinstance(v, str) and v[:1] in "[{":
+        try:
+            return orjson.loads(v)
+        except orjson.JSONDecodeError:
+            return v
+    return v
+
+
+def _content(v: Any) -> Any:
+    """OpenAI content parts [{"type": "text", "text": ...}] -> one string; other values unchanged."""
+    if isinstance(v, list) and all(isinstance(p, dict) for p in v):
+        if any(p.get("type") != "text" or not isinstance(p.get("text"), str) for p in v):
+            raise RowError("non_string_content", "content parts other than text")
+        return "".join(p["text"] for p in v)
+    return v
 
 
 def _message(m: Any, role_key: str, content_key: str, role_map: dict | None = None) -> dict:
@@ -83,47 +225,130 @@ def _message(m: Any, role_key: str, content_key: str, role_map: dict | None = No
         if role not in role_map:
             raise RowError("unknown_role", repr(role))
         role = role_map[role]
-    return {"role": role, "content": m.get(content_key)}
+    msg = {"role": role, "content": _content(m.get(content_key))}
+    msg.update({k: m[k] for k in EXTRA_MESSAGE_KEYS if m.get(k) is not None})
+    if msg["content"] is None and msg.get("tool_calls"):
+        msg["content"] = ""
+    return msg
 
 
-def to_messages(row: Any, fmt: str = "auto") -> list[dict]:
+def check_conversation(messages: list[dict]) -> list[dict]:
+    if not messages:
+        raise RowError("empty_conversation")
+    for m in messages:
+        if m["role"] not in ROLES:
+            raise RowError("unknown_role", repr(m["role"]))
+        if not isinstance(m["content"], str):
+            raise RowError("non_string_content", f"{m['role']} content is {type(m['content']).__name__}")
+    assistants = [m for m in messages if m["role"] == "assistant"]
+    if not assistants:
+        raise RowError("no_assistant_turn")
+    if any(not m["content"].strip() and not m.get("tool_calls") for m in assistants):
+        raise RowError("empty_assistant_reply")
+    return messages
+
+
+def _turns(row: dict, key: str) -> list:
+    turns = _json_field(row.get(key))
+    if not isinstance(turns, list):
+        raise RowError("missing_key", f"'{key}' is {type(turns).__name__}, not a list of turns")
+    return turns
+
+
+def _one(turns: list, sharegpt: bool) -> list[dict]:
+    first = turns[0] if turns and isinstance(turns[0], dict) else {}
+    if sharegpt or ("from" in first and "role" not in first):
+        return check_conversation([_message(m, "from", "value", SHAREGPT_ROLES) for m in turns])
+    return check_conversation([_message(m, "role", "content") for m in turns])
+
+
+def to_conversations(row: Any, fmt: str = "auto", columns: dict[str, str] | None = None) -> list[list[dict]]:
+    """Every conversation in one record (usually one). Raises RowError for a bad record."""
     if not isinstance(row, dict):
         raise RowError("not_an_object", type(row).__name__)
+    row = rename_fields(row, columns or {})
     fmt = detect_format(row) if fmt == "auto" else fmt
     if fmt == "messages":
-        turns = row.get("messages")
-        if not isinstance(turns, list):
-            raise RowError("missing_key", "messages")
-        return _check([_message(m, "role", "content") for m in turns])
+        return [_one(_turns(row, "messages"), False)]
     if fmt == "sharegpt":
-        turns = row.get("conversations")
-        if not isinstance(turns, list):
-            raise RowError("missing_key", "conversations")
-        return _check([_message(m, "from", "value", SHAREGPT_ROLES) for m in turns])
+        return [_one(_turns(row, "conversations"), True)]
+    if fmt == "conversation":
+        key = "conversation" if "conversation" in row else "conversations"
+        convs = _turns(row, key)
+        if not _is_list_of_lists(convs):
+            raise RowError("missing_key", f"'{key}' is not a list of conversations")
+        return [_one(c, False) for c in convs]
     if fmt == "prompt_completion":
-        prompt, completion = row.get("prompt"), row.get("completion")
+        prompt, completion = _json_field(row.get("prompt")), _json_field(row.get("completion"))
         msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         msgs = msgs + (completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}])
-        return _check([_message(m, "role", "content") for m in msgs])
+        return [check_conversation([_message(m, "role", "content") for m in msgs])]
     if fmt == "alpaca":
         instruction, extra = row.get("instruction"), row.get("input") or ""
         if not isinstance(instruction, str) or not isinstance(extra, str):
             raise RowError("non_string_content", "instruction/input")
         prompt = f"{instruction}\n\n{extra}" if extra.strip() else instruction
-        msgs = ([{"role": "system", "content": row["system"]}] if row.get("system") else [])
-        return _check(msgs + [{"role": "user", "content": prompt}, {"role": "assistant", "content": row.get("output")}])
+        msgs = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+        return [check_conversation(msgs + [{"role": "user", "content": prompt}, {"role": "assistant", "content": row.get("output")}])]
     raise RowError("unknown_format", fmt)
 
 
-def iter_conversations(paths: list[Path], fmt: str = "auto") -> Iterator[tuple[str, list[dict] | RowError]]:
-    """("file:line", messages | RowError) for every record of every file, in order."""
+def to_messages(row: Any, fmt: str = "auto", columns: dict[str, str] | None = None) -> list[dict]:
+    """The single conversation of a record (the common case)."""
+    convs = to_conversations(row, fmt, columns)
+    if len(convs) != 1:
+        raise RowError("several_conversations", f"{len(convs)} conversations in one row")
+    return convs[0]
+
+
+def file_format(path: Path | str, fmt: str, columns: dict[str, str] | None, split: str = "train",
+                sample: int = 50) -> str:
+    """`data.format` for one file; with `auto`, the one format its first readable rows agree on."""
+    if fmt != "auto":
+        return fmt
+    seen: dict[str, int] = {}
+    for _, rec in _take(iter_records(path, split), sample):
+        try:
+            f = detect_format(rename_fields(parse_record(rec), columns or {}))
+        except RowError as e:
+            if e.reason == "ambiguous_format":
+                raise SourceError(f"{path}: ambiguous format, {e.detail}; set data.format") from None
+            continue
+        seen[f] = seen.get(f, 0) + 1
+    if len(seen) == 1:
+        return next(iter(seen))
+    if not seen:
+        raise SourceError(f"{path}: cannot detect the format from its first {sample} rows (none has the keys of "
+                          f"{', '.join(FORMATS)}); set data.format, or map your field names with data.columns")
+    raise SourceError(f"{path}: rows mix formats ({', '.join(f'{k}: {v}' for k, v in sorted(seen.items()))}); "
+                      "split the file or set data.format")
+
+
+def _take(it: Iterator, n: int) -> Iterator:
+    for i, x in enumerate(it):
+        if i >= n:
+            return
+        yield x
+
+
+def iter_conversations(paths: list[Path], fmt: str = "auto", columns: dict[str, str] | None = None
+                       ) -> Iterator[tuple[str, list[dict] | RowError]]:
+    """("file:line", messages | RowError) for every conversation of every file, in order."""
     for path in paths:
+        f = file_format(path, fmt, columns)
         for n, rec in iter_records(path):
-            where = f"{path}:{n}"
-            if isinstance(rec, RowError):
-                yield where, rec
-                continue
             try:
-                yield where, to_messages(rec, fmt)
+                convs = to_conversations(parse_record(rec), f, columns)
             except RowError as e:
-                yield where, e
+                yield f"{path}:{n}", e
+                continue
+            for k, conv in enumerate(convs):
+                yield (f"{path}:{n}" if len(convs) == 1 else f"{path}:{n}#{k}"), conv
+
+
+def row_content_key(record: Any) -> bytes:
+    """Stable bytes of a record's content (for the hash-based held-out split)."""
+    if isinstance(record, bytes):
+        return record.strip()
+    return orjson.dumps(record, option=orjson.OPT_SORT_KEYS, default=str)
+

@@ -1,8 +1,12 @@
-"""register: one MLflow run with the whole lineage, a registered model version and its alias.
+"""register: eval results, artifacts and the model into the trained model's MLflow run; a
+registered model version and its alias.
 
-The run holds params (the flattened config), per-step training metrics, eval metrics, the
-stage manifests and predictions as artifacts, and the chat model (pyfunc). The version is
-tagged with fingerprints and accuracy; `champion` moves per `registry.promote`:
+The run was opened before training (`tracking.py`: params = the flattened config, tags,
+dataset inputs; step and system metrics logged live by rank 0); register backfills any
+step metric the run lacks from `metrics.jsonl`, then adds eval metrics, the stage manifests,
+predictions and `metrics.jsonl` as artifacts, and the chat model (pyfunc, models-from-code).
+The version is tagged with fingerprints, data digest, config hash and accuracy;
+`champion` moves per `registry.promote`:
   always     every new version becomes champion
   if_better  champion when accuracy >= the current champion's on the same eval set,
              otherwise the version becomes `challenger`
@@ -13,37 +17,15 @@ Registering a train fingerprint that already has a version reuses that version.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from stages.artifacts import StageBuild, read_manifest
-from stages.config import SFTConfig, flatten
+from stages.config import SFTConfig
+
+from .tracking import TAG, config_hash, data_digest, data_inputs, find_or_create_run, setup_mlflow
 
 CHAMPION, CHALLENGER = "champion", "challenger"
-TAG = "sftflow."
 PIP_REQUIREMENTS = ["torch", "transformers", "tokenizers", "safetensors", "mlflow", "pandas"]
-
-
-def setup_mlflow(cfg: SFTConfig):
-    import mlflow
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    uri = cfg.resolved_tracking_uri
-    mlflow.set_tracking_uri(uri)
-    if mlflow.get_experiment_by_name(cfg.registry.experiment) is None:
-        location = (cfg.artifacts_path / "mlartifacts").as_uri() if uri.startswith("sqlite:") else None
-        mlflow.create_experiment(cfg.registry.experiment, artifact_location=location)
-    mlflow.set_experiment(cfg.registry.experiment)
-    return mlflow
-
-
-def _log_step_metrics(client, run_id: str, rows: list[dict]) -> None:
-    import time
-    from mlflow.entities import Metric
-    now = int(time.time() * 1000)
-    metrics = [Metric(f"train/{k}" if k != "val_loss" else "val/loss", float(v), now, int(r["step"]))
-               for r in rows for k, v in r.items() if k != "step" and isinstance(v, (int, float))]
-    for i in range(0, len(metrics), 1000):
-        client.log_batch(run_id, metrics=metrics[i:i + 1000], synchronous=True)
 
 
 def _existing_version(client, name: str, train_fp: str):
@@ -72,6 +54,7 @@ def run_register(cfg: SFTConfig, fp: str, fingerprints: dict[str, str], dirs: di
                  extra_tags: dict[str, str] | None = None) -> dict:
     from mlflow.tracking import MlflowClient
     from stages.train import read_metrics
+    from stages.train.live import sync_rows
 
     build = StageBuild(cfg.artifacts_path, "register", fp)
     mlflow = setup_mlflow(cfg)
@@ -86,12 +69,17 @@ def run_register(cfg: SFTConfig, fp: str, fingerprints: dict[str, str], dirs: di
     if existing is not None:
         version, run_id = existing, existing.run_id
     else:
-        with mlflow.start_run(run_name=f"sft-{fingerprints['train']}") as run:
-            run_id = run.info.run_id
-            mlflow.log_params({k: str(v)[:6000] for k, v in flatten(cfg.model_dump(mode="json")).items()})
-            mlflow.set_tags({**{f"{TAG}{s}_fingerprint": f for s, f in fingerprints.items()}, **(extra_tags or {})})
-            _log_step_metrics(client, run_id, read_metrics(Path(dirs["train"])))
-            mlflow.log_metrics({f"eval/{k}": float(v) for k, v in eval_metrics.items() if isinstance(v, (int, float))})
+        # the run training opened (or a new one when training ran without MLflow)
+        tags = {f"{TAG}{s}_fingerprint": f for s, f in fingerprints.items()}
+        flow_run = (extra_tags or {}).get("prefect.flow_run_id")
+        run_id, _ = find_or_create_run(cfg, fingerprints, dirs, {**(extra_tags or {}), **tags})
+        if flow_run and client.get_run(run_id).data.tags.get("prefect.flow_run_id") != flow_run:
+            client.set_tag(run_id, "prefect.register_flow_run_id", flow_run)
+        sync_rows(client, run_id, read_metrics(Path(dirs["train"])))  # whatever live logging missed
+        inputs = data_inputs(cfg, dirs.get("prepare"))
+        with mlflow.start_run(run_id=run_id):
+            mlflow.log_metrics({f"eval/{k}": float(v) for k, v in eval_metrics.items()
+                                if isinstance(v, (int, float)) and not isinstance(v, bool)})
             for stage, folder in dirs.items():
                 mlflow.log_artifact(str(Path(folder) / "manifest.json"), artifact_path=f"manifests/{stage}")
             mlflow.log_artifact(str(Path(dirs["evaluate"]) / "predictions.jsonl"), artifact_path="eval")
@@ -102,10 +90,11 @@ def run_register(cfg: SFTConfig, fp: str, fingerprints: dict[str, str], dirs: di
                 code_paths=[str(here.parent / "evaluate" / "generate.py")], pip_requirements=PIP_REQUIREMENTS,
                 registered_model_name=name)
         version = client.get_model_version(name, str(info.registered_model_version))
-        tags = {"train_fingerprint": fingerprints["train"], "prepare_fingerprint": fingerprints["prepare"],
-                "config_hash": fingerprints["train"], "eval_accuracy": str(eval_metrics["accuracy"]),
-                "eval_set_fingerprint": eval_set, "data_digest": fingerprints["prepare"]}
-        for k, v in tags.items():
+        vtags = {"train_fingerprint": fingerprints["train"], "prepare_fingerprint": fingerprints["prepare"],
+                 "evaluate_fingerprint": fingerprints.get("evaluate", ""), "config_hash": config_hash(cfg),
+                 "data_digest": data_digest(inputs), "eval_accuracy": str(eval_metrics["accuracy"]),
+                 "eval_set_fingerprint": eval_set}
+        for k, v in vtags.items():
             client.set_model_version_tag(name, version.version, TAG + k, v)
 
     alias = decide_alias(client, name, cfg.registry.promote, float(eval_metrics["accuracy"]), eval_set)

@@ -6,6 +6,8 @@ Output folder:
     metrics.jsonl        one row per optimizer step
     train.log            torchrun's output
     spec.json            exactly what the workers were given
+
+With MLflow reachable, the metrics also reach the MLflow run live (see live.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ def read_metrics(folder: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, on_line: Callable[[str], None] = print) -> dict:
+def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, on_line: Callable[[str], None] = print,
+              env: dict[str, str] | None = None) -> dict:
+    """`env` goes to the workers: MLFLOW_RUN_ID (+ MLFLOW_TRACKING_URI) makes rank 0 log to that run live."""
     check_worker_and_model_type(cfg)
     # keep_partial: an interrupted run's checkpoints are where runner.resume=auto continues from
     build = StageBuild(cfg.artifacts_path, "train", fp, keep_partial=True)
@@ -33,7 +37,7 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, on_lin
             "train_dir": str(Path(prepare_dir) / "train"), "val_dir": str(Path(prepare_dir) / "val")}
     spec_path = build.partial / "spec.json"
     spec_path.write_text(json.dumps(spec, indent=2))
-    run_torchrun(torchrun_command(cfg, spec_path), build.partial / "train.log", on_line, cfg.actor.nproc_per_node)
+    run_torchrun(torchrun_command(cfg, spec_path), build.partial / "train.log", on_line, cfg.actor.nproc_per_node, env)
     rows = read_metrics(build.partial)
     if not (build.partial / "model").is_dir():
         raise RuntimeError(f"train: torchrun finished but exported no model in {build.partial / 'model'}")

@@ -20,7 +20,7 @@ from stages.errors import StageError
 from stages.train.proctree import descendants, signal_tree
 
 
-def torchrun_command(cfg: SFTConfig, spec_path: Path) -> list[str]:
+def torchrun_command(cfg: SFTConfig, spec_path: Path, module: str = "stages.train") -> list[str]:
     a = cfg.actor
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={a.nproc_per_node}"]
     if a.nnodes == 1 and not a.rdzv_endpoint:
@@ -29,7 +29,7 @@ def torchrun_command(cfg: SFTConfig, spec_path: Path) -> list[str]:
         # Every node runs this same command (only node_rank differs) and meets at node 0's endpoint.
         cmd += [f"--nnodes={a.nnodes}", f"--node_rank={a.node_rank}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={a.rdzv_endpoint}", f"--rdzv-id=sftflow-{spec_path.parent.name}"]
-    return cmd + ["-m", "stages.train", str(spec_path)]
+    return cmd + ["-m", module, str(spec_path)]
 
 
 def check_worker_and_model_type(cfg: SFTConfig) -> None:
@@ -86,10 +86,14 @@ def failure_reason(lines: list[str]) -> str:
     return "see the log"
 
 
-def run_torchrun(cmd: list[str], log_path: Path, on_line: Callable[[str], None] = print, nproc_per_node: int = 1) -> None:
+def run_torchrun(cmd: list[str], log_path: Path, on_line: Callable[[str], None] = print, nproc_per_node: int = 1,
+                 env: dict[str, str] | None = None, what: str = "training",
+                 error: type[StageError] = TrainingFailed) -> None:
+    """`env` is added to the workers' environment (e.g. MLFLOW_RUN_ID for live metrics); a failure
+    raises `error` with "<what> failed (...): <root cause>"."""
     with open(log_path, "a", encoding="utf-8") as logf:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                env=worker_env(nproc_per_node), start_new_session=True)
+                                env={**worker_env(nproc_per_node), **(env or {})}, start_new_session=True)
         lines: list[str] = []
         try:
             assert proc.stdout is not None
@@ -104,7 +108,7 @@ def run_torchrun(cmd: list[str], log_path: Path, on_line: Callable[[str], None] 
             raise
     if rc != 0:
         how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"torchrun exit {rc}"
-        raise TrainingFailed(f"training failed ({how}): {failure_reason(lines)}; full log: {log_path}")
+        raise error(f"{what} failed ({how}): {failure_reason(lines)}; full log: {log_path}")
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:

@@ -38,6 +38,7 @@ from stages.train.data import (
     collate_packed,
     collate_padded,
 )
+from stages.train.live import RankZeroMetrics
 from stages.train.registry import fsdp_units, get_model_builder
 
 # Dense bf16 peak FLOP/s per device, for the MFU estimate (unknown devices report none).
@@ -323,8 +324,11 @@ class SFTWorker:
         run = self.cfg.runner
         step, pos = self.maybe_resume()
         metrics_path = self.out / "metrics.jsonl"
+        live = None
         if self.rank == 0:
             self._truncate_metrics(metrics_path, step)
+            # with MLFLOW_RUN_ID (set by the train stage) rows also go to that MLflow run while training runs
+            live = RankZeroMetrics(metrics_path, step, self.total_steps, self.cfg.registry.live_after_seconds)
         metrics_f = open(metrics_path, "a") if self.rank == 0 else None
         log(f"training {self.total_steps} steps: {len(self.train_ds)} samples, world {self.world}, "
             f"accum {self.sampler.accum}, precision {self.precision}, device {self.device.type}, "
@@ -347,6 +351,8 @@ class SFTWorker:
             if metrics_f:
                 metrics_f.write(json.dumps(row) + "\n")
                 metrics_f.flush()
+            if live:
+                live.log(row)
             self._report(row, step, bar)
             if (run.save_interval > 0 and step % run.save_interval == 0) or step == self.total_steps:
                 ckpt.save_checkpoint(self.ckpt_dir, step, self.model, self.optimizer, self.trainer_state(step, pos),
@@ -358,6 +364,8 @@ class SFTWorker:
         if metrics_f:
             metrics_f.close()
         self.export()
+        if live:
+            live.close()
         dist.barrier()
         dist.destroy_process_group()
 

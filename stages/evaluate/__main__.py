@@ -1,0 +1,5 @@
+"""torchrun entry point: `python -m stages.evaluate <spec.json>` runs one rank of the evaluation."""
+
+from stages.evaluate.runner import main
+
+main()

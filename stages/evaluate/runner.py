@@ -1,0 +1,252 @@
+"""One evaluation process; under torchrun, one rank of several.
+
+    python -m torch.distributed.run --nproc_per_node=N ... -m stages.evaluate spec.json
+
+Exactness: rank r of W takes the contiguous samples [r*n//W, (r+1)*n//W) -- every sample
+exactly once, no sampler padding, no dropped tail, in any world size. A rank generates and
+scores its slice and keeps *sums* (correct, total, token losses, tokens); all ranks' records
+and sums are gathered (gloo, Python objects) and rank 0 writes predictions.jsonl in the
+original order and divides once: accuracy = correct / total, eval_loss = loss sum / tokens.
+Nothing is sharded (each rank holds the whole model), so ranks run no collectives while
+generating and may hold different numbers of samples.
+
+Two ways to score a model:
+  * generation (Hugging Face causal LMs): greedy replies scored by `eval.scorer`;
+  * the worker (`actor.worker` overriding `get_eval_model_output`): its summed `correct`/`total`
+    over the worker's eval dataset. When those sums have no `total`, generation is used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from stages.config import SFTConfig
+
+from . import EvaluationError, eval_samples
+from .generate import generate, loss_metrics, teacher_forced_sums
+from .scorers import get_scorer
+
+BASE_KEYS = ("accuracy", "correct", "total", "eval_loss")
+
+
+def log(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def rank_and_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def rank_slice(n: int, rank: int, world: int) -> range:
+    """The contiguous share of rank `rank`: sizes differ by at most one, together exactly range(n)."""
+    return range(rank * n // world, (rank + 1) * n // world)
+
+
+def gather(obj) -> list:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def add_up(parts: list[dict]) -> dict:
+    total: dict = {}
+    for part in parts:
+        for k, v in part.items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+def pick_device() -> torch.device:
+    if torch.cuda.is_available():
+        # nothing is sharded, so ranks may share a device (e.g. 2 processes on 1 GPU)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_model(cfg: SFTConfig, ref: dict, base_model: str, device: torch.device):
+    """(model, tokenizer or None) for a model reference from `stages.models.resolve_eval_model`.
+
+    A Hugging Face folder (or hub id) loads as it is; a DCP checkpoint or a plain state dict is
+    loaded into the configured model type built from the base model, as training built it."""
+    from transformers import AutoTokenizer, PreTrainedModel
+    from stages.train.registry import get_model_builder
+    mc = cfg.actor.model
+    kind, path = ref["kind"], ref["path"]
+    torch.manual_seed(cfg.runner.seed)
+    builder = get_model_builder(mc.model_type)
+    model = builder(mc.model_dump(), path if kind == "hf" else base_model)
+    if kind == "checkpoint":
+        _load_checkpoint_weights(model, path)
+    elif kind == "state_dict":
+        from safetensors.torch import load_file
+        _load_weights(model, load_file(str(Path(path) / "model.safetensors")), path)
+    is_hf = isinstance(model, PreTrainedModel)
+    model.to(device)
+    if is_hf and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        model.to(torch.bfloat16)
+    model.eval()
+    tok = None
+    if is_hf:
+        tok = AutoTokenizer.from_pretrained(path if kind == "hf" else base_model, trust_remote_code=mc.trust_remote_code)
+    return model, tok
+
+
+def _load_weights(model, state: dict, where: str) -> None:
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    if unexpected or [k for k in missing if k not in tied]:
+        raise EvaluationError(f"eval.model: the weights in {where} do not fit actor.model "
+                              f"(missing {list(missing)[:3]}, unexpected {list(unexpected)[:3]})")
+
+
+def _load_checkpoint_weights(model, path: str) -> None:
+    """The model half of a training checkpoint (DCP, any world size); each process reads it whole."""
+    import torch.distributed.checkpoint as dcp
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    own = model.state_dict()
+    state = {k: v for k, v in own.items() if f"model.{k}" in saved}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": state}, checkpoint_id=path, no_dist=True)
+    _load_weights(model, state, path)
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+def overrides_eval_output(worker_cls) -> bool:
+    from stages.train.worker import SFTWorker
+    return worker_cls.get_eval_model_output is not SFTWorker.get_eval_model_output
+
+
+def worker_scores(worker_cls, spec: dict, cfg: SFTConfig, model, device, rank: int, world: int) -> dict | None:
+    """The worker's own accuracy: sums of get_eval_model_output over its eval dataset; None without `total`."""
+    w = worker_cls({"config": spec["config"], "model_path": spec["base_model"], "out_dir": spec["out_dir"]})
+    w.device, w.rank, w.world, w.fsdp, w.packing = device, rank, world, False, False
+    w.precision = "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32"
+    w.load_tokenizer()
+    w.model = model
+    ds = w.build_dataloader(str(Path(spec["prepare_dir"]) / "val"), eval_dataset=True)
+    n = len(ds) if cfg.eval.max_samples <= 0 else min(len(ds), cfg.eval.max_samples)
+    mine = list(rank_slice(n, rank, world))
+    bs = cfg.eval.batch_size
+    sums: dict[str, float] = {}
+    with torch.no_grad():
+        for i in range(0, len(mine), bs):
+            out = w.get_eval_model_output(w.collate([ds[j] for j in mine[i:i + bs]]))
+            if not isinstance(out, dict):
+                out = {"loss_sum": out[0], "n_tokens": out[1]}
+            for k, v in out.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+    total = add_up(gather(sums))
+    if total.get("total", 0) <= 0:
+        return None
+    metrics = {"accuracy": total["correct"] / total["total"], "correct": int(total["correct"]),
+               "total": int(total["total"]), "mode": "worker"}
+    if total.get("n_tokens", 0) > 0:
+        metrics.update(loss_metrics({"loss_sum": total.get("loss_sum", 0.0), "tokens": total["n_tokens"],
+                                     "token_correct": total.get("token_correct", 0.0)}))
+        if "token_correct" not in total:
+            del metrics["token_accuracy"]
+    metrics.update({k: v for k, v in total.items() if k not in ("correct", "total", "loss_sum", "n_tokens", "token_correct")})
+    return metrics
+
+
+def generation_scores(cfg: SFTConfig, model, tok, rows: list[dict], rank: int, world: int) -> tuple[dict, list[dict]]:
+    """Greedy generation on this rank's slice, scored per sample; gathered and summed."""
+    e = cfg.eval
+    scorer = get_scorer(e.scorer, e.answer_pattern, e.numeric_tolerance)
+    r = rank_slice(len(rows), rank, world)
+    mine = rows[r.start:r.stop]
+    preds = generate(model, tok, [s["prompt"] for s in mine], e.max_new_tokens, e.batch_size)
+    records = [{"source": s["source"], "prompt": s["prompt"], "reference": s["reference"], "prediction": p["text"],
+                "correct": bool(scorer(p["text"], s["reference"])), "new_tokens": p["new_tokens"]}
+               for s, p in zip(mine, preds)]
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    sums = teacher_forced_sums(model, mine, pad_id, e.batch_size)
+    sums.update(correct=sum(x["correct"] for x in records), total=len(records),
+                new_tokens=sum(x["new_tokens"] for x in records))
+    parts = gather({"records": records, "sums": sums})
+    records = [x for part in parts for x in part["records"]]  # rank order = the original order
+    total = add_up([part["sums"] for part in parts])
+    metrics = {"accuracy": total["correct"] / total["total"] if total["total"] else 0.0,
+               "correct": int(total["correct"]), "total": int(total["total"]),
+               **loss_metrics(total),
+               "mean_generated_tokens": total["new_tokens"] / max(total["total"], 1), "mode": "generate"}
+    return metrics, records
+
+
+def score(cfg: SFTConfig, spec: dict, worker_cls, model, tok, rows, device, rank, world) -> tuple[dict, list[dict]]:
+    if overrides_eval_output(worker_cls):
+        metrics = worker_scores(worker_cls, spec, cfg, model, device, rank, world)
+        if metrics is not None:
+            return metrics, []
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise EvaluationError(
+            f"evaluate: {type(model).__name__} is not a Hugging Face causal LM with a chat template, and actor.worker "
+            f"({cfg.actor.worker or 'SFTWorker'}) has no get_eval_model_output returning 'correct' and 'total'")
+    return generation_scores(cfg, model, tok, rows, rank, world)
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+
+def evaluate_spec(spec: dict) -> dict:
+    """Scores every model in `spec["models"]` ("model", then "base"); rank 0 writes the files."""
+    from stages.train.worker import load_worker_class
+    cfg = SFTConfig.model_validate(spec["config"])
+    rank, world = rank_and_world()
+    device = pick_device()
+    try:
+        worker_cls = load_worker_class(cfg.actor.worker)  # also registers its model types
+    except SystemExit as e:
+        raise EvaluationError(str(e)) from None
+    rows = eval_samples(spec["prepare_dir"], cfg.eval.max_samples)
+    out = Path(spec["out_dir"])
+    metrics: dict = {}
+    for name, ref in spec["models"].items():
+        model, tok = load_model(cfg, ref, spec["base_model"], device)
+        m, records = score(cfg, spec, worker_cls, model, tok, rows, device, rank, world)
+        log(f"evaluate {name} ({ref['kind']} {ref.get('source', ref['path'])}): accuracy {m['accuracy']:.4f} "
+            f"({m['correct']}/{m['total']}) on {world} process(es)")
+        if name == "model":
+            metrics.update(m)
+        else:
+            metrics.update({f"{name}_{k}": m[k] for k in BASE_KEYS if k in m})
+        if rank == 0:
+            _write_jsonl(out / ("predictions.jsonl" if name == "model" else f"{name}_predictions.jsonl"), records)
+        del model
+    if rank == 0:
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = json.loads(Path(argv[0]).read_text())
+    # Only Python objects travel between ranks (records and sums), so gloo serves CPU and GPU runs alike.
+    dist.init_process_group("gloo")
+    try:
+        evaluate_spec(spec)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

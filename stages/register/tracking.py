@@ -1,0 +1,200 @@
+"""The MLflow run of a trained model: found or created before training, finished by register.
+
+One run per train fingerprint, tagged `sftflow.train_fingerprint`: the train stage opens it
+before torchrun starts (rank 0 then logs step and system metrics into it live, see
+`stages/train/live.py`), and register adds eval metrics, artifacts and the model to the same run.
+A train stage that runs again for the same fingerprint (a retry, a resume, a deleted folder)
+continues that run; a fully cached flow run touches nothing.
+
+Created with: params = the flattened resolved config, tags = stage fingerprints, config hash,
+data digest, git commit and the Prefect flow run id, inputs = every data file as an MLflow
+dataset whose digest is the file's content sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+from stages.artifacts import canonical_json, file_digest, read_manifest
+from stages.config import SFTConfig, expand_paths, flatten
+
+TAG = "sftflow."
+RUN_TAG = TAG + "train_fingerprint"
+DIGEST_CHARS = 32  # MLflow allows at most 36 characters for a dataset digest
+
+
+def setup_mlflow(cfg: SFTConfig):
+    """The MLflow module pointed at the config's tracking URI and experiment (created if missing)."""
+    import mlflow
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    uri = cfg.resolved_tracking_uri
+    mlflow.set_tracking_uri(uri)
+    if mlflow.get_experiment_by_name(cfg.registry.experiment) is None:
+        location = (cfg.artifacts_path / "mlartifacts").as_uri() if uri.startswith("sqlite:") else None
+        try:
+            mlflow.create_experiment(cfg.registry.experiment, artifact_location=location)
+        except Exception:  # created meanwhile by another process
+            if mlflow.get_experiment_by_name(cfg.registry.experiment) is None:
+                raise
+    mlflow.set_experiment(cfg.registry.experiment)
+    return mlflow
+
+
+def config_hash(cfg: SFTConfig) -> str:
+    """sha256 of the resolved config (every key, defaults filled in)."""
+    return hashlib.sha256(canonical_json(cfg.model_dump(mode="json")).encode()).hexdigest()[:16]
+
+
+def _input_digest(ref: str, index_dir: Path) -> str:
+    p = Path(ref)
+    if p.is_file():
+        return file_digest(p, index_dir)
+    if p.is_dir():  # a dataset folder: the digests of the files in it
+        files = sorted(f for f in p.rglob("*") if f.is_file())
+        return hashlib.sha256(canonical_json({str(f.relative_to(p)): file_digest(f, index_dir) for f in files})
+                              .encode()).hexdigest()
+    return hashlib.sha256(ref.encode()).hexdigest()  # a hub reference: its name is all we know locally
+
+
+def data_inputs(cfg: SFTConfig, prepare_dir: str | None = None) -> dict[str, list[tuple[str, str]]]:
+    """split -> [(input, content sha256)], from the prepare manifest when there is one, else the config."""
+    refs: dict[str, list[str]] = {}
+    if prepare_dir and (Path(prepare_dir) / "manifest.json").is_file():
+        refs = {s: list(v) for s, v in (read_manifest(Path(prepare_dir)).get("inputs") or {}).items()}
+    if not refs:
+        d = cfg.data
+        refs = {"train": [str(p) for p in expand_paths(d.train_data_paths, "data.train_data_paths")],
+                "val": [str(p) for p in expand_paths(d.val_data_paths, "data.val_data_paths")]
+                if d.val_data_paths else []}
+    return {s: [(r, _input_digest(r, cfg.artifacts_path)) for r in rs] for s, rs in refs.items()}
+
+
+def data_digest(inputs: dict[str, list[tuple[str, str]]]) -> str:
+    """One digest of every input's content (names and locations don't count)."""
+    contents = {s: sorted(d for _, d in v) for s, v in inputs.items()}
+    return hashlib.sha256(canonical_json(contents).encode()).hexdigest()[:16]
+
+
+def _datasets(inputs: dict[str, list[tuple[str, str]]], prepare_dir: str | None) -> list:
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+    splits = {}
+    if prepare_dir and (Path(prepare_dir) / "manifest.json").is_file():
+        splits = read_manifest(Path(prepare_dir)).get("splits") or {}
+    context = {"train": "training", "val": "validation"}
+    out = []
+    for split, items in inputs.items():
+        seen = set()
+        for ref, digest in items:
+            if (ref, digest) in seen:
+                continue
+            seen.add((ref, digest))
+            p = Path(ref)
+            source = p.resolve().as_uri() if p.exists() else ref
+            profile = {"sha256": digest, "split": split,
+                       **({"bytes": p.stat().st_size} if p.is_file() else {}),
+                       **{f"split_{k}": v for k, v in (splits.get(split) or {}).items() if isinstance(v, int)}}
+            ds = Dataset(name=p.name or ref, digest=digest[:DIGEST_CHARS], source_type="local" if p.exists() else "hub",
+                         source=json.dumps({"uri": source}), profile=json.dumps(profile))
+            out.append(DatasetInput(ds, tags=[InputTag("mlflow.data.context", context.get(split, split))]))
+    return out
+
+
+def _reachable(uri: str) -> None:
+    """Fail in seconds, not after minutes of client retries, when a tracking server is down."""
+    if uri.startswith(("http://", "https://")):
+        import urllib.request
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5).read()
+
+
+def find_run(client, experiment_id: str, train_fp: str):
+    runs = client.search_runs([experiment_id], f"tags.`{RUN_TAG}` = '{train_fp}'", max_results=1,
+                              order_by=["attributes.start_time DESC"])
+    return runs[0] if runs else None
+
+
+def find_or_create_run(cfg: SFTConfig, fingerprints: dict[str, str], dirs: dict[str, str],
+                       extra_tags: dict[str, str] | None = None) -> tuple[str, bool]:
+    """(run id, created) of the run for this train fingerprint; a new run gets params, tags and inputs."""
+    from mlflow.entities import Param, RunTag
+    from mlflow.tracking import MlflowClient
+
+    _reachable(cfg.resolved_tracking_uri)
+    mlflow = setup_mlflow(cfg)
+    client = MlflowClient()
+    exp = mlflow.get_experiment_by_name(cfg.registry.experiment)
+    extra = {k: str(v) for k, v in (extra_tags or {}).items() if v}
+    run = find_run(client, exp.experiment_id, fingerprints["train"])
+    if run is not None:
+        # keep the record of the flow run that created it; add what is new (e.g. evaluate's fingerprint)
+        new = {k: v for k, v in extra.items() if k not in run.data.tags}
+        if new:
+            client.log_batch(run.info.run_id, tags=[RunTag(k, v) for k, v in new.items()])
+        return run.info.run_id, False
+    inputs = data_inputs(cfg, dirs.get("prepare"))
+    tags = {**{f"{TAG}{s}_fingerprint": fingerprints[s] for s in ("prepare", "train") if s in fingerprints},
+            TAG + "config_hash": config_hash(cfg), TAG + "data_digest": data_digest(inputs), **extra}
+    if extra.get(TAG + "git_commit"):
+        tags.setdefault("mlflow.source.git.commit", extra[TAG + "git_commit"])
+    run = client.create_run(exp.experiment_id, run_name=f"sft-{fingerprints['train']}", tags=tags)
+    run_id = run.info.run_id
+    params = [Param(k, str(v)[:6000]) for k, v in flatten(cfg.model_dump(mode="json")).items()]
+    for i in range(0, len(params), 100):
+        client.log_batch(run_id, params=params[i:i + 100])
+    datasets = _datasets(inputs, dirs.get("prepare"))
+    if datasets:
+        client.log_inputs(run_id, datasets=datasets)
+    return run_id, True
+
+
+def _set_status(cfg: SFTConfig, run_id: str, status: str) -> None:
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(cfg.resolved_tracking_uri)
+    if status == "RUNNING":
+        client.update_run(run_id, status="RUNNING")
+    else:
+        client.set_terminated(run_id, status)
+
+
+@contextmanager
+def training_run(cfg: SFTConfig, fingerprints: dict[str, str], dirs: dict[str, str],
+                 extra_tags: dict[str, str] | None = None, on_line: Callable[[str], None] = print,
+                 metrics_file: Path | None = None) -> Iterator[dict[str, str]]:
+    """Around the train stage: yields the env (`MLFLOW_RUN_ID`, `MLFLOW_TRACKING_URI`) for torchrun's
+    workers; when training succeeded, sends the rows of `metrics_file` that rank 0 did not (a run too
+    short for live logging). MLflow problems are reported, never raised."""
+    env = {"MLFLOW_RUN_ID": ""}  # without a run, never log into one inherited from the caller's environment
+    run_id = None
+    try:
+        run_id, created = find_or_create_run(cfg, fingerprints, dirs, extra_tags)
+        _set_status(cfg, run_id, "RUNNING")  # system metrics are only logged into a RUNNING run
+        env = {"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": cfg.resolved_tracking_uri}
+        on_line(f"mlflow: {'created' if created else 'continuing'} run {run_id} "
+                f"(experiment '{cfg.registry.experiment}' at {cfg.resolved_tracking_uri}); metrics go there live")
+    except Exception as e:  # noqa: BLE001 - tracking must never stop training
+        on_line(f"mlflow: no live metrics ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                "training goes on, register logs the metrics afterwards")
+    status = "FINISHED"
+    try:
+        yield env
+        if run_id and metrics_file is not None and metrics_file.exists():
+            from mlflow.tracking import MlflowClient
+            from stages.train import read_metrics
+            from stages.train.live import sync_rows
+            try:
+                sync_rows(MlflowClient(cfg.resolved_tracking_uri), run_id, read_metrics(metrics_file.parent))
+            except Exception as e:  # noqa: BLE001 - register backfills again
+                on_line(f"mlflow: could not log the step metrics ({type(e).__name__}: {e})")
+    except BaseException as e:  # a crash is FAILED; a cancel, timeout or Ctrl-C is KILLED
+        status = "FAILED" if isinstance(e, Exception) else "KILLED"
+        raise
+    finally:
+        if run_id:
+            try:
+                _set_status(cfg, run_id, status)
+            except Exception:  # noqa: BLE001
+                pass

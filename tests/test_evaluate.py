@@ -1,0 +1,286 @@
+"""Evaluate: scorers, and exactness against an independent reference -- a one-prompt-at-a-time
+greedy loop over raw logits -- with 1 and 2 processes on 7 samples (batch 3: neither a multiple
+of the batch nor of batch x world). Also: which models can be scored (eval.model / --model),
+and a non-Hugging-Face model scored through its worker's get_eval_model_output."""
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import ROOT, demo_rows, sftflow, tiny_config_dict, write_config, write_jsonl
+from stages.config import ConfigError, config_from_dict, load_config
+from stages.evaluate.runner import rank_slice
+from stages.evaluate.scorers import get_scorer, normalize
+from stages.pipeline import plan, run_stage
+
+N_VAL, BATCH, MAX_NEW = 7, 3, 8
+
+
+# --------------------------------------------------------------------------- scorers (no model)
+
+
+def first_word(prediction: str, reference: str) -> bool:
+    """A custom scorer, named as 'test_evaluate:first_word'."""
+    return normalize(prediction).split()[:1] == normalize(reference).split()[:1]
+
+
+def test_builtin_scorers():
+    exact, norm, contains = get_scorer("exact"), get_scorer("normalized"), get_scorer("contains")
+    assert exact(" Paris\n", "Paris") and not exact("paris", "Paris")
+    assert normalize("  The  Answer: PARIS!! ") == "the answer paris"
+    assert norm("the answer, paris.", "The Answer Paris") and not norm("Paris, France", "Paris")
+    assert contains("I think it is Paris, France.", "paris") and not contains("Parisian", "Paris")
+    assert not contains("anything", "  ")
+    regex = get_scorer("regex")
+    assert regex("so 6 * 7 = 42\n#### 42", "Six times seven.\n#### 42")
+    assert not regex("#### 41", "#### 42") and not regex("42", "#### 42")  # no answer marker: wrong
+    assert regex("first #### 3 then #### 1,234", "#### 1,234")  # the last match counts
+    assert get_scorer("regex", answer_pattern=r"answer is (\w+)")("The answer is B.", "answer is B")
+    numeric = get_scorer("numeric")
+    assert numeric("#### 1,234.0", "#### 1234") and numeric("about 3.5 apples", "3.50")
+    assert numeric("it is 7 then 12", "12") and not numeric("12.5", "12") and not numeric("none", "12")
+    assert get_scorer("numeric", numeric_tolerance=0.1)("1.05", "1.0")
+    custom = get_scorer("test_evaluate:first_word")
+    assert custom("Yes, because", "Yes") and not custom("No", "Yes")
+
+
+def test_scorer_config_errors_are_one_line(tmp_path):
+    for ev, expected in [({"scorer": "fuzzy"}, "eval.scorer: 'fuzzy' is neither a builtin scorer"),
+                         ({"answer_pattern": "(unclosed"}, "eval.answer_pattern: not a valid regular expression")]:
+        with pytest.raises(ConfigError) as e:
+            config_from_dict(tiny_config_dict(tmp_path, eval=ev))
+        assert expected in str(e.value) and "\n" not in str(e.value)
+    cfg = config_from_dict(tiny_config_dict(tmp_path, eval={"scorer": "no_such_module:fn"}))  # shape is fine
+    from stages.evaluate import _check
+    with pytest.raises(ConfigError, match="eval.scorer='no_such_module:fn': cannot import"):
+        _check(cfg)
+
+
+def test_rank_slices_cover_every_sample_once():
+    for n in range(0, 12):
+        for world in (1, 2, 3, 5):
+            got = [i for r in range(world) for i in rank_slice(n, r, world)]
+            assert got == list(range(n))
+
+
+# --------------------------------------------------------------------------- a model and its reference
+
+
+def naive_greedy(model, tok, prompt: list[dict]) -> tuple[str, int]:
+    """One prompt, no batching, no padding, no KV cache, no `generate`: argmax of the last logits."""
+    ids = list(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    gen_eos = model.generation_config.eos_token_id
+    stops = {tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])}
+    new: list[int] = []
+    with torch.no_grad():
+        while len(new) < MAX_NEW:
+            t = int(model(input_ids=torch.tensor([ids + new])).logits[0, -1].argmax())
+            if t in stops:
+                break
+            new.append(t)
+    return tok.decode(new, skip_special_tokens=True), len(new)
+
+
+def naive_loss(model, rows: list[dict]) -> float:
+    """Token-weighted cross-entropy over every sample's trainable tokens, one sample at a time."""
+    loss_sum, tokens = 0.0, 0
+    with torch.no_grad():
+        for r in rows:
+            ids = torch.tensor(r["input_ids"]).long()
+            mask = torch.tensor(r["loss_mask"])[1:].bool()
+            logits = model(input_ids=ids[None]).logits[0, :-1]
+            loss_sum += F.cross_entropy(logits[mask], ids[1:][mask], reduction="sum").item()
+            tokens += int(mask.sum())
+    return loss_sum / tokens
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A prepared eval set of 7 prompts whose references match what the model says for some of them,
+    a model that says different things to different prompts (and stops early on some), and the
+    naive loop's answers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from stages.models import resolve_model
+    tmp = tmp_path_factory.mktemp("evaluate")
+    raw = tiny_config_dict(tmp, n_train=48, n_val=N_VAL, eval={"batch_size": BATCH, "max_new_tokens": MAX_NEW})
+    cfg = load_config(write_config(tmp, raw))
+    base = resolve_model(cfg)
+    tok = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # an untrained model repeats one token; scaled noise makes replies prompt-dependent
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        model.get_input_embeddings().weight[tok.pad_token_id] *= 3  # <|endoftext|> (a stop token) comes up sometimes
+    model_dir = tmp / "model"
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+
+    rows = demo_rows("eval.jsonl", N_VAL)
+    naive = [naive_greedy(model, tok, r["messages"][:-1]) for r in rows]
+    for i, r in enumerate(rows):  # some references are exactly what the model will say
+        if i % 2 == 0 and naive[i][0].strip():
+            r["messages"][-1]["content"] = naive[i][0]
+    write_jsonl(tmp / "val.jsonl", rows)
+    cfg = load_config(write_config(tmp, raw))
+    run_stage(plan(cfg), "prepare")
+    return {"tmp": tmp, "raw": raw, "model": model, "tok": tok, "model_dir": model_dir, "naive": naive}
+
+
+def config(setup, name: str, **sections):
+    raw = json.loads(json.dumps(setup["raw"]))
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    return load_config(write_config(setup["tmp"], raw, name))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def evaluate(cfg, force: bool = False):
+    result = run_stage(plan(cfg), "evaluate", force=force, on_line=lambda line: None)
+    return result, read_jsonl(Path(result.path) / "predictions.jsonl")
+
+
+def check_against_naive(setup, metrics: dict, records: list[dict]) -> None:
+    naive = setup["naive"]
+    assert [r["prediction"] for r in records] == [text for text, _ in naive]
+    assert [r["new_tokens"] for r in records] == [n for _, n in naive]
+    expected = [text.strip() == r["reference"].strip() for r, (text, _) in zip(records, naive)]
+    assert [r["correct"] for r in records] == expected
+    assert 0 < sum(expected) < N_VAL  # the check means something
+    assert metrics["total"] == N_VAL == len(records)
+    assert metrics["correct"] == sum(expected)
+    assert metrics["accuracy"] == pytest.approx(sum(expected) / N_VAL)
+    assert metrics["mean_generated_tokens"] == pytest.approx(sum(n for _, n in naive) / N_VAL)
+    assert any(n < MAX_NEW for _, n in naive)  # some replies stopped at a stop token
+
+
+def test_one_process_equals_the_naive_loop(setup):
+    from stages.evaluate import eval_samples
+    cfg = config(setup, "one.yaml", actor={"nproc_per_node": 1}, eval={"model": str(setup["model_dir"])})
+    result, records = evaluate(cfg)
+    m = result.metrics
+    check_against_naive(setup, m, records)
+    rows = eval_samples(read_manifest(result.path)["prepare_dir"])
+    assert m["eval_loss"] == pytest.approx(naive_loss(setup["model"], rows), rel=1e-5)
+    assert m["perplexity"] == pytest.approx(math.exp(m["eval_loss"]))
+    assert m["eval_tokens"] == sum(int(np.sum(np.asarray(r["loss_mask"])[1:])) for r in rows)
+    assert {"base_accuracy", "base_eval_loss", "token_accuracy"} <= set(m)
+    assert len(read_jsonl(Path(result.path) / "base_predictions.jsonl")) == N_VAL
+    assert (Path(result.path) / "metrics.json").is_file()
+
+
+def read_manifest(path) -> dict:
+    return json.loads((Path(path) / "manifest.json").read_text())
+
+
+@pytest.mark.slow
+def test_two_processes_equal_the_naive_loop_and_one_process(setup):
+    one = config(setup, "one.yaml", actor={"nproc_per_node": 1}, eval={"model": str(setup["model_dir"])})
+    two = config(setup, "two.yaml", actor={"nproc_per_node": 2}, eval={"model": str(setup["model_dir"]),
+                                                                       "eval_base": False})
+    assert plan(two).fingerprints["evaluate"] != plan(one).fingerprints["evaluate"]  # eval_base differs
+    result, records = evaluate(two)
+    check_against_naive(setup, result.metrics, records)
+    first, first_records = evaluate(one)  # cached by the test above, or computed now
+    assert records == first_records
+    for k in ("accuracy", "correct", "total", "eval_loss", "eval_tokens", "token_accuracy", "mean_generated_tokens"):
+        assert result.metrics[k] == pytest.approx(first.metrics[k], rel=1e-6), k
+    assert "evaluate model" in (Path(result.path) / "eval.log").read_text()
+    assert read_manifest(result.path)["world_size"] == 2
+
+
+def test_a_checkpoint_and_the_base_model_can_be_scored_without_training(setup):
+    import torch.distributed.checkpoint as dcp
+    ckpt = setup["tmp"] / "checkpoints" / "step_00000003"
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({"model": setup["model"].state_dict()}, checkpoint_id=str(ckpt), no_dist=True)
+    (ckpt / "COMPLETE").write_text("3")
+    cfg = config(setup, "ckpt.yaml", actor={"nproc_per_node": 1}, eval={"model": str(ckpt), "eval_base": False})
+    p = plan(cfg)
+    assert p.status("train") == "missing"  # evaluate of another model needs only prepare
+    result, records = evaluate(cfg)
+    assert read_manifest(result.path)["model_kind"] == "checkpoint"
+    check_against_naive(setup, result.metrics, records)
+
+    base = config(setup, "base.yaml", actor={"nproc_per_node": 1}, eval={"model": "base"})
+    result, _ = evaluate(base)
+    assert result.metrics["base_accuracy"] == result.metrics["accuracy"]
+    assert len({plan(c).fingerprints["evaluate"] for c in (cfg, base, config(setup, "d.yaml"))}) == 3
+    with pytest.raises(ConfigError, match="register: eval.model="):
+        run_stage(plan(base), "register")
+
+
+def test_model_identity_is_in_the_fingerprint(setup, tmp_path):
+    import shutil
+    copy = tmp_path / "copy"
+    shutil.copytree(setup["model_dir"], copy)
+    a = plan(config(setup, "a.yaml", eval={"model": str(setup["model_dir"])})).fingerprints["evaluate"]
+    b = plan(config(setup, "b.yaml", eval={"model": str(copy)})).fingerprints["evaluate"]
+    (copy / "generation_config.json").write_text((copy / "generation_config.json").read_text() + "\n")
+    c = plan(config(setup, "c.yaml", eval={"model": str(copy)})).fingerprints["evaluate"]
+    assert a != b != c  # the path is part of eval.*; the content too
+    with pytest.raises(ConfigError, match="is not a model folder"):
+        plan(config(setup, "e.yaml", eval={"model": str(tmp_path)}))
+
+
+def test_cli_stage_evaluate_model_option(setup, tmp_path):
+    cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path, n_train=48, n_val=N_VAL))
+    proc = sftflow("stage", "evaluate", "-c", str(cfg_path), "--model", str(setup["model_dir"]), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert "needs the prepare stage" in proc.stderr  # not train: --model replaces the trained model
+    proc = sftflow("stage", "train", "-c", str(cfg_path), "--model", "base", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and "--model applies to `sftflow stage evaluate` only" in proc.stderr
+
+
+# --------------------------------------------------------------------------- a non-Hugging-Face model
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_custom_worker_accuracy_is_summed_over_every_sample(setup, tmp_path, monkeypatch, nproc):
+    from safetensors.torch import save_file
+    import custom_model
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    torch.manual_seed(5)
+    net = custom_model.build_tiny_mlp({}, None)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn(p.shape) * 0.5)
+    (tmp_path / "mlp").mkdir()
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(tmp_path / "mlp" / "model.safetensors"))
+    cfg = config(setup, f"mlp{nproc}.yaml", actor={"nproc_per_node": nproc, "worker": "custom_model:MLPWorker",
+                                                   "model": {"model_type": "tiny_mlp"}},
+                 eval={"model": str(tmp_path / "mlp"), "batch_size": 10})
+    result, records = evaluate(cfg)
+    ds = custom_model.Blobs(96, seed=1)  # what MLPWorker evaluates on
+    with torch.no_grad():
+        logits = net(torch.from_numpy(ds.x))
+        base_logits = custom_model.build_tiny_mlp({}, None)(torch.from_numpy(ds.x))
+    correct = int((logits.argmax(-1).numpy() == ds.y).sum())
+    m = result.metrics
+    assert (m["mode"], m["total"], m["correct"]) == ("worker", 96, correct)
+    assert m["accuracy"] == pytest.approx(correct / 96)
+    assert m["eval_loss"] == pytest.approx(F.cross_entropy(logits, torch.from_numpy(ds.y)).item(), rel=1e-5)
+    assert m["base_correct"] == int((base_logits.argmax(-1).numpy() == ds.y).sum()) != correct
+    assert records == []
+
+
+def test_a_model_that_cannot_be_scored_says_why(setup, tmp_path):
+    from safetensors.torch import save_file
+    import custom_model
+    from stages.evaluate import EvaluationError
+    (tmp_path / "mlp").mkdir()
+    save_file(custom_model.build_tiny_mlp({}, None).state_dict(), str(tmp_path / "mlp" / "model.safetensors"))
+    cfg = config(setup, "nohf.yaml", actor={"nproc_per_node": 1, "model": {"model_type": "tiny_mlp"}},
+                 eval={"model": str(tmp_path / "mlp")})
+    with pytest.raises(EvaluationError, match="not a Hugging Face causal LM.*get_eval_model_output"):
+        evaluate(cfg)

@@ -1,0 +1,116 @@
+"""MLflow bookkeeping without training: promotion policy, one metric point per step across a
+resume, dataset digests and config hash, and training that goes on when MLflow is down.
+(The flow against a real `mlflow server` is in tests/test_flow.py.)"""
+
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import tiny_config_dict
+from stages.config import config_from_dict
+from stages.register import CHALLENGER, CHAMPION, decide_alias
+from stages.register.tracking import config_hash, data_digest, data_inputs, training_run
+from stages.train.live import LiveMetrics, RankZeroMetrics, metric_name, new_points, sync_rows
+
+
+class FakeRegistry:
+    """get_model_version_by_alias of an MlflowClient with at most one champion."""
+
+    def __init__(self, champion: dict | None):
+        self.champion = champion
+
+    def get_model_version_by_alias(self, name, alias):
+        if self.champion is None:
+            raise LookupError("no alias")
+        return SimpleNamespace(tags={f"sftflow.{k}": str(v) for k, v in self.champion.items()})
+
+
+CURRENT = {"eval_accuracy": 0.8, "eval_set_fingerprint": "set-a"}
+
+
+@pytest.mark.parametrize("policy, champion, accuracy, eval_set, expected", [
+    ("never", CURRENT, 1.0, "set-a", None),
+    ("never", None, 1.0, "set-a", None),
+    ("always", CURRENT, 0.1, "set-a", CHAMPION),
+    ("always", None, 0.1, "set-b", CHAMPION),
+    ("if_better", None, 0.1, "set-a", CHAMPION),         # the first version
+    ("if_better", CURRENT, 0.9, "set-a", CHAMPION),
+    ("if_better", CURRENT, 0.8, "set-a", CHAMPION),      # ties move it: >=
+    ("if_better", CURRENT, 0.7, "set-a", CHALLENGER),
+    ("if_better", CURRENT, 1.0, "set-b", CHALLENGER),    # another eval set is not comparable
+])
+def test_decide_alias(policy, champion, accuracy, eval_set, expected):
+    assert decide_alias(FakeRegistry(champion), "m", policy, accuracy, eval_set) == expected
+
+
+def test_metric_names_and_points_after_logged_steps():
+    assert metric_name("loss") == "train/loss" and metric_name("val_loss") == "val/loss"
+    rows = [{"step": s, "loss": 1.0 / s, "lr": 0.1, **({"val_loss": 2.0} if s % 2 == 0 else {})} for s in (1, 2, 3, 4)]
+    points = new_points(rows, {"train/loss": 2, "val/loss": 2}, times_ms=[10, 20, 30, 40])
+    got = sorted((p.key, p.step, p.timestamp) for p in points)
+    assert got == [("train/loss", 3, 30), ("train/loss", 4, 40), ("train/lr", 1, 10), ("train/lr", 2, 20),
+                   ("train/lr", 3, 30), ("train/lr", 4, 40), ("val/loss", 4, 40)]
+
+
+def test_live_metrics_log_each_step_once_across_a_resume(tmp_path, monkeypatch):
+    """Attempt 1 logs steps 1-3 and dies; the resume restarts from the step-2 checkpoint (metrics.jsonl
+    truncated to steps 1-2, sent as backlog) and logs 3-4 again: MLflow holds steps 1-4 once each."""
+    import json
+    from mlflow.tracking import MlflowClient
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("x", artifact_location=(tmp_path / "a").as_uri())).info.run_id
+    rows = [{"step": s, "loss": 10.0 - s, "tokens_per_s": 100.0 * s} for s in range(1, 5)]
+
+    first = LiveMetrics(run_id, uri, system_metrics=False)
+    for r in rows[:3]:
+        first.log(r)
+    first.close()
+    assert first.failed is None
+
+    # the worker's rank 0 side: live logging starts once training looks long enough, with the file's rows
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    monkeypatch.setenv("MLFLOW_RUN_ID", run_id)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    short = RankZeroMetrics(metrics, 2, 4, after_seconds=3600)
+    short.log(rows[2])
+    assert short.sender is None  # a short run is logged when the train stage ends
+    resumed = RankZeroMetrics(metrics, 2, 4, after_seconds=0)
+    for r in rows[2:]:
+        resumed.log(r)
+    resumed.close()
+    assert resumed.sender.failed is None
+    assert resumed.sender.sent == 2  # step 4's two metrics; steps 1-3 were there
+    for key in ("train/loss", "train/tokens_per_s"):
+        assert [m.step for m in client.get_metric_history(run_id, key)] == [1, 2, 3, 4]
+    assert sync_rows(client, run_id, rows) == 0  # register's backfill finds nothing missing
+
+    broken = LiveMetrics("no-such-run", uri, system_metrics=False)  # a failure is reported, never raised
+    broken.log(rows[0])
+    broken.close(timeout=60)
+    assert broken.failed
+
+
+def test_training_goes_on_when_the_tracking_server_is_down(tmp_path):
+    from conftest import free_port
+    cfg = config_from_dict(tiny_config_dict(tmp_path, registry={"tracking_uri": f"http://127.0.0.1:{free_port()}"}))
+    lines = []
+    with training_run(cfg, {"prepare": "p", "train": "t"}, {}, on_line=lines.append) as env:
+        pass
+    assert env == {"MLFLOW_RUN_ID": ""} and "no live metrics" in lines[0]
+
+
+def test_data_digest_is_the_content_and_config_hash_the_resolved_config(tmp_path):
+    cfg = config_from_dict(tiny_config_dict(tmp_path))
+    inputs = data_inputs(cfg)
+    train_file = tmp_path / "train.jsonl"
+    assert [d for _, d in inputs["train"]] and all(len(d) == 64 for _, d in inputs["train"] + inputs["val"])
+    moved = tmp_path / "moved.jsonl"
+    moved.write_bytes(train_file.read_bytes())
+    same = config_from_dict(tiny_config_dict(tmp_path, data={"train_data_paths": [str(moved)]}))
+    assert data_digest(data_inputs(same)) == data_digest(inputs)  # where the data lives doesn't count
+    moved.write_text(train_file.read_text().replace("TinyChat", "TinyChap"))
+    assert data_digest(data_inputs(same)) != data_digest(inputs)
+    assert config_hash(cfg) == config_hash(config_from_dict(tiny_config_dict(tmp_path)))
+    assert config_hash(cfg) != config_hash(config_from_dict(tiny_config_dict(tmp_path, eval={"max_new_tokens": 9})))
