@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from stages.artifacts import canonical_json, file_digest, read_manifest
+from stages.artifacts import canonical_json, input_digest, read_manifest
 from stages.config import SFTConfig, expand_paths, flatten
 
 TAG = "sftflow."
@@ -50,17 +50,6 @@ def config_hash(cfg: SFTConfig) -> str:
     return hashlib.sha256(canonical_json(cfg.model_dump(mode="json")).encode()).hexdigest()[:16]
 
 
-def _input_digest(ref: str, index_dir: Path) -> str:
-    p = Path(ref)
-    if p.is_file():
-        return file_digest(p, index_dir)
-    if p.is_dir():  # a dataset folder: the digests of the files in it
-        files = sorted(f for f in p.rglob("*") if f.is_file())
-        return hashlib.sha256(canonical_json({str(f.relative_to(p)): file_digest(f, index_dir) for f in files})
-                              .encode()).hexdigest()
-    return hashlib.sha256(ref.encode()).hexdigest()  # a hub reference: its name is all we know locally
-
-
 def data_inputs(cfg: SFTConfig, prepare_dir: str | None = None) -> dict[str, list[tuple[str, str]]]:
     """split -> [(input, content sha256)], from the prepare manifest when there is one, else the config."""
     refs: dict[str, list[str]] = {}
@@ -71,7 +60,7 @@ def data_inputs(cfg: SFTConfig, prepare_dir: str | None = None) -> dict[str, lis
         refs = {"train": [str(p) for p in expand_paths(d.train_data_paths, "data.train_data_paths")],
                 "val": [str(p) for p in expand_paths(d.val_data_paths, "data.val_data_paths")]
                 if d.val_data_paths else []}
-    return {s: [(r, _input_digest(r, cfg.artifacts_path)) for r in rs] for s, rs in refs.items()}
+    return {s: [(r, input_digest(r, cfg.artifacts_path)) for r in rs] for s, rs in refs.items()}
 
 
 def data_digest(inputs: dict[str, list[tuple[str, str]]]) -> str:
