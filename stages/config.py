@@ -267,8 +267,12 @@ def expand_paths(patterns: list[str], key: str) -> list[Path | str]:
         elif is_datasets_folder(p):
             matches = [p]
         elif p.is_dir():
-            matches = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in SUFFIXES
-                             and not any(part.startswith(".") for part in f.relative_to(p).parts))
+            # `datasets` folders inside are one input each; their own .json files are not data
+            datasets = {f.parent for f in p.rglob("*.json") if is_datasets_folder(f.parent)}
+            matches = sorted([d for d in datasets if not any(a in d.parents for a in datasets)] + [
+                f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in SUFFIXES
+                and not any(part.startswith(".") for part in f.relative_to(p).parts)
+                and not any(d in f.parents for d in datasets)])
             if not matches:
                 raise ConfigError(f"{key}: directory '{pattern}' holds no data files ({', '.join(sorted(SUFFIXES))})")
         elif p.is_file():

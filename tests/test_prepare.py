@@ -75,10 +75,10 @@ def test_every_format_and_file_type_yields_the_same_samples(tmp_path, tokenizer_
         w.writerows({"instruction": u, "input": "", "output": a} for u, a in pairs)
     write_jsonl(d / "conversation.jsonl", [{"conversation": [convs[i], convs[i + 1]]} for i in range(0, 12, 2)])
     import datasets
-    datasets.Dataset.from_list([{"messages": c} for c in convs]).save_to_disk(str(tmp_path / "hfds"))
+    datasets.Dataset.from_list([{"messages": c} for c in convs]).save_to_disk(str(d / "hfds"))  # one input
     (d / "notes.md").write_text("a directory's non-data files are not inputs")
 
-    result, manifest = prepare(tmp_path, tokenizer_dir, [d, tmp_path / "hfds"])
+    result, manifest = prepare(tmp_path, tokenizer_dir, [d])
     formats = {Path(s["ref"]).name: s["format"] for s in manifest["sources"] if s["split"] == "train"}
     assert formats == {"messages.jsonl": "messages", "sharegpt.json": "sharegpt", "pc.parquet": "prompt_completion",
                        "pc_lists.parquet": "prompt_completion", "alpaca.csv": "alpaca",
