@@ -54,7 +54,7 @@ def _load(config: Path, overrides: Optional[list[str]]) -> SFTConfig:
         _fail(str(e))
 
 
-def _summary(results: list[dict]) -> None:
+def _summary(results: list[dict], scored: str = "tuned") -> None:
     table = Table(title="sftflow")
     for col in ("stage", "fingerprint", "cached", "seconds", "key metric"):
         table.add_column(col)
@@ -67,7 +67,7 @@ def _summary(results: list[dict]) -> None:
     ev = next((r for r in results if r["stage"] == "evaluate"), None)
     if ev and "base_accuracy" in ev["metrics"]:
         m = ev["metrics"]
-        console.print(f"held-out accuracy: base {m['base_accuracy']:.3f} -> tuned {m['accuracy']:.3f} "
+        console.print(f"held-out accuracy: base {m['base_accuracy']:.3f} -> {escape(scored)} {m['accuracy']:.3f} "
                       f"({m['correct']}/{m['total']} correct)")
     reg = next((r for r in results if r["stage"] == "register"), None)
     if reg:
@@ -129,7 +129,7 @@ def stage(name: str = typer.Argument(..., help="prepare | train | evaluate | reg
             _fail(str(e))
     from flows.sft import sft_stage
     _summary(_run_flow(sft_stage, stage=name, config_path=str(config), overrides=overrides or [], force=force,
-                       with_upstream=with_upstream))
+                       with_upstream=with_upstream), scored=model or "tuned")
 
 
 @app.command()

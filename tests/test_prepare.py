@@ -237,10 +237,11 @@ def test_show_preview_highlights_trainable_spans(tmp_path, tokenizer_dir):
 
 
 @pytest.mark.usefixtures("prefect_api")
-def test_data_with_no_usable_rows_fails_in_one_line(tmp_path):
+def test_data_with_no_usable_rows_fails_in_one_line(tmp_path, tokenizer_dir):
     train = tmp_path / "empty.jsonl"
     train.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     raw = tiny_config_dict(tmp_path)
+    raw["actor"]["model"] = {"model_path": str(tokenizer_dir)}
     raw["data"]["train_data_paths"] = [str(train)]
     path = write_config(tmp_path, raw)
     proc = sftflow("stage", "prepare", "-c", str(path), cwd=tmp_path, timeout=300)
