@@ -114,12 +114,27 @@ def live_processes_mentioning(text: str) -> list[str]:
     return found
 
 
+def wait_healthy(health_url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+    """Until a server we started answers its health check; its log's tail if it dies or never does."""
+    import time
+    import urllib.request
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if urllib.request.urlopen(health_url, timeout=2).status == 200:
+                return
+        except OSError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"server did not start ({health_url}):\n" + log.read_text()[-3000:])
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="session")
 def prefect_api(tmp_path_factory):
     """One real `prefect server start` on loopback for the session: each CLI call then skips the
     ~6 s temporary-server start it needs on its own (tests/test_demo.py still covers that path)."""
-    import time
-    import urllib.request
     home = tmp_path_factory.mktemp("prefect-server")
     port = free_port()
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "false",
@@ -131,16 +146,7 @@ def prefect_api(tmp_path_factory):
     proc = subprocess.Popen([str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
                             stdout=open(home / "server.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}/api"
-    deadline = time.time() + 180
-    while True:
-        try:
-            if urllib.request.urlopen(f"{url}/health", timeout=2).status == 200:
-                break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            raise RuntimeError("prefect server did not start:\n" + (home / "server.log").read_text()[-3000:])
-        time.sleep(0.5)
+    wait_healthy(f"{url}/health", proc, home / "server.log")
     os.environ["PREFECT_API_URL"] = url  # every CLI call the tests make from now on uses it
     yield url
     os.environ.pop("PREFECT_API_URL", None)

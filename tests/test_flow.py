@@ -6,13 +6,11 @@ import json
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import free_port, sftflow, tiny_config_dict, write_config
+from conftest import free_port, sftflow, tiny_config_dict, wait_healthy, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api")]
 
@@ -29,17 +27,7 @@ def mlflow_server(tmp_path_factory):
          "--artifacts-destination", str(home / "artifacts")],
         env=env, stdout=open(home / "server.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     uri = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while True:
-        try:
-            if urllib.request.urlopen(f"{uri}/health", timeout=2).status == 200:
-                break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            raise RuntimeError("mlflow server did not start:\n" + (home / "server.log").read_text()[-3000:])
-        time.sleep(0.5)
+    wait_healthy(f"{uri}/health", proc, home / "server.log")
     yield uri
     proc.terminate()
     try:
