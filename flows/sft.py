@@ -22,7 +22,7 @@ from prefect.cache_policies import CachePolicy
 from prefect.runtime import flow_run
 
 from stages.config import SFTConfig, load_config
-from stages.pipeline import KEY_METRIC, STAGES, UPSTREAM, StageError, plan, run_stage
+from stages.pipeline import KEY_METRIC, STAGES, UPSTREAM, StageError, plan, run_stage, upstream
 
 STEP_LINE = re.compile(r"^step (\d+)/(\d+)\b")
 
@@ -170,7 +170,8 @@ def sft_stage(stage: str, config_path: str, overrides: list[str] | None = None, 
     cfg = load_config(config_path, overrides or [])
     results = []
     if with_upstream:
-        for up in STAGES[:STAGES.index(stage)]:
+        needed = upstream(cfg, stage)  # evaluate --model needs prepare only: nothing is trained for it
+        for up in (s for s in STAGES if s in needed):
             results.append(_run_one(up, cfg, False))
     results.append(_run_one(stage, cfg, force))
     _publish_summary(results)

@@ -72,6 +72,10 @@ def test_rows_without_trainable_tokens_or_too_long_are_rejected(tokenizer):
      [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]),
     ({"instruction": "Add", "input": "1 2", "output": "3"},
      [{"role": "user", "content": "Add\n\n1 2"}, {"role": "assistant", "content": "3"}]),
+    ({"prompt": "Give JSON", "completion": '{"name": "x"}'},  # text that looks like JSON stays text
+     [{"role": "user", "content": "Give JSON"}, {"role": "assistant", "content": '{"name": "x"}'}]),
+    ({"prompt": "List", "completion": "[1, 2, 3]"},
+     [{"role": "user", "content": "List"}, {"role": "assistant", "content": "[1, 2, 3]"}]),
 ])
 def test_formats_become_canonical_messages(row, expected):
     assert to_messages(row) == expected
@@ -216,3 +220,25 @@ def test_tool_calls_and_tool_results_with_the_real_qwen_template(tokenizer):
     assert trainable_runs(tok, t) == [
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
         "It is 21 degrees.<|im_end|>"]
+
+
+@pytest.mark.skipif(not (REALDATA / "chat_templates").is_dir(), reason="../shared/realdata absent")
+@pytest.mark.parametrize("name", ["qwen2.5-instruct"])  # the others insist on user first
+def test_a_conversation_that_opens_with_the_assistant_trains_only_replies(tokenizer, name):
+    """The first reply has no prompt before it: the template's preamble (a default system prompt,
+    BOS) must stay untrained."""
+    tok = family_tokenizer(tokenizer, name)
+    messages = [{"role": "assistant", "content": "Hi, how can I help?"}, {"role": "user", "content": "Who are you?"},
+                {"role": "assistant", "content": "I am TinyChat."}]
+    t = tokenize_conversation(tok, messages, max_length=4096)
+    assert_replies_then_marker(trainable_runs(tok, t), messages, REAL_TEMPLATES[name][1])
+    assert "You are Qwen" not in "".join(trainable_runs(tok, t))
+
+
+def test_a_conversation_that_opens_with_the_assistant_on_the_builtin_template(tokenizer):
+    messages = [{"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "Who are you?"},
+                {"role": "assistant", "content": "I am TinyChat."}]
+    t = tokenize_conversation(tokenizer, messages, max_length=512)
+    assert trainable_runs(tokenizer, t) == ["Hi!<|im_end|>", "I am TinyChat.<|im_end|>"]
+    ref = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert t.loss_mask == list(ref["assistant_masks"])

@@ -65,15 +65,21 @@ def test_every_format_and_file_type_yields_the_same_samples(tmp_path, tokenizer_
     d = tmp_path / "data"
     (d / "nested").mkdir(parents=True)
     write_jsonl(d / "messages.jsonl", [{"messages": c} for c in convs])
+    (d / "messages.jsonl").write_bytes(b"\xef\xbb\xbf" + (d / "messages.jsonl").read_bytes())  # a BOM, as Windows writes
+    (d / "part-empty.jsonl").write_text("")  # an empty part of a sharded export: no rows, no error
     (d / "sharegpt.json").write_text(json.dumps([{"conversations": [{"from": "human", "value": u}, {"from": "gpt", "value": a}]}
                                                  for u, a in pairs]))
     pq.write_table(pa.Table.from_pylist([{"prompt": u, "completion": a} for u, a in pairs]), d / "nested" / "pc.parquet")
     pq.write_table(pa.Table.from_pylist([{"prompt": [c[0]], "completion": [c[1]]} for c in convs]), d / "pc_lists.parquet")
-    with open(d / "alpaca.csv", "w", newline="", encoding="utf-8") as f:
+    with open(d / "alpaca.csv", "w", newline="", encoding="utf-8-sig") as f:  # Excel's "CSV UTF-8"
         w = csv.DictWriter(f, ["instruction", "input", "output"])
         w.writeheader()
         w.writerows({"instruction": u, "input": "", "output": a} for u, a in pairs)
     write_jsonl(d / "conversation.jsonl", [{"conversation": [convs[i], convs[i + 1]]} for i in range(0, 12, 2)])
+    with open(d / "nested" / "conversations.csv", "w", newline="", encoding="utf-8") as f:  # JSON text in a cell
+        w = csv.DictWriter(f, ["conversations"])
+        w.writeheader()
+        w.writerows({"conversations": json.dumps([convs[i], convs[i + 1]], ensure_ascii=False)} for i in range(0, 12, 2))
     import datasets
     datasets.Dataset.from_list([{"messages": c} for c in convs]).save_to_disk(str(d / "hfds"))  # one input
     (d / "notes.md").write_text("a directory's non-data files are not inputs")
@@ -82,7 +88,8 @@ def test_every_format_and_file_type_yields_the_same_samples(tmp_path, tokenizer_
     formats = {Path(s["ref"]).name: s["format"] for s in manifest["sources"] if s["split"] == "train"}
     assert formats == {"messages.jsonl": "messages", "sharegpt.json": "sharegpt", "pc.parquet": "prompt_completion",
                        "pc_lists.parquet": "prompt_completion", "alpaca.csv": "alpaca",
-                       "conversation.jsonl": "conversation", "hfds": "messages"}
+                       "conversation.jsonl": "conversation", "conversations.csv": "conversation",
+                       "part-empty.jsonl": "auto", "hfds": "messages"}
     by_file: dict[str, list] = {}
     for r in shard_rows(result):
         by_file.setdefault(Path(r["source"].rsplit(":", 1)[0]).name, []).append(r)

@@ -39,7 +39,9 @@ def generate(model, tok, prompts: list[list[dict]], max_new_tokens: int, batch_s
     Each reply ends at its first stop token (eos or the template's end-of-turn marker), which is
     neither decoded nor counted: `new_tokens` is the reply's length in tokens."""
     tok.padding_side = "left"
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    if tok.pad_token is None:  # Llama-3, Mistral: no pad token; left pads are masked out anyway
+        tok.pad_token = tok.eos_token
+    pad_id = tok.pad_token_id
     stops = stop_ids(model, tok)
     out = []
     for i in range(0, len(prompts), batch_size):

@@ -121,11 +121,16 @@ def assistant_spans(renderer: Renderer, messages: list[dict], loss_on: str = "as
         end = len(text) if i == len(messages) - 1 else common_prefix_len(renderer(messages[: i + 1]), text)
         while end > 0 and text[end - 1].isspace():
             end -= 1
-        before = renderer(messages[:i], add_generation_prompt=True) if i else ""
+        before = _generation_prompt(renderer, messages[:i])
         reply = messages[i]["content"].strip()
-        if text.startswith(before):
+        if before is not None and text.startswith(before):
             start = len(before)
             found = not reply or text.find(reply, start, end) >= 0
+        elif before is None:
+            # a conversation that opens with the assistant, on a template that can't render an empty
+            # prompt: train the reply itself, never the template's preamble (BOS, default system prompt)
+            start = text.rfind(reply, 0, end) if reply else 0
+            found = start >= 0
         else:
             # The generation prompt is not how this template renders the turn inside the conversation
             # (whitespace, indentation): the reply starts after both the agreeing prefix and the
@@ -140,6 +145,17 @@ def assistant_spans(renderer: Renderer, messages: list[dict], loss_on: str = "as
             raise RowError("reply_not_in_template", f"assistant turn {i} is not where the template renders it")
         spans.append((start, end))
     return text, spans
+
+
+def _generation_prompt(renderer: Renderer, messages: list[dict]) -> str | None:
+    """The prompt up to where the reply after `messages` starts; None when the template can't
+    render it (most templates can't render an empty conversation)."""
+    if messages:
+        return renderer(messages, add_generation_prompt=True)
+    try:
+        return renderer([], add_generation_prompt=True)
+    except RowError:
+        return None
 
 
 def mask_from_offsets(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:

@@ -73,6 +73,8 @@ def iter_records(path: Path | str, split: str = "train") -> Iterator[tuple[int, 
     if suffix in JSONL_SUFFIXES:
         with open(path, "rb") as f:
             for n, raw in enumerate(f, start=1):
+                if n == 1:
+                    raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark (Windows editors)
                 if raw.strip():
                     yield n, raw
     elif suffix == ".json":
@@ -85,11 +87,16 @@ def iter_records(path: Path | str, split: str = "train") -> Iterator[tuple[int, 
                 n += 1
                 yield n, row
     elif suffix == ".csv":
+        csv.field_size_limit(1 << 30)  # a cell may hold a whole conversation as JSON
         try:
-            with open(path, newline="", encoding="utf-8") as f:
-                yield from enumerate(csv.DictReader(f), start=1)
+            with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: Excel's "CSV UTF-8" starts with a BOM
+                reader = csv.DictReader(f)
+                for n, row in enumerate(reader, start=1):
+                    yield n, ({k: v for k, v in row.items() if k is not None} if None in row else row)
         except UnicodeDecodeError as e:
             raise SourceError(f"{path}: not UTF-8 ({e.reason} at byte {e.start}); re-encode the file as UTF-8") from None
+        except csv.Error as e:
+            raise SourceError(f"{path}: unreadable CSV near line {reader.line_num}: {e}") from None
     else:
         raise SourceError(f"{path}: unsupported file type '{suffix}'; use one of {', '.join(sorted(SUFFIXES))}, "
                           "a `datasets` save_to_disk folder, or hf:<dataset name>")
@@ -158,14 +165,14 @@ def detect_format(row: Any) -> str:
     if not isinstance(row, dict):
         raise RowError("not_an_object", type(row).__name__)
     found = [f for f, keys in FORMAT_KEYS.items() if all(k in row for k in keys)]
-    if "sharegpt" in found and _is_list_of_lists(row["conversations"]):
+    if "sharegpt" in found and _is_list_of_lists(_json_field(row["conversations"])):
         found[found.index("sharegpt")] = "conversation"
     found = sorted(set(found))
     if len(found) == 1:
         return found[0]
     if not found:
-        raise RowError("unknown_format", f"keys {sorted(row)[:8]} match none of {', '.join(FORMATS)}")
-    raise RowError("ambiguous_format", f"keys {sorted(row)[:8]} match {' and '.join(found)}")
+        raise RowError("unknown_format", f"keys {sorted(map(str, row))[:8]} match none of {', '.join(FORMATS)}")
+    raise RowError("ambiguous_format", f"keys {sorted(map(str, row))[:8]} match {' and '.join(found)}")
 
 
 TURN_FIELDS = ("role", "content", "from", "value")
@@ -199,12 +206,21 @@ def _is_list_of_lists(v: Any) -> bool:
 
 
 def _json_field(v: Any) -> Any:
-    """CSV cells and some Parquet exports hold message lists as JSON text."""
-    if isinstance(v, str) and v[:1] in "[{":
-        try:
-            return orjson.loads(v)
-        except orjson.JSONDecodeError:
-            return v
+    """CSV cells and some Parquet exports hold message lists as JSON text. Only a list of turns
+    (dicts with a role/from) or of conversations is taken; any other text (a completion that
+    teaches JSON output) stays the string it is."""
+    if not (isinstance(v, str) and v.lstrip()[:1] == "["):
+        return v
+    try:
+        parsed = orjson.loads(v)
+    except orjson.JSONDecodeError:
+        return v
+
+    def is_turn(t: Any) -> bool:
+        return isinstance(t, dict) and ("role" in t or "from" in t)
+    if isinstance(parsed, list) and parsed and all(is_turn(t) or (isinstance(t, list) and all(map(is_turn, t)))
+                                                   for t in parsed):
+        return parsed
     return v
 
 
@@ -317,6 +333,8 @@ def file_format(path: Path | str, fmt: str, columns: dict[str, str] | None, spli
         seen[f] = seen.get(f, 0) + 1
     if len(seen) == 1:
         return next(iter(seen))
+    if not seen and next(iter_records(path, split), None) is None:
+        return "auto"  # an empty file (e.g. an empty part of a sharded export): no rows to read
     if not seen:
         raise SourceError(f"{path}: cannot detect the format from its first {sample} rows (none has the keys of "
                           f"{', '.join(FORMATS)}); set data.format, or map your field names with data.columns")
