@@ -59,8 +59,8 @@ def synthetic_jsonl(path: Path, n: int, seed: int = 0, max_turns: int = 3) -> Pa
 
 
 def build_tokenizer(work: Path) -> str:
-    from stages.config import config_from_dict
-    from stages.models import resolve_model
+    from stages.core.config import config_from_dict
+    from stages.models.base import resolve_model
     corpus = synthetic_jsonl(work / "corpus.jsonl", 500, seed=1)
     cfg = config_from_dict({"artifacts_dir": str(work / "artifacts"),
                             "data": {"train_data_paths": [str(corpus)], "val_data_paths": [str(corpus)]}})
@@ -68,7 +68,7 @@ def build_tokenizer(work: Path) -> str:
 
 
 def run_sftflow(data: Path, model: str, work: Path, num_proc: int) -> tuple[float, int]:
-    from stages.config import config_from_dict
+    from stages.core.config import config_from_dict
     from stages.pipeline import plan, run_stage
     cfg = config_from_dict({"artifacts_dir": str(work), "actor": {"model": {"model_path": model}},
                             "data": {"train_data_paths": [str(data)], "val_fraction": 0.01, "format": "messages",

@@ -48,7 +48,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from stages.train.data import IGNORE_INDEX, DataPosition, GlobalBatchSampler, collate_packed, collate_padded  # noqa: E402
+from stages.runtime.batches import IGNORE_INDEX, DataPosition, GlobalBatchSampler, collate_packed, collate_padded  # noqa: E402
 
 BARE = "bare loop (packed)"
 
@@ -87,8 +87,8 @@ def write_jsonl(path: Path, rows: list[dict]) -> str:
 
 def prepare(tmp: Path, args) -> tuple:
     """A config, the builtin model's path and the prepared train shards, all under `tmp`."""
-    from stages.config import config_from_dict
-    from stages.models import resolve_model
+    from stages.core.config import config_from_dict
+    from stages.models.base import resolve_model
     from stages.pipeline import plan, run_stage
 
     n_rows = int((args.warmup + args.steps) * args.global_batch * 1.05) + 1  # one epoch covers every step
@@ -138,7 +138,7 @@ def run_worker(cfg, model_path: str, shards: Path, tmp: Path, args, packing: boo
 def worker_mode(job_path: str, out_path: str) -> None:
     """One torchrun rank: the worker's own setup and step methods, timed the way the bare loops are."""
     import torch.distributed as dist
-    from stages.train.worker import SFTWorker
+    from stages.runtime.worker import SFTWorker
 
     job = json.loads(Path(job_path).read_text())
     worker = SFTWorker(job["spec"])
@@ -169,7 +169,7 @@ def run_bare(cfg, model_path: str, ds, pad_id: int, args, packed: bool) -> dict:
     longest-first order, world size 1), same loss normalization, clipping and LR schedule as
     the worker, so the losses must match it step for step."""
     from transformers import AutoModelForCausalLM
-    from stages.train.worker import lr_lambda
+    from stages.runtime.worker import lr_lambda
 
     torch.manual_seed(cfg.runner.seed)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).train()
@@ -295,7 +295,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
-    from stages.train.data import SFTDataset
+    from stages.runtime.batches import SFTDataset
     from stages.train.launcher import worker_env
 
     hf_logging.disable_progress_bar()  # model save/load bars would interleave with the report

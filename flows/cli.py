@@ -31,8 +31,9 @@ from rich.console import Console  # noqa: E402
 from rich.markup import escape  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from stages.config import ConfigError, SFTConfig, flatten, load_config  # noqa: E402
-from stages.pipeline import KEY_METRIC, STAGES, plan  # noqa: E402
+from stages.core.config import ConfigError, SFTConfig, default_tracking_uri, flatten, load_config  # noqa: E402
+from stages.core.errors import MissingUpstream, StageError  # noqa: E402
+from stages.pipeline import KEY_METRIC, STAGES, Plan, plan, require_upstream  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console()
@@ -50,6 +51,15 @@ def _fail(msg: str, code: int = 2) -> None:
 def _load(config: Path, overrides: Optional[list[str]]) -> SFTConfig:
     try:
         return load_config(config, overrides or [])
+    except ConfigError as e:
+        _fail(str(e))
+
+
+def _plan(config: Path, overrides: Optional[list[str]]) -> Plan:
+    """The run's one validation and one plan: the flow gets this plan and never redoes either."""
+    cfg = _load(config, overrides)
+    try:
+        return plan(cfg)
     except ConfigError as e:
         _fail(str(e))
 
@@ -78,7 +88,6 @@ def _summary(results: list[dict], scored: str = "tuned") -> None:
 
 def _run_flow(fn, **kwargs) -> list[dict]:
     """Runs a flow; its failure ends as one line (Prefect's log above has the details)."""
-    from stages.pipeline import StageError
     try:
         return fn(**kwargs)
     except ConfigError as e:
@@ -93,13 +102,15 @@ def _run_flow(fn, **kwargs) -> list[dict]:
 def run(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
         force: list[str] = typer.Option([], "--force", help="redo this stage (and everything after it); repeatable")) -> None:
     """The full flow: prepare -> train -> evaluate -> register."""
-    if _load(config, overrides).eval.model is not None:
-        _fail("eval.model is for `sftflow stage evaluate --model`: the flow registers the model it trains")
     for s in force:
         if s not in STAGES:
             _fail(f"--force {s}: unknown stage; stages: {', '.join(STAGES)}")
+    p = _plan(config, overrides)
+    if p.cfg.eval.model is not None:
+        _fail("eval.model is for `sftflow stage evaluate --model`: the flow registers the model it trains")
     from flows.sft import sft_pipeline
-    _summary(_run_flow(sft_pipeline, config_path=str(config), overrides=overrides or [], force=force))
+    _summary(_run_flow(sft_pipeline, config_path=str(config), overrides=overrides or [], force=force,
+                       planned=p.to_dict()))
 
 
 @app.command()
@@ -118,18 +129,17 @@ def stage(name: str = typer.Argument(..., help="prepare | train | evaluate | reg
             _fail(f"--model applies to `sftflow stage evaluate` only, not {name}")
         local = Path(model).expanduser()
         overrides = [*(overrides or []), f"eval.model={json.dumps(str(local.resolve()) if local.exists() else model)}"]
-    cfg = _load(config, overrides)
-    from stages.pipeline import MissingUpstream, require_upstream
+    p = _plan(config, overrides)
     if not with_upstream:
         try:
-            require_upstream(plan(cfg), name)
+            require_upstream(p, name)
         except MissingUpstream as e:
             _fail(f"{e} (or add --with-upstream)")
         except ConfigError as e:
             _fail(str(e))
     from flows.sft import sft_stage
     _summary(_run_flow(sft_stage, stage=name, config_path=str(config), overrides=overrides or [], force=force,
-                       with_upstream=with_upstream), scored=model or "tuned")
+                       with_upstream=with_upstream, planned=p.to_dict()), scored=model or "tuned")
 
 
 @app.command()
@@ -138,11 +148,8 @@ def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg
          preview: int = typer.Option(0, "--preview", metavar="N",
                                      help="print N prepared training samples, trainable tokens highlighted")) -> None:
     """The resolved config and each stage's fingerprint and status (or, with --preview, samples)."""
-    cfg = _load(config, overrides)
-    try:
-        p = plan(cfg)
-    except ConfigError as e:
-        _fail(str(e))
+    p = _plan(config, overrides)
+    cfg = p.cfg
     if preview > 0:
         _preview(cfg, p, preview)
         return
@@ -168,11 +175,10 @@ def _preview(cfg: SFTConfig, p, n: int) -> None:
     """What the model is trained on, as a careful user checks it by hand: from the prepared shards
     when prepare has run, else prepared on the fly from the first rows (nothing is written)."""
     from rich.text import Text
-    from stages.errors import StageError
-    from stages.models import resolve_model
+    from stages.models.base import resolve_model
     from stages.prepare import preview_samples
     try:
-        samples = preview_samples(cfg, p.folder("prepare"), resolve_model(cfg), n)
+        samples = preview_samples(cfg, p.folder("prepare"), resolve_model(cfg, p.fingerprints["models"]), n)
     except (StageError, ConfigError) as e:
         _fail(str(e), 1)
     for source, segments in samples:
@@ -192,10 +198,10 @@ def chat(question: str = typer.Argument(..., help="the user message"),
          max_new_tokens: int = typer.Option(128, help="reply length limit"),
          tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI for models:/ (default: artifacts/mlflow.db)")) -> None:
     """Ask a model one question through its chat template."""
-    from stages.evaluate.generate import generate, load
-    from stages.models import resolve_model_ref
+    from stages.models.refs import resolve_model_ref
+    from stages.runtime.generation import generate, load
     try:
-        path = resolve_model_ref(model, tracking_uri or f"sqlite:///{Path('artifacts/mlflow.db').resolve()}")
+        path = resolve_model_ref(model, tracking_uri or default_tracking_uri())
     except ValueError as e:
         _fail(str(e))
     m, tok = load(path)

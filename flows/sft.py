@@ -1,40 +1,30 @@
 """The Prefect flows: four thin tasks around `stages.pipeline.run_stage`.
 
-Each task's cache key is its stage fingerprint (see `StageFingerprint`). A Prefect cache
-record only counts while the stage folder is complete: the flow looks at the folder first
-and refreshes the cache when the manifest is gone, so a deleted folder re-runs its stage.
+The flow validates the config and plans once (or takes the CLI's plan); every task gets that
+plan. The stage folder's manifest is the only cache: a task whose folder is complete returns
+at once in a `Cached` state, so the Prefect UI shows what ran and what was reused, and
+Prefect keeps no result store of its own.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
-from prefect.cache_policies import CachePolicy
+from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
+from prefect.states import Completed
 
-from stages.config import SFTConfig, load_config
-from stages.pipeline import KEY_METRIC, STAGES, UPSTREAM, StageError, plan, run_stage, upstream
+from stages.core.config import load_config
+from stages.pipeline import KEY_METRIC, STAGES, UPSTREAM, Plan, plan, run_stage, upstream
 
 STEP_LINE = re.compile(r"^step (\d+)/(\d+)\b")
-
-
-@dataclass
-class StageFingerprint(CachePolicy):
-    """Cache key = the stage fingerprint (config slice, upstream fingerprints, input contents, code)."""
-
-    def compute_key(self, task_ctx, inputs: dict[str, Any], flow_parameters: dict[str, Any], **kwargs) -> str | None:
-        root = inputs["config"].get("artifacts_dir", "artifacts")
-        scope = hashlib.sha256(str(Path(root).resolve()).encode()).hexdigest()[:8]
-        return f"sftflow-{inputs['fingerprint']}-{scope}"
 
 
 def _training_progress(logger) -> Callable[[str], None]:
@@ -55,40 +45,38 @@ def _training_progress(logger) -> Callable[[str], None]:
     return on_line
 
 
-def _stage(stage: str, config: dict, fingerprint: str, force: bool, tags: dict | None = None) -> dict:
+def _stage(stage: str, p: Plan, force: bool, tags: dict | None = None):
     logger = get_run_logger()
-    p = plan(SFTConfig.model_validate(config))
-    if p.fingerprints[stage] != fingerprint:
-        # Data or code edited after the flow planned: running now would file new outputs under an old key.
-        raise StageError(f"{stage}: inputs changed while the flow was running (fingerprint {fingerprint} -> "
-                         f"{p.fingerprints[stage]}); run the flow again")
     on_line = _training_progress(logger) if stage == "train" else logger.info
-    result = run_stage(p, stage, force=force, on_line=on_line, extra_tags=tags)
-    logger.info(f"{stage} {'cached' if result.cached else 'done'} -> {result.path}")
+    result = run_stage(p, stage, force=force, on_line=on_line, tags=tags)
+    logger.info(f"{stage} {'reused' if result.cached else 'done'} -> {result.path}")
+    if result.cached:
+        return Completed(name="Cached", message=f"stage folder {result.path} is complete", data=result.to_dict())
     return result.to_dict()
 
 
-_opts = dict(cache_policy=StageFingerprint(), persist_result=True)
+# The stage folders are the cache (see stages/core/artifacts.py); Prefect keeps none.
+_opts = dict(cache_policy=NO_CACHE, persist_result=False)
 
 
 @task(name="prepare", **_opts)
-def prepare_task(config: dict, fingerprint: str, force: bool = False) -> dict:
-    return _stage("prepare", config, fingerprint, force)
+def prepare_task(p: Plan, force: bool = False) -> dict:
+    return _stage("prepare", p, force)
 
 
 @task(name="train", **_opts)
-def train_task(config: dict, fingerprint: str, force: bool = False, tags: dict | None = None) -> dict:
-    return _stage("train", config, fingerprint, force, tags)
+def train_task(p: Plan, force: bool = False, tags: dict | None = None) -> dict:
+    return _stage("train", p, force, tags)
 
 
 @task(name="evaluate", **_opts)
-def evaluate_task(config: dict, fingerprint: str, force: bool = False) -> dict:
-    return _stage("evaluate", config, fingerprint, force)
+def evaluate_task(p: Plan, force: bool = False) -> dict:
+    return _stage("evaluate", p, force)
 
 
 @task(name="register", **_opts)
-def register_task(config: dict, fingerprint: str, force: bool = False, tags: dict | None = None) -> dict:
-    return _stage("register", config, fingerprint, force, tags)
+def register_task(p: Plan, force: bool = False, tags: dict | None = None) -> dict:
+    return _stage("register", p, force, tags)
 
 
 TASKS = {"prepare": prepare_task, "train": train_task, "evaluate": evaluate_task, "register": register_task}
@@ -102,22 +90,27 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def _run_one(stage: str, cfg: SFTConfig, force: bool) -> dict:
-    p = plan(cfg)
-    complete = p.status(stage) == "complete"
-    f = cfg.flow
+def _run_one(stage: str, p: Plan, force: bool) -> dict:
+    f = p.cfg.flow
     # A retried train finds its partial folder and resumes from the newest checkpoint.
-    t = TASKS[stage].with_options(refresh_cache=force or not complete, retries=f.retries,
-                                  retry_delay_seconds=f.retry_delay_seconds, timeout_seconds=f.timeout_seconds)
-    kwargs: dict[str, Any] = dict(config=cfg.model_dump(mode="json"), fingerprint=p.fingerprints[stage], force=force)
+    t = TASKS[stage].with_options(retries=f.retries, retry_delay_seconds=f.retry_delay_seconds,
+                                  timeout_seconds=f.timeout_seconds)
+    kwargs: dict[str, Any] = dict(p=p, force=force)
     if stage in ("train", "register"):  # tags of the MLflow run (opened by train, finished by register)
         kwargs["tags"] = {"sftflow.git_commit": _git_commit(), "prefect.flow_run_id": str(flow_run.id or "")}
     t0 = time.time()
-    state = t(return_state=True, **kwargs)
-    result = state.result()
-    result["cached"] = bool(result.get("cached")) or state.name == "Cached"
+    result = t(**kwargs)
     result["seconds"] = round(time.time() - t0, 2)
     return result
+
+
+def _the_plan(config_path: str | None, overrides: list[str] | None, planned: dict | None) -> Plan:
+    """The CLI plans before the flow starts (its errors exit 2); a deployment run plans here."""
+    if planned is not None:
+        return Plan.from_dict(planned)
+    if config_path is None:
+        raise ValueError("sft_pipeline needs config_path (or a plan)")
+    return plan(load_config(config_path, overrides or []))
 
 
 def _publish_summary(results: list[dict]) -> None:
@@ -147,15 +140,17 @@ def _publish_summary(results: list[dict]) -> None:
 
 
 @flow(name="sft_pipeline", log_prints=True)
-def sft_pipeline(config_path: str, overrides: list[str] | None = None, force: list[str] | None = None) -> list[dict]:
-    """prepare -> train -> evaluate -> register; `force` names stages to redo (and so everything after them)."""
-    cfg = load_config(config_path, overrides or [])
+def sft_pipeline(config_path: str | None = None, overrides: list[str] | None = None, force: list[str] | None = None,
+                 planned: dict | None = None) -> list[dict]:
+    """prepare -> train -> evaluate -> register; `force` names stages to redo (and so everything after them).
+    `planned`: a `Plan.to_dict()` made by the caller, used instead of loading `config_path` again."""
+    p = _the_plan(config_path, overrides, planned)
     forced = set(force or [])
     results = []
     for stage in STAGES:
         # forcing a stage changes nothing upstream but redoes everything downstream of it
         redo = stage in forced or any(u in forced for u in UPSTREAM[stage])
-        results.append(_run_one(stage, cfg, redo))
+        results.append(_run_one(stage, p, redo))
         if redo:
             forced.add(stage)
     _publish_summary(results)
@@ -163,16 +158,16 @@ def sft_pipeline(config_path: str, overrides: list[str] | None = None, force: li
 
 
 @flow(name="sft_stage", log_prints=True)
-def sft_stage(stage: str, config_path: str, overrides: list[str] | None = None, force: bool = False,
-              with_upstream: bool = False) -> list[dict]:
+def sft_stage(stage: str, config_path: str | None = None, overrides: list[str] | None = None, force: bool = False,
+              with_upstream: bool = False, planned: dict | None = None) -> list[dict]:
     """One stage. Upstream stages come from their completed folders; with `with_upstream`, the
-    missing ones run first (complete ones stay cached)."""
-    cfg = load_config(config_path, overrides or [])
+    missing ones run first (complete ones are reused)."""
+    p = _the_plan(config_path, overrides, planned)
     results = []
     if with_upstream:
-        needed = upstream(cfg, stage)  # evaluate --model needs prepare only: nothing is trained for it
+        needed = upstream(p.cfg, stage)  # evaluate --model needs prepare only: nothing is trained for it
         for up in (s for s in STAGES if s in needed):
-            results.append(_run_one(up, cfg, False))
-    results.append(_run_one(stage, cfg, force))
+            results.append(_run_one(up, p, False))
+    results.append(_run_one(stage, p, force))
     _publish_summary(results)
     return results

@@ -1,7 +1,8 @@
-"""The stage graph: which config slice each stage reads, its fingerprint, and how to run it.
+"""The stage graph: what each stage reads, its fingerprint, and how to run it.
 
-Orchestrators (the Prefect flow, the CLI, tests) go through `plan()` and `run_stage()`; they
-never need to know what a stage does inside.
+Orchestrators (the Prefect flow, the CLI, tests) validate a config once (`load_config`),
+plan once (`plan`), and hand the `Plan` to `run_stage` for each stage; a plan travels as
+JSON (`Plan.to_dict`) to Prefect tasks and is never re-resolved there.
 
     models ─┐
     prepare ─► train ─► evaluate ─► register
@@ -11,74 +12,84 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
-from .artifacts import (
-    StageResult,
-    cached_result,
-    code_version,
-    fingerprint,
-    input_digest,
-    is_complete,
-    stage_dir,
-    stage_lock,
-)
-from .config import ConfigError, SFTConfig, expand_paths
-from .errors import StageError  # noqa: F401  (re-exported for orchestrators)
-from .evaluate.scorers import scorer_identity
-from .models import eval_model_identity, model_fingerprint, resolve_model
+from .core.artifacts import StageResult, cached_result, fingerprint, input_digest, is_complete, stage_dir, stage_lock
+from .core.codeversion import code_version
+from .core.config import SFTConfig, hashed
+from .core.errors import ConfigError, MissingUpstream, StageError
+from .core.imports import import_identity
+from .core.inputs import HUB_PREFIX
+from .models.base import model_fingerprint, resolve_model
+from .models.refs import eval_model_identity
+from .tracking.run import Lineage
+
+__all__ = ["STAGES", "UPSTREAM", "KEY_METRIC", "Plan", "plan", "run_stage", "upstream", "require_upstream",
+           "ConfigError", "MissingUpstream", "StageError"]
 
 STAGES = ("prepare", "train", "evaluate", "register")
-EXECUTION_ONLY = {"nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "activation_checkpointing", "compile"}
 UPSTREAM = {"prepare": (), "train": ("prepare",), "evaluate": ("train", "prepare"), "register": ("evaluate", "train", "prepare")}
+KEY_METRIC = {"prepare": ("train_rows_kept", "rows"), "train": ("final_loss", "loss"),
+              "evaluate": ("accuracy", "accuracy"), "register": ("version", "version")}
 
 
 @dataclass
 class Plan:
+    """A validated config with everything resolved from it: the inputs its paths name (with content
+    digests), what `eval.model` is, and every stage's fingerprint (`models` is the base model's)."""
+
     cfg: SFTConfig
     fingerprints: dict[str, str]
+    inputs: dict[str, list[tuple[str, str]]]  # split -> [(input, content sha256)]
+    eval_model: dict | None = None
 
-    def folder(self, stage: str):
+    def folder(self, stage: str) -> Path:
         return stage_dir(self.cfg.artifacts_path, stage, self.fingerprints[stage])
 
     def status(self, stage: str) -> str:
         return "complete" if is_complete(self.folder(stage)) else "missing"
 
+    def lineage(self, dirs: dict[str, str], tags: dict[str, str] | None = None) -> Lineage:
+        return Lineage(fingerprints={s: self.fingerprints[s] for s in STAGES}, dirs=dirs, inputs=self.inputs,
+                       tags=dict(tags or {}))
 
-def _digests(cfg: SFTConfig, paths: list[str], key: str) -> list[str]:
-    return [input_digest(p, cfg.artifacts_path) for p in expand_paths(paths, key)]
+    def to_dict(self) -> dict:
+        return {"config": self.cfg.model_dump(mode="json"), "fingerprints": self.fingerprints,
+                "inputs": {s: [list(x) for x in v] for s, v in self.inputs.items()}, "eval_model": self.eval_model}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        """The plan `to_dict` wrote; nothing is globbed, hashed or looked up again."""
+        cfg = SFTConfig.model_validate(d["config"])
+        inputs = {s: [(ref, digest) for ref, digest in v] for s, v in d["inputs"].items()}
+        cfg._inputs = {s: [ref if ref.startswith(HUB_PREFIX) else Path(ref) for ref, _ in v] for s, v in inputs.items()}
+        return cls(cfg, dict(d["fingerprints"]), inputs, d.get("eval_model"))
 
 
 def plan(cfg: SFTConfig) -> Plan:
     """Fingerprints of every stage from the config and input *contents*; runs nothing."""
-    d, a, r = cfg.data, cfg.actor, cfg.runner
-    model_fp = model_fingerprint(cfg)
-    prepare = fingerprint(
-        "prepare", code=code_version("prepare"), model=model_fp, trust_remote_code=a.model.trust_remote_code,
-        # num_proc only spreads the work: the shards are identical for any value
-        data=d.model_dump(exclude={"train_data_paths", "val_data_paths", "num_proc"}),
-        train=_digests(cfg, d.train_data_paths, "data.train_data_paths"),
-        val=_digests(cfg, d.val_data_paths, "data.val_data_paths"))
-    train = fingerprint(
-        "train", code=code_version("train", "models"), prepare=prepare, model=model_fp,
-        # How the work is spread (world size, rendezvous) and memory/speed knobs don't change the math,
-        # so they stay out: a run checkpointed on 2 processes resumes on 1 under the same fingerprint.
-        actor=a.model_dump(exclude=EXECUTION_ONLY), runner=r.model_dump(exclude={"resume", "log_interval"}))
-    evaluate = fingerprint("evaluate", code=code_version("evaluate"), prepare=prepare, eval=cfg.eval.model_dump(),
-                           scorer=scorer_identity(cfg.eval.scorer), **_evaluated_model(cfg, train, model_fp))
-    register = fingerprint("register", code=code_version("register"), evaluate=evaluate, train=train, prepare=prepare,
-                           registry=cfg.registry.model_dump(exclude={"live_after_seconds"}),
-                           tracking_uri=cfg.resolved_tracking_uri)
-    return Plan(cfg, {"prepare": prepare, "train": train, "evaluate": evaluate, "register": register})
-
-
-def _evaluated_model(cfg: SFTConfig, train: str, model_fp: str) -> dict:
-    """What evaluate scores: the train stage's model, or `eval.model` (its content identity, plus the
-    base model and the actor's model type/worker that load and score it); world size never matters."""
-    identity = eval_model_identity(cfg)
-    if identity is None:
-        return {"train": train}
-    return {"model": identity, "base": model_fp, "actor": cfg.actor.model_dump(include={"worker", "model"})}
+    root = cfg.artifacts_path
+    inputs = {split: [(str(ref), input_digest(ref, root)) for ref in refs] for split, refs in cfg.inputs().items()}
+    digests = {split: [d for _, d in items] for split, items in inputs.items()}
+    model_fp = model_fingerprint(cfg, digests["train"])
+    prepare = fingerprint("prepare", code=code_version("prepare"), model=model_fp,
+                          trust_remote_code=cfg.actor.model.trust_remote_code, data=hashed(cfg.data),
+                          train=digests["train"], val=digests["val"])
+    worker = import_identity(cfg.actor.worker)
+    train = fingerprint("train", code=code_version("train"), prepare=prepare, model=model_fp,
+                        actor=hashed(cfg.actor), runner=hashed(cfg.runner), worker=worker)
+    identity = eval_model_identity(cfg, model_fp)
+    # what evaluate scores: the train stage's model, or `eval.model` (plus what loads and scores it)
+    scored = {"train": train} if identity is None else {
+        "model": identity, "base": model_fp, "actor": hashed(cfg.actor.model), "worker": worker}
+    scorer = None if ":" not in cfg.eval.scorer else import_identity(cfg.eval.scorer)
+    evaluate = fingerprint("evaluate", code=code_version("evaluate"), prepare=prepare, eval=hashed(cfg.eval),
+                           scorer=scorer, **scored)
+    register = fingerprint("register", code=code_version("register", neutral=True), evaluate=evaluate, train=train,
+                           prepare=prepare, registry=hashed(cfg.registry), tracking_uri=cfg.resolved_tracking_uri)
+    fps = {"models": model_fp, "prepare": prepare, "train": train, "evaluate": evaluate, "register": register}
+    return Plan(cfg, fps, inputs, identity)
 
 
 def upstream(cfg: SFTConfig, stage: str) -> tuple[str, ...]:
@@ -86,10 +97,6 @@ def upstream(cfg: SFTConfig, stage: str) -> tuple[str, ...]:
     if stage == "evaluate" and cfg.eval.model is not None:
         return ("prepare",)
     return UPSTREAM[stage]
-
-
-class MissingUpstream(ConfigError):
-    """A stage was asked for before the stages it reads from: a usage error (exit code 2)."""
 
 
 def require_upstream(p: Plan, stage: str) -> dict[str, str]:
@@ -105,37 +112,43 @@ def require_upstream(p: Plan, stage: str) -> dict[str, str]:
     return dirs
 
 
+def _check_inputs_unchanged(p: Plan) -> None:
+    """Data edited between planning and reading would file new outputs under an old fingerprint."""
+    root = p.cfg.artifacts_path
+    for split, items in p.inputs.items():
+        for ref, digest in items:
+            if not ref.startswith(HUB_PREFIX) and input_digest(Path(ref), root) != digest:
+                raise StageError(f"prepare: {ref} changed after the run was planned; run it again")
+
+
 def run_stage(p: Plan, stage: str, force: bool = False, on_line: Callable[[str], None] = print,
-              extra_tags: dict[str, str] | None = None) -> StageResult:
-    """Runs one stage unless its folder is complete (or `force`); upstream must be complete."""
+              tags: dict[str, str] | None = None) -> StageResult:
+    """Runs one stage unless its folder is complete (or `force`); upstream must be complete.
+    `tags` (git commit, Prefect flow run id) go to the MLflow run that train opens and register finishes."""
     cfg, fp, root = p.cfg, p.fingerprints[stage], p.cfg.artifacts_path
     dirs = require_upstream(p, stage)
     t0 = time.time()
+    # Each stage package imports torch or MLflow: only the one that runs is loaded.
     with stage_lock(root, stage, fp):
         hit = cached_result(root, stage, fp)
         if hit is not None and not force:
             return hit
         if stage == "prepare":
             from .prepare import run_prepare
-            metrics = run_prepare(cfg, fp, resolve_model(cfg))
+            _check_inputs_unchanged(p)
+            metrics = run_prepare(cfg, fp, resolve_model(cfg, p.fingerprints["models"]))
         elif stage == "train":
-            from .register.tracking import training_run
             from .train import run_train
-            # the MLflow run exists before torchrun starts; rank 0 logs into it while training runs
-            metrics_file = p.folder("train") / "metrics.jsonl"
-            with training_run(cfg, p.fingerprints, dirs, extra_tags, on_line, metrics_file) as env:
-                metrics = run_train(cfg, fp, resolve_model(cfg), dirs["prepare"], on_line=on_line, env=env)
+            metrics = run_train(cfg, fp, resolve_model(cfg, p.fingerprints["models"]), dirs["prepare"],
+                                p.lineage(dirs, tags), on_line=on_line)
         elif stage == "evaluate":
             from .evaluate import run_evaluate
             model_ref = cfg.eval.model if cfg.eval.model is not None else str(p.folder("train"))
-            metrics = run_evaluate(cfg, fp, resolve_model(cfg), model_ref, dirs["prepare"], on_line=on_line)
+            metrics = run_evaluate(cfg, fp, resolve_model(cfg, p.fingerprints["models"]), model_ref, dirs["prepare"],
+                                   p.eval_model, on_line=on_line)
         elif stage == "register":
             from .register import run_register
-            metrics = run_register(cfg, fp, p.fingerprints, dirs, extra_tags)
+            metrics = run_register(cfg, fp, p.lineage(dirs, tags))
         else:
             raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
     return StageResult(stage, fp, str(p.folder(stage)), metrics, cached=False, seconds=round(time.time() - t0, 2))
-
-
-KEY_METRIC = {"prepare": ("train_rows_kept", "rows"), "train": ("final_loss", "loss"),
-              "evaluate": ("accuracy", "accuracy"), "register": ("version", "version")}

@@ -164,3 +164,10 @@ def sftflow(*args: str, cwd: Path, env: dict | None = None, timeout: int = 600) 
     full_env = {k: v for k, v in full_env.items() if v is not None}  # env={"X": None} unsets X
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=full_env, capture_output=True,
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def base_model(cfg) -> str:
+    """The config's base model folder (the builtin is built on first use), as the stages get it."""
+    from stages.models.base import resolve_model
+    from stages.pipeline import plan
+    return resolve_model(cfg, plan(cfg).fingerprints["models"])

@@ -6,8 +6,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from stages.train.registry import register_model_type
-from stages.train.worker import SFTWorker
+from stages.runtime.model_types import register_model_type
+from stages.runtime.worker import SFTWorker
 
 N_CLASSES, DIM = 4, 8
 

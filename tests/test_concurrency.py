@@ -8,7 +8,7 @@ from conftest import tiny_config_dict, write_config
 
 
 def _prepare(cfg_path: str, barrier, out) -> None:
-    from stages.config import load_config
+    from stages.core.config import load_config
     from stages.pipeline import plan, run_stage
     p = plan(load_config(cfg_path))
     barrier.wait()

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from conftest import sftflow, tiny_config_dict, write_config
-from stages.config import ConfigError, apply_overrides, config_from_dict, flatten, load_config
+from stages.core.config import ConfigError, apply_overrides, config_from_dict, flatten, load_config
 
 
 def test_valid_config_and_dotted_overrides(tiny_config):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import ROOT, demo_rows, sftflow, tiny_config_dict, write_config, write_jsonl
-from stages.config import ConfigError, config_from_dict, load_config
+from stages.core.config import ConfigError, config_from_dict, load_config
 from stages.evaluate.runner import rank_slice
 from stages.evaluate.scorers import get_scorer, normalize
 from stages.pipeline import plan, run_stage
@@ -106,11 +106,11 @@ def setup(tmp_path_factory):
     a model that says different things to different prompts (and stops early on some), and the
     naive loop's answers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from stages.models import resolve_model
+    from conftest import base_model
     tmp = tmp_path_factory.mktemp("evaluate")
     raw = tiny_config_dict(tmp, n_train=48, n_val=N_VAL, eval={"batch_size": BATCH, "max_new_tokens": MAX_NEW})
     cfg = load_config(write_config(tmp, raw))
-    base = resolve_model(cfg)
+    base = base_model(cfg)
     tok = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(1)

@@ -189,7 +189,7 @@ def test_model_is_registered_and_answers_through_pyfunc(flow_run, mlflow_server)
 def test_promotion_policies(flow_run, mlflow_server, tmp_path):
     """Re-registers the flow's trained model under made-up train fingerprints with made-up accuracies."""
     tmp, cfg_path, _ = flow_run
-    from stages.config import config_from_dict
+    from stages.core.config import config_from_dict
     from stages.register import run_register
     client = mlflow_client(mlflow_server)
     stages = show(cfg_path, tmp)["stages"]

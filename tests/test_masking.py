@@ -6,10 +6,11 @@ import json
 import pytest
 
 from conftest import MULTI_TURN, REAL_TEMPLATES, REALDATA, family_tokenizer, tiny_config_dict, write_config
-from stages.config import load_config
-from stages.models import resolve_model
-from stages.prepare.masking import prompt_and_reference, tokenize_conversation
-from stages.prepare.readers import RowError, to_messages
+from stages.core.config import load_config
+from conftest import base_model
+from stages.chatdata.readers import prompt_and_reference
+from stages.prepare.masking import tokenize_conversation
+from stages.chatdata.readers import RowError, to_messages
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "I am TinyChat."}],
@@ -25,7 +26,7 @@ def tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
     tmp = tmp_path_factory.mktemp("tok")
     cfg = load_config(write_config(tmp, tiny_config_dict(tmp)))
-    return AutoTokenizer.from_pretrained(resolve_model(cfg))
+    return AutoTokenizer.from_pretrained(base_model(cfg))
 
 
 def trainable_runs(tok, t) -> list[str]:

@@ -10,11 +10,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import REAL_TEMPLATES, REALDATA, demo_rows, family_tokenizer, sftflow, tiny_config_dict, write_config, write_jsonl
-from stages.config import config_from_dict, load_config
-from stages.errors import StageError
-from stages.models import resolve_model
+from stages.core.config import config_from_dict, load_config
+from stages.core.errors import StageError
+from conftest import base_model
 from stages.pipeline import plan, run_stage
-from stages.prepare.shards import ShardWriter, read_shards
+from stages.chatdata.shards import ShardWriter, read_shards
 
 # A template that rejects a conversation, as real ones do with raise_exception.
 STRICT_SYSTEM = "{% if messages[1:] | selectattr('role', 'equalto', 'system') | list %}" \
@@ -26,7 +26,7 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     """The builtin tokenizer alone, as a local model folder: prepare needs nothing else."""
     from transformers import AutoTokenizer
     tmp = tmp_path_factory.mktemp("tok")
-    tok = AutoTokenizer.from_pretrained(resolve_model(load_config(write_config(tmp, tiny_config_dict(tmp)))))
+    tok = AutoTokenizer.from_pretrained(base_model(load_config(write_config(tmp, tiny_config_dict(tmp)))))
     tok.chat_template = STRICT_SYSTEM + tok.chat_template
     tok.save_pretrained(tmp / "tokenizer")
     return tmp / "tokenizer"
@@ -184,7 +184,7 @@ def test_output_is_identical_for_any_num_proc_and_shard_size_is_bounded(tmp_path
         assert (Path(one.path) / "train" / f).read_bytes() == (Path(two.path) / "train" / f).read_bytes()
     assert (Path(one.path) / "quarantine.jsonl").read_bytes() == (Path(two.path) / "quarantine.jsonl").read_bytes()
 
-    from stages.train.data import SFTDataset  # what training reads: memory-mapped, several record batches
+    from stages.runtime.batches import SFTDataset  # what training reads: memory-mapped, several record batches
     ds, rows = SFTDataset(Path(one.path) / "train"), shard_rows(one)
     assert len(ds) == len(rows) == m1["splits"]["train"]["rows_kept"]
     assert ds.trainable.tolist() == [sum(r["loss_mask"]) for r in rows]

@@ -7,10 +7,11 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import tiny_config_dict
-from stages.config import config_from_dict
+from stages.core.config import config_from_dict
 from stages.register import CHALLENGER, CHAMPION, decide_alias
-from stages.register.tracking import config_hash, data_digest, data_inputs, training_run
-from stages.train.live import LiveMetrics, RankZeroMetrics, metric_name, new_points, sync_rows
+from stages.pipeline import plan
+from stages.tracking.run import Lineage, config_hash, data_digest, training_run
+from stages.tracking.live import LiveMetrics, RankZeroMetrics, metric_name, new_points, sync_rows
 
 
 class FakeRegistry:
@@ -96,21 +97,21 @@ def test_training_goes_on_when_the_tracking_server_is_down(tmp_path):
     from conftest import free_port
     cfg = config_from_dict(tiny_config_dict(tmp_path, registry={"tracking_uri": f"http://127.0.0.1:{free_port()}"}))
     lines = []
-    with training_run(cfg, {"prepare": "p", "train": "t"}, {}, on_line=lines.append) as env:
+    with training_run(cfg, Lineage({"prepare": "p", "train": "t"}), on_line=lines.append) as env:
         pass
     assert env == {"MLFLOW_RUN_ID": ""} and "no live metrics" in lines[0]
 
 
 def test_data_digest_is_the_content_and_config_hash_the_resolved_config(tmp_path):
     cfg = config_from_dict(tiny_config_dict(tmp_path))
-    inputs = data_inputs(cfg)
+    inputs = plan(cfg).inputs
     train_file = tmp_path / "train.jsonl"
     assert [d for _, d in inputs["train"]] and all(len(d) == 64 for _, d in inputs["train"] + inputs["val"])
     moved = tmp_path / "moved.jsonl"
     moved.write_bytes(train_file.read_bytes())
     same = config_from_dict(tiny_config_dict(tmp_path, data={"train_data_paths": [str(moved)]}))
-    assert data_digest(data_inputs(same)) == data_digest(inputs)  # where the data lives doesn't count
+    assert data_digest(plan(same).inputs) == data_digest(inputs)  # where the data lives doesn't count
     moved.write_text(train_file.read_text().replace("TinyChat", "TinyChap"))
-    assert data_digest(data_inputs(same)) != data_digest(inputs)
+    assert data_digest(plan(same).inputs) != data_digest(inputs)
     assert config_hash(cfg) == config_hash(config_from_dict(tiny_config_dict(tmp_path)))
     assert config_hash(cfg) != config_hash(config_from_dict(tiny_config_dict(tmp_path, eval={"max_new_tokens": 9})))

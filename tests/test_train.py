@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import ROOT, tiny_config_dict, write_config
-from stages.config import load_config
+from stages.core.config import load_config
 from stages.pipeline import plan, run_stage
-from stages.prepare.shards import read_shards
-from stages.train.launcher import worker_env
+from stages.chatdata.shards import read_shards
+from stages.runtime.launcher import worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -32,8 +32,8 @@ def test_grads_equal_one_big_batch(prepared, tmp_path, n_samples):
     """World 2 x accumulation 2, unequal lengths: same gradient as one process on the whole batch;
     also for an epoch's short last batch (3 samples: one rank runs only zero-weight micro-batches)."""
     tmp, cfg, p = prepared
-    from stages.models import resolve_model
-    model_path = resolve_model(cfg)
+    from conftest import base_model
+    model_path = base_model(cfg)
     spec = {"config": cfg.model_dump(mode="json"), "model_path": model_path, "out_dir": str(tmp_path),
             "train_dir": str(p.folder("prepare") / "train"), "val_dir": None}
     spec_path = tmp_path / "spec.json"

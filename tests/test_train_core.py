@@ -14,11 +14,12 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, free_port, live_processes_mentioning, tiny_config_dict, write_config
-from stages.config import ConfigError, load_config
-from stages.models import resolve_model
+from stages.core.config import ConfigError, load_config
+from conftest import base_model
 from stages.pipeline import plan, run_stage
-from stages.train.data import DataPosition, GlobalBatchSampler, collate_packed, collate_padded, split_micro_batches
-from stages.train.launcher import TrainingFailed, torchrun_command, worker_env
+from stages.runtime.batches import DataPosition, GlobalBatchSampler, collate_packed, collate_padded, split_micro_batches
+from stages.runtime.launcher import torchrun_command, worker_env
+from stages.train import TrainingFailed
 
 
 def subdir(tmp: Path, name: str) -> Path:
@@ -37,7 +38,7 @@ def make_cfg(tmp: Path, name: str = "config.yaml", **sections):
 def test_packed_logits_equal_unpacked_logits(tmp_path):
     from transformers import AutoModelForCausalLM
     cfg = make_cfg(tmp_path)
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(base_model(cfg), dtype=torch.float32).eval()
     rng = np.random.default_rng(0)
     samples = [{"input_ids": rng.integers(5, 500, n), "loss_mask": np.ones(n, dtype=np.int8)} for n in (7, 31, 2, 18)]
     packed = collate_packed(samples)
@@ -96,9 +97,9 @@ def test_token_budget_micro_batches():
 
 def test_unknown_model_type_lists_registered_ones(tmp_path):
     cfg = make_cfg(tmp_path, actor={"model": {"model_type": "nope"}})
-    from stages.train.launcher import check_worker_and_model_type
+    from stages.runtime.worker import check_worker_config
     with pytest.raises(ConfigError, match="unknown 'nope'; registered: causal_lm"):
-        check_worker_and_model_type(cfg)
+        check_worker_config(cfg)
 
 
 # --------------------------------------------------------------------------- torchrun (slow)
@@ -196,15 +197,15 @@ def test_two_agents_rendezvous_like_one_agent_with_two_processes(tmp_path):
     p = plan(cfgs[0])
     assert p.fingerprints["train"] == plan(cfgs[1]).fingerprints["train"]
     run_stage(p, "prepare")
-    from stages.artifacts import StageBuild
+    from stages.core.artifacts import StageBuild
     build = StageBuild(cfgs[0].artifacts_path, "train", p.fingerprints["train"], keep_partial=True)
     procs = []
     for cfg in cfgs:
-        spec = {"config": cfg.model_dump(mode="json"), "model_path": resolve_model(cfg), "out_dir": str(build.partial),
+        spec = {"config": cfg.model_dump(mode="json"), "model_path": base_model(cfg), "out_dir": str(build.partial),
                 "train_dir": str(p.folder("prepare") / "train"), "val_dir": str(p.folder("prepare") / "val")}
         spec_path = build.partial / f"spec{cfg.actor.node_rank}.json"
         spec_path.write_text(json.dumps(spec))
-        cmd = torchrun_command(cfg, spec_path)
+        cmd = torchrun_command(cfg, spec_path, "stages.train")
         assert f"--node_rank={cfg.actor.node_rank}" in cmd and "--nnodes=2" in cmd
         cmd[-1] = str(spec_path)
         procs.append(subprocess.Popen(cmd, env=worker_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -218,7 +219,7 @@ def test_exported_model_logits_equal_the_trained_model(tmp_path):
     cfg = make_cfg(tmp_path)
     p = plan(cfg)
     run_stage(p, "prepare")
-    spec = {"config": cfg.model_dump(mode="json"), "model_path": resolve_model(cfg), "out_dir": str(tmp_path / "out"),
+    spec = {"config": cfg.model_dump(mode="json"), "model_path": base_model(cfg), "out_dir": str(tmp_path / "out"),
             "train_dir": str(p.folder("prepare") / "train"), "val_dir": None}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

@@ -20,24 +20,38 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from stages.artifacts import StageBuild, canonical_json, sha256_text
-from stages.config import ConfigError, SFTConfig
-from stages.errors import StageError
+from pydantic import BaseModel, ConfigDict
 
+from stages.chatdata.readers import prompt_and_reference
+from stages.chatdata.shards import read_shards
+from stages.core.artifacts import StageBuild, canonical_json, sha256_text
+from stages.core.config import SFTConfig
+from stages.models.refs import resolve_eval_model
+from stages.runtime.launcher import run_torchrun, torchrun_command
 
-class EvaluationError(StageError):
-    """The model or worker cannot be evaluated as configured (raised in a worker or in the caller)."""
+from .errors import EvaluationError
+from .scorers import get_scorer
 
 
 def eval_samples(prepare_dir: str, max_samples: int = 0) -> list[dict]:
-    from stages.prepare.masking import prompt_and_reference
-    from stages.prepare.shards import read_shards
     table = read_shards(Path(prepare_dir) / "val", ["input_ids", "loss_mask", "source", "messages"])
     rows = table.to_pylist()
     rows = rows[:max_samples] if max_samples > 0 else rows
     for r in rows:
         r["prompt"], r["reference"] = prompt_and_reference(json.loads(r["messages"]))
     return rows
+
+
+class EvalSpec(BaseModel):
+    """What the evaluation processes are given (`spec.json`): models are `resolve_eval_model` results."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: SFTConfig
+    prepare_dir: str
+    out_dir: str
+    base_model: str
+    models: dict[str, dict]
 
 
 def eval_set_fingerprint(rows: list[dict]) -> str:
@@ -47,37 +61,32 @@ def eval_set_fingerprint(rows: list[dict]) -> str:
 
 def _check(cfg: SFTConfig) -> None:
     """Fail before any model loads: the scorer imports, the worker class and model type exist."""
-    from stages.train.launcher import check_worker_and_model_type
-    from .scorers import get_scorer
-    try:
-        get_scorer(cfg.eval.scorer, cfg.eval.answer_pattern, cfg.eval.numeric_tolerance)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    check_worker_and_model_type(cfg)
+    from stages.runtime.worker import check_worker_config  # torch: only when the stage runs
+    get_scorer(cfg.eval.scorer, cfg.eval.answer_pattern, cfg.eval.numeric_tolerance)
+    check_worker_config(cfg)
 
 
 def run_evaluate(cfg: SFTConfig, fp: str, base_model: str, model_ref: str, prepare_dir: str,
-                 on_line: Callable[[str], None] = print) -> dict:
-    """Scores `model_ref` (the train stage folder, or `eval.model`) and, with `eval.eval_base`, the base model."""
-    from stages.models import resolve_eval_model
+                 model_identity: dict | None = None, on_line: Callable[[str], None] = print) -> dict:
+    """Scores `model_ref` (the train stage folder, or `eval.model`, whose plan-time identity is
+    `model_identity`) and, with `eval.eval_base`, the base model."""
     _check(cfg)
     build = StageBuild(cfg.artifacts_path, "evaluate", fp)
     with tempfile.TemporaryDirectory(dir=build.partial, prefix=".download-") as tmp:  # models:/ downloads
-        model = resolve_eval_model(cfg, model_ref, Path(tmp))
+        model = resolve_eval_model(cfg, model_ref, Path(tmp), base_model, model_identity)
         models = {"model": model}
         if cfg.eval.eval_base and cfg.eval.model != "base":
-            models["base"] = resolve_eval_model(cfg, base_model, Path(tmp))
-        spec = {"config": cfg.model_dump(mode="json"), "prepare_dir": prepare_dir, "out_dir": str(build.partial),
-                "base_model": base_model, "models": models}
+            models["base"] = resolve_eval_model(cfg, base_model, Path(tmp), base_model)
+        spec = EvalSpec(config=cfg, prepare_dir=prepare_dir, out_dir=str(build.partial), base_model=base_model,
+                        models=models)
         spec_path = build.partial / "spec.json"
-        spec_path.write_text(json.dumps(spec, indent=2))
+        spec_path.write_text(spec.model_dump_json(indent=2))
         if cfg.actor.world_size == 1:
             from .runner import evaluate_spec
             evaluate_spec(spec)
         else:
-            from stages.train.launcher import run_torchrun, torchrun_command
             run_torchrun(torchrun_command(cfg, spec_path, module="stages.evaluate"), build.partial / "eval.log",
-                         on_line, cfg.actor.nproc_per_node, what="evaluation", error=EvaluationError)
+                         EvaluationError, "evaluation", on_line, cfg.actor.nproc_per_node)
     metrics = json.loads((build.partial / "metrics.json").read_text())
     if cfg.eval.eval_base and "base" not in models:  # eval.model=base: the base model *is* the model
         metrics.update({f"base_{k}": metrics[k] for k in ("accuracy", "correct", "total", "eval_loss") if k in metrics})

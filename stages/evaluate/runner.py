@@ -19,30 +19,26 @@ Two ways to score a model:
 from __future__ import annotations
 
 import json
-import os
 import sys
-import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from stages.config import SFTConfig
+from stages.core.config import SFTConfig
+from stages.core.errors import ConfigError
+from stages.runtime.checkpoint import load_model_weights
+from stages.runtime.distributed import add_up, choose_precision, gather, local_device, log, rank_and_world
+from stages.runtime.generation import generate
+from stages.runtime.model_types import get_model_builder, load_state_checked
+from stages.runtime.worker import SFTWorker, WorkerSpec, load_worker_class
 
-from . import EvaluationError, eval_samples
-from .generate import generate, loss_metrics, teacher_forced_sums
+from . import EvalSpec, eval_samples
+from .errors import EvaluationError
+from .losses import loss_metrics, teacher_forced_sums
 from .scorers import get_scorer
 
 BASE_KEYS = ("accuracy", "correct", "total", "eval_loss")
-
-
-def log(msg: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(msg, flush=True)
-
-
-def rank_and_world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 def rank_slice(n: int, rank: int, world: int) -> range:
@@ -50,55 +46,31 @@ def rank_slice(n: int, rank: int, world: int) -> range:
     return range(rank * n // world, (rank + 1) * n // world)
 
 
-def gather(obj) -> list:
-    """Every rank's `obj`, in rank order, on every rank."""
-    if not dist.is_initialized():
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def add_up(parts: list[dict]) -> dict:
-    total: dict = {}
-    for part in parts:
-        for k, v in part.items():
-            total[k] = total.get(k, 0) + v
-    return total
-
-
-def pick_device() -> torch.device:
-    if torch.cuda.is_available():
-        # nothing is sharded, so ranks may share a device (e.g. 2 processes on 1 GPU)
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        return device
-    return torch.device("cpu")
-
-
 # --------------------------------------------------------------------------- loading
 
 
 def load_model(cfg: SFTConfig, ref: dict, base_model: str, device: torch.device):
-    """(model, tokenizer or None) for a model reference from `stages.models.resolve_eval_model`.
+    """(model, tokenizer or None) for a model reference from `stages.models.refs.resolve_eval_model`.
 
     A Hugging Face folder (or hub id) loads as it is; a DCP checkpoint or a plain state dict is
     loaded into the configured model type built from the base model, as training built it."""
     from transformers import AutoTokenizer, PreTrainedModel
-    from stages.train.registry import get_model_builder
     mc = cfg.actor.model
     kind, path = ref["kind"], ref["path"]
     torch.manual_seed(cfg.runner.seed)
     builder = get_model_builder(mc.model_type)
     model = builder(mc.model_dump(), path if kind == "hf" else base_model)
-    if kind == "checkpoint":
-        _load_checkpoint_weights(model, path)
-    elif kind == "state_dict":
-        from safetensors.torch import load_file
-        _load_weights(model, load_file(str(Path(path) / "model.safetensors")), path)
+    try:
+        if kind == "checkpoint":
+            load_state_checked(model, load_model_weights(model, path), path)
+        elif kind == "state_dict":
+            from safetensors.torch import load_file
+            load_state_checked(model, load_file(str(Path(path) / "model.safetensors")), path)
+    except ValueError as e:
+        raise EvaluationError(f"eval.model: {e} (actor.model builds that model)") from None
     is_hf = isinstance(model, PreTrainedModel)
     model.to(device)
-    if is_hf and device.type == "cuda" and torch.cuda.is_bf16_supported():
+    if is_hf and choose_precision("auto", device) == "bf16":
         model.to(torch.bfloat16)
     model.eval()
     tok = None
@@ -107,42 +79,19 @@ def load_model(cfg: SFTConfig, ref: dict, base_model: str, device: torch.device)
     return model, tok
 
 
-def _load_weights(model, state: dict, where: str) -> None:
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    if unexpected or [k for k in missing if k not in tied]:
-        raise EvaluationError(f"eval.model: the weights in {where} do not fit actor.model "
-                              f"(missing {list(missing)[:3]}, unexpected {list(unexpected)[:3]})")
-
-
-def _load_checkpoint_weights(model, path: str) -> None:
-    """The model half of a training checkpoint (DCP, any world size); each process reads it whole."""
-    import torch.distributed.checkpoint as dcp
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    own = model.state_dict()
-    state = {k: v for k, v in own.items() if f"model.{k}" in saved}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load({"model": state}, checkpoint_id=path, no_dist=True)
-    _load_weights(model, state, path)
-
-
 # --------------------------------------------------------------------------- scoring
 
 
 def overrides_eval_output(worker_cls) -> bool:
-    from stages.train.worker import SFTWorker
     return worker_cls.get_eval_model_output is not SFTWorker.get_eval_model_output
 
 
-def worker_scores(worker_cls, spec: dict, cfg: SFTConfig, model, device, rank: int, world: int) -> dict | None:
+def worker_scores(worker_cls, spec: EvalSpec, cfg: SFTConfig, model, device, rank: int, world: int) -> dict | None:
     """The worker's own accuracy: sums of get_eval_model_output over its eval dataset; None without `total`."""
-    w = worker_cls({"config": spec["config"], "model_path": spec["base_model"], "out_dir": spec["out_dir"]})
-    w.device, w.rank, w.world, w.fsdp, w.packing = device, rank, world, False, False
-    w.precision = "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32"
-    w.load_tokenizer()
-    w.model = model
-    ds = w.build_dataloader(str(Path(spec["prepare_dir"]) / "val"), eval_dataset=True)
+    w = worker_cls.for_eval(WorkerSpec(config=spec.config, model_path=spec.base_model, out_dir=spec.out_dir),
+                            model, device, rank, world)
+    val_dir = str(Path(spec.prepare_dir) / "val")
+    ds = w.build_dataset(val_dir, eval_dataset=True)
     n = len(ds) if cfg.eval.max_samples <= 0 else min(len(ds), cfg.eval.max_samples)
     mine = list(rank_slice(n, rank, world))
     bs = cfg.eval.batch_size
@@ -192,7 +141,7 @@ def generation_scores(cfg: SFTConfig, model, tok, rows: list[dict], rank: int, w
     return metrics, records
 
 
-def score(cfg: SFTConfig, spec: dict, worker_cls, model, tok, rows, device, rank, world) -> tuple[dict, list[dict]]:
+def score(cfg: SFTConfig, spec: EvalSpec, worker_cls, model, tok, rows, device, rank, world) -> tuple[dict, list[dict]]:
     if overrides_eval_output(worker_cls):
         metrics = worker_scores(worker_cls, spec, cfg, model, device, rank, world)
         if metrics is not None:
@@ -210,21 +159,20 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
 
 
-def evaluate_spec(spec: dict) -> dict:
-    """Scores every model in `spec["models"]` ("model", then "base"); rank 0 writes the files."""
-    from stages.train.worker import load_worker_class
-    cfg = SFTConfig.model_validate(spec["config"])
+def evaluate_spec(spec: EvalSpec) -> dict:
+    """Scores every model in `spec.models` ("model", then "base"); rank 0 writes the files."""
+    cfg = spec.config
     rank, world = rank_and_world()
-    device = pick_device()
+    device = local_device(shared=True)
     try:
         worker_cls = load_worker_class(cfg.actor.worker)  # also registers its model types
-    except SystemExit as e:
+    except ConfigError as e:
         raise EvaluationError(str(e)) from None
-    rows = eval_samples(spec["prepare_dir"], cfg.eval.max_samples)
-    out = Path(spec["out_dir"])
+    rows = eval_samples(spec.prepare_dir, cfg.eval.max_samples)
+    out = Path(spec.out_dir)
     metrics: dict = {}
-    for name, ref in spec["models"].items():
-        model, tok = load_model(cfg, ref, spec["base_model"], device)
+    for name, ref in spec.models.items():
+        model, tok = load_model(cfg, ref, spec.base_model, device)
         m, records = score(cfg, spec, worker_cls, model, tok, rows, device, rank, world)
         log(f"evaluate {name} ({ref['kind']} {ref.get('source', ref['path'])}): accuracy {m['accuracy']:.4f} "
             f"({m['correct']}/{m['total']}) on {world} process(es)")
@@ -242,7 +190,7 @@ def evaluate_spec(spec: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    spec = json.loads(Path(argv[0]).read_text())
+    spec = EvalSpec.model_validate_json(Path(argv[0]).read_text())
     # Only Python objects travel between ranks (records and sums), so gloo serves CPU and GPU runs alike.
     dist.init_process_group("gloo")
     try:

@@ -7,7 +7,6 @@ binds them, so every scorer the evaluator calls takes just (prediction, referenc
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 import string
@@ -15,9 +14,11 @@ import unicodedata
 from functools import partial
 from typing import Callable
 
-Scorer = Callable[[str, str], bool]
+from stages.core.config import DEFAULT_ANSWER_PATTERN
+from stages.core.errors import ConfigError
+from stages.core.imports import import_object
 
-DEFAULT_ANSWER_PATTERN = r"####\s*(-?[\d,]*\.?\d+)"
+Scorer = Callable[[str, str], bool]
 NUMBER = re.compile(r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
 
 
@@ -84,50 +85,21 @@ SCORERS: dict[str, Callable[..., bool]] = {
 }
 
 
-def check_scorer_name(name: str) -> None:
-    """Config-time check: a builtin name or something shaped like 'pkg.module:fn'."""
-    if name in SCORERS:
-        return
-    if ":" in name and all(name.partition(":")[::2]):
-        return
-    raise ValueError(f"'{name}' is neither a builtin scorer ({', '.join(SCORERS)}) nor 'pkg.module:fn'")
-
-
 def load_custom(path: str) -> Scorer:
-    module, _, name = path.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"eval.scorer='{path}': cannot import ({e})") from None
+    fn = import_object(path, "eval.scorer")
     if not callable(fn):
-        raise ValueError(f"eval.scorer='{path}' is not callable")
+        raise ConfigError(f"eval.scorer='{path}' is not callable")
     return fn
 
 
 def get_scorer(name: str, answer_pattern: str = DEFAULT_ANSWER_PATTERN, numeric_tolerance: float = 1e-6) -> Scorer:
-    """The (prediction, reference) -> bool function `eval.scorer` names, configured."""
+    """The (prediction, reference) -> bool function `eval.scorer` names, configured; a custom one that
+    can't be imported is a ConfigError."""
     if name == "regex":
         return partial(regex, pattern=answer_pattern)
     if name == "numeric":
         return partial(numeric, pattern=answer_pattern, tolerance=numeric_tolerance)
     if name in SCORERS:
         return SCORERS[name]
-    check_scorer_name(name)
     fn = load_custom(name)
     return lambda prediction, reference: bool(fn(prediction, reference))
-
-
-def scorer_identity(name: str) -> str | None:
-    """For the evaluate fingerprint: the source file of a custom scorer (its digest), None for builtins."""
-    if name in SCORERS:
-        return None
-    import hashlib
-    import importlib.util
-    try:
-        spec = importlib.util.find_spec(name.partition(":")[0])
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.origin or not spec.has_location:
-        return name
-    with open(spec.origin, "rb") as f:
-        return f"{name}@{hashlib.sha256(f.read()).hexdigest()[:16]}"

@@ -8,7 +8,7 @@ into shard writers. Memory stays bounded by the chunks in flight plus one Arrow 
 split, and the output is identical for any `num_proc`.
 
 Output folder:
-    train/shard-*.arrow, val/shard-*.arrow   prepared rows (see shards.py)
+    train/shard-*.arrow, val/shard-*.arrow   prepared rows (see stages/chatdata/shards.py)
     quarantine.jsonl                         every row not kept: file, line, split, reason, detail, raw
     preview.txt                              the first samples, trainable spans in [[...]]
     manifest.json                            sources, counts by split and reason, tokens, trainable tokens
@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from stages.artifacts import StageBuild, is_complete
-from stages.config import SFTConfig, expand_paths
-from stages.errors import StageError
+from stages.chatdata.readers import RowError, file_format, iter_records, parse_record, row_content_key, to_conversations
+from stages.chatdata.shards import ShardWriter, read_shards
+from stages.core.artifacts import StageBuild, is_complete
+from stages.core.config import SFTConfig
+from stages.core.errors import StageError
 
-from .masking import Renderer, Tokenized, assistant_spans, encode_texts, finish, mask_from_offsets
-from .readers import RowError, file_format, iter_records, parse_record, row_content_key, to_conversations
-from .shards import ShardWriter, read_shards
+from .masking import Renderer, assistant_spans, encode_texts, finish, mask_from_offsets
 
 PREVIEW_SAMPLES = 3
 CHUNK_RECORDS = 256
@@ -172,13 +172,9 @@ class Source:
 def plan_sources(cfg: SFTConfig) -> list[Source]:
     d = cfg.data
     out = []
-    for key, split in (("train_data_paths", "train"), ("val_data_paths", "val")):
-        paths = getattr(d, key)
-        if not paths:
-            continue
-        if split == "train" and not d.val_data_paths:
-            split = "auto"
-        for p in expand_paths(paths, f"data.{key}"):
+    for key, paths in cfg.inputs().items():
+        split = "auto" if key == "train" and not d.val_data_paths else key
+        for p in paths:
             out.append(Source(str(p), split, file_format(p, d.format, d.columns, "val" if split == "val" else "train")))
     return out
 
@@ -211,9 +207,9 @@ def segments(tokenizer, ids, mask) -> list[tuple[str, bool]]:
     return out
 
 
-def render_preview(tokenizer, t: Tokenized) -> str:
+def render_preview(tokenizer, ids, mask) -> str:
     """Decoded sample with trainable runs wrapped in [[ ]]."""
-    return "".join(f"[[{text}]]" if on else text for text, on in segments(tokenizer, t.input_ids, t.loss_mask))
+    return "".join(f"[[{text}]]" if on else text for text, on in segments(tokenizer, ids, mask))
 
 
 @dataclass
@@ -260,7 +256,7 @@ def run_prepare(cfg: SFTConfig, fp: str, model_path: str) -> dict:
                 st.trainable_tokens += int(it.mask.sum())
                 st.truncated += it.truncated
                 if it.split == "train" and len(preview) < PREVIEW_SAMPLES:
-                    preview.append(f"--- {it.source}\n{render_preview(tokenizer, Tokenized(it.ids.tolist(), it.mask.tolist()))}\n")
+                    preview.append(f"--- {it.source}\n{render_preview(tokenizer, it.ids, it.mask)}\n")
     shards = {s: w.close() for s, w in writers.items()}
     (build.partial / "preview.txt").write_text("".join(preview), encoding="utf-8")
     for split, st in stats.items():

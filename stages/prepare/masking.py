@@ -37,18 +37,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .readers import RowError
+from stages.chatdata.readers import RowError
 
 
 @dataclass
 class Tokenized:
     input_ids: list[int]
     loss_mask: list[int]
-
-    @property
-    def trainable(self) -> int:
-        return sum(self.loss_mask)
-
 
 class Renderer:
     """A chat template, rendered exactly as `apply_chat_template(tokenize=False)` renders it.
@@ -89,10 +84,6 @@ class Renderer:
         except Exception as e:  # jinja's raise_exception, an undefined variable, ...
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise RowError("template_error", msg) from None
-
-
-def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    return Renderer.of(tokenizer)(messages, add_generation_prompt)
 
 
 def common_prefix_len(a: str, b: str) -> int:
@@ -194,9 +185,3 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, loss
     ((ids, offsets),) = encode_texts(tokenizer.backend_tokenizer, [text])
     ids, mask = finish(ids, mask_from_offsets(offsets, spans), max_length, truncation)
     return Tokenized(ids.tolist(), mask.tolist())
-
-
-def prompt_and_reference(messages: list[dict]) -> tuple[list[dict], str]:
-    """Eval split: the turns before the final assistant reply, and that reply."""
-    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    return messages[:last], messages[last]["content"]

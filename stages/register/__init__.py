@@ -16,15 +16,18 @@ Registering a train fingerprint that already has a version reuses that version.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
-from stages.artifacts import StageBuild, read_manifest
-from stages.config import SFTConfig
-
-from .tracking import TAG, config_hash, data_digest, data_inputs, find_or_create_run, setup_mlflow
+from stages.core.artifacts import StageBuild, read_manifest
+from stages.core.config import SFTConfig
+from stages.tracking.live import read_metrics_file, send_values, sync_rows
+from stages.tracking.run import TAG, Lineage, config_hash, data_digest, find_or_create_run, setup_mlflow
 
 CHAMPION, CHALLENGER = "champion", "challenger"
+# shipped with the logged model as its code (found, not imported: register never needs torch itself)
+GENERATION_PY = importlib.util.find_spec("stages.runtime.generation").origin
 PIP_REQUIREMENTS = ["torch", "transformers", "tokenizers", "safetensors", "mlflow", "pandas"]
 
 
@@ -50,12 +53,10 @@ def decide_alias(client, name: str, policy: str, accuracy: float, eval_set: str)
     return CHAMPION if same_set and accuracy >= cur_acc else CHALLENGER
 
 
-def run_register(cfg: SFTConfig, fp: str, fingerprints: dict[str, str], dirs: dict[str, str],
-                 extra_tags: dict[str, str] | None = None) -> dict:
+def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
     from mlflow.tracking import MlflowClient
-    from stages.train import read_metrics
-    from stages.train.live import sync_rows
 
+    fingerprints, dirs = lineage.fingerprints, lineage.dirs
     build = StageBuild(cfg.artifacts_path, "register", fp)
     mlflow = setup_mlflow(cfg)
     client = MlflowClient()
@@ -71,15 +72,14 @@ def run_register(cfg: SFTConfig, fp: str, fingerprints: dict[str, str], dirs: di
     else:
         # the run training opened (or a new one when training ran without MLflow)
         tags = {f"{TAG}{s}_fingerprint": f for s, f in fingerprints.items()}
-        flow_run = (extra_tags or {}).get("prefect.flow_run_id")
-        run_id, _ = find_or_create_run(cfg, fingerprints, dirs, {**(extra_tags or {}), **tags})
+        flow_run = lineage.tags.get("prefect.flow_run_id")
+        run_id, _ = find_or_create_run(cfg, lineage, tags)
         if flow_run and client.get_run(run_id).data.tags.get("prefect.flow_run_id") != flow_run:
             client.set_tag(run_id, "prefect.register_flow_run_id", flow_run)
-        sync_rows(client, run_id, read_metrics(Path(dirs["train"])))  # whatever live logging missed
-        inputs = data_inputs(cfg, dirs.get("prepare"))
+        sync_rows(client, run_id, read_metrics_file(Path(dirs["train"]) / "metrics.jsonl"))  # what live logging missed
+        send_values(client, run_id, {f"eval/{k}": float(v) for k, v in eval_metrics.items()
+                                     if isinstance(v, (int, float)) and not isinstance(v, bool)})
         with mlflow.start_run(run_id=run_id):
-            mlflow.log_metrics({f"eval/{k}": float(v) for k, v in eval_metrics.items()
-                                if isinstance(v, (int, float)) and not isinstance(v, bool)})
             for stage, folder in dirs.items():
                 mlflow.log_artifact(str(Path(folder) / "manifest.json"), artifact_path=f"manifests/{stage}")
             mlflow.log_artifact(str(Path(dirs["evaluate"]) / "predictions.jsonl"), artifact_path="eval")
@@ -87,12 +87,12 @@ def run_register(cfg: SFTConfig, fp: str, fingerprints: dict[str, str], dirs: di
             here = Path(__file__).resolve().parent
             info = mlflow.pyfunc.log_model(
                 name="model", python_model=str(here / "chat_model.py"), artifacts={"hf_model": model_dir},
-                code_paths=[str(here.parent / "evaluate" / "generate.py")], pip_requirements=PIP_REQUIREMENTS,
+                code_paths=[GENERATION_PY], pip_requirements=PIP_REQUIREMENTS,
                 registered_model_name=name)
         version = client.get_model_version(name, str(info.registered_model_version))
         vtags = {"train_fingerprint": fingerprints["train"], "prepare_fingerprint": fingerprints["prepare"],
                  "evaluate_fingerprint": fingerprints.get("evaluate", ""), "config_hash": config_hash(cfg),
-                 "data_digest": data_digest(inputs), "eval_accuracy": str(eval_metrics["accuracy"]),
+                 "data_digest": data_digest(lineage.inputs), "eval_accuracy": str(eval_metrics["accuracy"]),
                  "eval_set_fingerprint": eval_set}
         for k, v in vtags.items():
             client.set_model_version_tag(name, version.version, TAG + k, v)

@@ -11,9 +11,9 @@ import mlflow
 from mlflow.pyfunc import PythonModel
 
 try:  # inside the project
-    from stages.evaluate.generate import generate, load
-except ImportError:  # inside a logged model: generate.py ships via code_paths
-    from generate import generate, load
+    from stages.runtime.generation import generate, load
+except ImportError:  # inside a logged model: generation.py ships via code_paths
+    from generation import generate, load
 
 
 def _conversations(model_input) -> list[list[dict]]:

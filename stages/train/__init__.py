@@ -5,42 +5,46 @@ Output folder:
     checkpoints/step_*/  DCP checkpoints (resume)
     metrics.jsonl        one row per optimizer step
     train.log            torchrun's output
-    spec.json            exactly what the workers were given
+    spec.json            exactly what the workers were given (`WorkerSpec`)
 
-With MLflow reachable, the metrics also reach the MLflow run live (see live.py).
+The stage opens the model's MLflow run before torchrun starts, so rank 0 logs into it live
+(stages/tracking), and marks it FINISHED / FAILED / KILLED with the stage.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Callable
 
-from stages.artifacts import StageBuild
-from stages.config import SFTConfig
-
-from .launcher import check_worker_and_model_type, run_torchrun, torchrun_command
-
-
-def read_metrics(folder: Path) -> list[dict]:
-    path = Path(folder) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+from stages.core.artifacts import StageBuild
+from stages.core.config import SFTConfig
+from stages.core.errors import StageError
+from stages.runtime.launcher import run_torchrun, torchrun_command
+from stages.runtime.worker import WorkerSpec, check_worker_config
+from stages.tracking.live import read_metrics_file
+from stages.tracking.run import training_run
 
 
-def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, on_line: Callable[[str], None] = print,
-              env: dict[str, str] | None = None) -> dict:
-    """`env` goes to the workers: MLFLOW_RUN_ID (+ MLFLOW_TRACKING_URI) makes rank 0 log to that run live."""
-    check_worker_and_model_type(cfg)
+class TrainingFailed(StageError):
+    """torchrun or a worker failed; the message names the first cause found in the log."""
+
+
+def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineage: dict,
+              on_line: Callable[[str], None] = print) -> dict:
+    """`lineage`: fingerprints, upstream folders and tags for the MLflow run (see tracking.run)."""
+    check_worker_config(cfg)
     # keep_partial: an interrupted run's checkpoints are where runner.resume=auto continues from
     build = StageBuild(cfg.artifacts_path, "train", fp, keep_partial=True)
-    spec = {"config": cfg.model_dump(mode="json"), "model_path": model_path, "out_dir": str(build.partial),
-            "train_dir": str(Path(prepare_dir) / "train"), "val_dir": str(Path(prepare_dir) / "val")}
-    spec_path = build.partial / "spec.json"
-    spec_path.write_text(json.dumps(spec, indent=2))
-    run_torchrun(torchrun_command(cfg, spec_path), build.partial / "train.log", on_line, cfg.actor.nproc_per_node, env)
-    rows = read_metrics(build.partial)
+    spec = WorkerSpec(config=cfg, model_path=model_path, out_dir=str(build.partial),
+                      train_dir=str(Path(prepare_dir) / "train"), val_dir=str(Path(prepare_dir) / "val"))
+    spec_path = spec.write(build.partial / "spec.json")
+    metrics_file = build.partial / "metrics.jsonl"
+    with training_run(cfg, lineage, on_line, metrics_file) as env:
+        run_torchrun(torchrun_command(cfg, spec_path, module="stages.train"), build.partial / "train.log",
+                     TrainingFailed, "training", on_line, cfg.actor.nproc_per_node, env)
+    rows = read_metrics_file(metrics_file)
     if not (build.partial / "model").is_dir():
-        raise RuntimeError(f"train: torchrun finished but exported no model in {build.partial / 'model'}")
+        raise TrainingFailed(f"train: torchrun finished but exported no model in {build.partial / 'model'}")
     last = rows[-1] if rows else {}
     vals = [r for r in rows if "val_loss" in r]
     metrics = {"steps": last.get("step", 0), "final_loss": last.get("loss"),

@@ -7,8 +7,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from stages.train.data import DataPosition
-from stages.train.worker import SFTWorker
+from stages.runtime.batches import DataPosition
+from stages.runtime.worker import SFTWorker
 
 spec = json.loads(open(sys.argv[1]).read())
 worker = SFTWorker(spec)

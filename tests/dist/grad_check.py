@@ -6,7 +6,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from stages.train.worker import SFTWorker
+from stages.runtime.worker import SFTWorker
 
 spec_path, out_path = sys.argv[1], sys.argv[2]
 indices = [int(i) for i in sys.argv[3].split(",")] if len(sys.argv) > 3 else None

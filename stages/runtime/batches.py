@@ -21,7 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
+from stages.chatdata.shards import read_shards
+
+from .loss import IGNORE_INDEX
 
 
 @dataclass
@@ -41,7 +43,6 @@ class SFTDataset:
     sample, for exact loss weighting)."""
 
     def __init__(self, folder):
-        from stages.prepare.shards import read_shards
         self.table = read_shards(folder, ["input_ids", "loss_mask", "length"])
         self.lengths = np.asarray(self.table.column("length").to_numpy(), dtype=np.int64)
         self._ids = self.table.column("input_ids")

@@ -22,7 +22,8 @@ from typing import Any, Iterator
 
 import orjson
 
-from stages.errors import StageError
+from stages.core.errors import StageError
+from stages.core.inputs import HUB_PREFIX, JSONL_SUFFIXES, SUFFIXES, is_datasets_folder  # noqa: F401
 
 ROLES = {"system", "user", "assistant", "tool"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
@@ -34,9 +35,6 @@ FORMAT_KEYS = {"messages": ("messages",), "sharegpt": ("conversations",), "promp
 # Message fields passed through to the template besides role and content.
 EXTRA_MESSAGE_KEYS = ("tool_calls", "tool_call_id", "name")
 
-JSONL_SUFFIXES = {".jsonl", ".ndjson"}
-SUFFIXES = JSONL_SUFFIXES | {".json", ".parquet", ".csv"}
-HUB_PREFIX = "hf:"
 
 
 class RowError(ValueError):
@@ -50,11 +48,6 @@ class SourceError(StageError):
 
 
 # --------------------------------------------------------------------------- sources
-
-
-def is_datasets_folder(path: Path) -> bool:
-    """A folder written by `datasets`' `save_to_disk` (a Dataset or a DatasetDict)."""
-    return path.is_dir() and any((path / f).is_file() for f in ("state.json", "dataset_dict.json"))
 
 
 def iter_records(path: Path | str, split: str = "train") -> Iterator[tuple[int, Any]]:
@@ -370,3 +363,9 @@ def row_content_key(record: Any) -> bytes:
         return record.strip()
     return orjson.dumps(record, option=orjson.OPT_SORT_KEYS, default=str)
 
+
+
+def prompt_and_reference(messages: list[dict]) -> tuple[list[dict], str]:
+    """Eval split: the turns before the final assistant reply, and that reply."""
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    return messages[:last], messages[last]["content"]

@@ -1,5 +1,7 @@
 """The MLflow run of a trained model: found or created before training, finished by register.
 
+Observability only: nothing here changes what a stage writes (`__fingerprint__ = False`).
+
 One run per train fingerprint, tagged `sftflow.train_fingerprint`: the train stage opens it
 before torchrun starts (rank 0 then logs step and system metrics into it live, see
 `stages/train/live.py`), and register adds eval metrics, artifacts and the model to the same run.
@@ -17,11 +19,16 @@ import hashlib
 import json
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from stages.artifacts import canonical_json, input_digest, read_manifest
-from stages.config import SFTConfig, expand_paths, flatten
+from stages.core.artifacts import canonical_json, read_manifest
+from stages.core.config import SFTConfig, flatten
+
+from .live import read_metrics_file, sync_rows
+
+__fingerprint__ = False
 
 TAG = "sftflow."
 RUN_TAG = TAG + "train_fingerprint"
@@ -50,17 +57,14 @@ def config_hash(cfg: SFTConfig) -> str:
     return hashlib.sha256(canonical_json(cfg.model_dump(mode="json")).encode()).hexdigest()[:16]
 
 
-def data_inputs(cfg: SFTConfig, prepare_dir: str | None = None) -> dict[str, list[tuple[str, str]]]:
-    """split -> [(input, content sha256)], from the prepare manifest when there is one, else the config."""
-    refs: dict[str, list[str]] = {}
-    if prepare_dir and (Path(prepare_dir) / "manifest.json").is_file():
-        refs = {s: list(v) for s, v in (read_manifest(Path(prepare_dir)).get("inputs") or {}).items()}
-    if not refs:
-        d = cfg.data
-        refs = {"train": [str(p) for p in expand_paths(d.train_data_paths, "data.train_data_paths")],
-                "val": [str(p) for p in expand_paths(d.val_data_paths, "data.val_data_paths")]
-                if d.val_data_paths else []}
-    return {s: [(r, input_digest(r, cfg.artifacts_path)) for r in rs] for s, rs in refs.items()}
+@dataclass
+class Lineage:
+    """What a run records about where its model came from (built by the plan, passed by the stages)."""
+
+    fingerprints: dict[str, str]
+    dirs: dict[str, str] = field(default_factory=dict)             # upstream stage folders
+    inputs: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # split -> [(input, sha256)]
+    tags: dict[str, str] = field(default_factory=dict)             # e.g. git commit, Prefect flow run id
 
 
 def data_digest(inputs: dict[str, list[tuple[str, str]]]) -> str:
@@ -93,7 +97,7 @@ def _datasets(inputs: dict[str, list[tuple[str, str]]], prepare_dir: str | None)
     return out
 
 
-def _reachable(uri: str) -> None:
+def reachable(uri: str) -> None:
     """Fail in seconds, not after minutes of client retries, when a tracking server is down."""
     if uri.startswith(("http://", "https://")):
         import urllib.request
@@ -106,17 +110,17 @@ def find_run(client, experiment_id: str, train_fp: str):
     return runs[0] if runs else None
 
 
-def find_or_create_run(cfg: SFTConfig, fingerprints: dict[str, str], dirs: dict[str, str],
-                       extra_tags: dict[str, str] | None = None) -> tuple[str, bool]:
+def find_or_create_run(cfg: SFTConfig, lineage: Lineage, extra_tags: dict[str, str] | None = None) -> tuple[str, bool]:
     """(run id, created) of the run for this train fingerprint; a new run gets params, tags and inputs."""
     from mlflow.entities import Param, RunTag
     from mlflow.tracking import MlflowClient
 
-    _reachable(cfg.resolved_tracking_uri)
+    reachable(cfg.resolved_tracking_uri)
     mlflow = setup_mlflow(cfg)
     client = MlflowClient()
     exp = mlflow.get_experiment_by_name(cfg.registry.experiment)
-    extra = {k: str(v) for k, v in (extra_tags or {}).items() if v}
+    fingerprints, inputs = lineage.fingerprints, lineage.inputs
+    extra = {k: str(v) for k, v in {**lineage.tags, **(extra_tags or {})}.items() if v}
     run = find_run(client, exp.experiment_id, fingerprints["train"])
     if run is not None:
         # keep the record of the flow run that created it; add what is new (e.g. evaluate's fingerprint)
@@ -124,7 +128,6 @@ def find_or_create_run(cfg: SFTConfig, fingerprints: dict[str, str], dirs: dict[
         if new:
             client.log_batch(run.info.run_id, tags=[RunTag(k, v) for k, v in new.items()])
         return run.info.run_id, False
-    inputs = data_inputs(cfg, dirs.get("prepare"))
     tags = {**{f"{TAG}{s}_fingerprint": fingerprints[s] for s in ("prepare", "train") if s in fingerprints},
             TAG + "config_hash": config_hash(cfg), TAG + "data_digest": data_digest(inputs), **extra}
     if extra.get(TAG + "git_commit"):
@@ -134,7 +137,7 @@ def find_or_create_run(cfg: SFTConfig, fingerprints: dict[str, str], dirs: dict[
     params = [Param(k, str(v)[:6000]) for k, v in flatten(cfg.model_dump(mode="json")).items()]
     for i in range(0, len(params), 100):
         client.log_batch(run_id, params=params[i:i + 100])
-    datasets = _datasets(inputs, dirs.get("prepare"))
+    datasets = _datasets(inputs, lineage.dirs.get("prepare"))
     if datasets:
         client.log_inputs(run_id, datasets=datasets)
     return run_id, True
@@ -150,8 +153,7 @@ def _set_status(cfg: SFTConfig, run_id: str, status: str) -> None:
 
 
 @contextmanager
-def training_run(cfg: SFTConfig, fingerprints: dict[str, str], dirs: dict[str, str],
-                 extra_tags: dict[str, str] | None = None, on_line: Callable[[str], None] = print,
+def training_run(cfg: SFTConfig, lineage: Lineage, on_line: Callable[[str], None] = print,
                  metrics_file: Path | None = None) -> Iterator[dict[str, str]]:
     """Around the train stage: yields the env (`MLFLOW_RUN_ID`, `MLFLOW_TRACKING_URI`) for torchrun's
     workers; when training succeeded, sends the rows of `metrics_file` that rank 0 did not (a run too
@@ -159,7 +161,7 @@ def training_run(cfg: SFTConfig, fingerprints: dict[str, str], dirs: dict[str, s
     env = {"MLFLOW_RUN_ID": ""}  # without a run, never log into one inherited from the caller's environment
     run_id = None
     try:
-        run_id, created = find_or_create_run(cfg, fingerprints, dirs, extra_tags)
+        run_id, created = find_or_create_run(cfg, lineage)
         _set_status(cfg, run_id, "RUNNING")  # system metrics are only logged into a RUNNING run
         env = {"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": cfg.resolved_tracking_uri}
         on_line(f"mlflow: {'created' if created else 'continuing'} run {run_id} "
@@ -172,10 +174,8 @@ def training_run(cfg: SFTConfig, fingerprints: dict[str, str], dirs: dict[str, s
         yield env
         if run_id and metrics_file is not None and metrics_file.exists():
             from mlflow.tracking import MlflowClient
-            from stages.train import read_metrics
-            from stages.train.live import sync_rows
             try:
-                sync_rows(MlflowClient(cfg.resolved_tracking_uri), run_id, read_metrics(metrics_file.parent))
+                sync_rows(MlflowClient(cfg.resolved_tracking_uri), run_id, read_metrics_file(metrics_file))
             except Exception as e:  # noqa: BLE001 - register backfills again
                 on_line(f"mlflow: could not log the step metrics ({type(e).__name__}: {e})")
     except BaseException as e:  # a crash is FAILED; a cancel, timeout or Ctrl-C is KILLED

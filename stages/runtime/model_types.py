@@ -33,15 +33,11 @@ def get_model_builder(name: str) -> Callable:
     return _MODEL_TYPES[name]
 
 
-def registered_model_types() -> list[str]:
-    return sorted(_MODEL_TYPES)
-
-
 @register_model_type("causal_lm")
-def build_causal_lm(model_cfg: dict, weights_path: str, dtype=None) -> nn.Module:
+def build_causal_lm(model_cfg: dict, weights_path: str) -> nn.Module:
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(
-        weights_path, trust_remote_code=model_cfg.get("trust_remote_code", False), dtype=dtype or "float32",
+        weights_path, trust_remote_code=model_cfg.get("trust_remote_code", False), dtype="float32",
     )
 
 
@@ -49,3 +45,19 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     """Transformer blocks: HF models list them in `_no_split_modules`; otherwise none (root only)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
     return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def tied_keys(model: nn.Module) -> set[str]:
+    """Parameters that share storage with another (tied embeddings): absent from saved state dicts."""
+    keys = getattr(model, "_tied_weights_keys", None) or []
+    return set(keys.keys() if isinstance(keys, dict) else keys)
+
+
+def load_state_checked(model: nn.Module, state: dict, where: str) -> None:
+    """Loads `state` into `model`; anything missing (other than tied weights) or unexpected is a
+    ValueError naming `where`, never a half-loaded model."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in tied_keys(model)]
+    if unexpected or missing:
+        raise ValueError(f"the weights in {where} do not fit {type(model).__name__} "
+                         f"(missing {list(missing)[:3]}, unexpected {list(unexpected)[:3]})")

@@ -13,17 +13,44 @@ is not worth importing MLflow into a worker, and the train stage logs its rows w
 
 One point per step: a metric is only sent for steps after the last step the run already holds
 for it, so a resumed run (SIGKILL, task retry) neither repeats nor skips a step.
+
+`send` is the only place metrics leave for MLflow (live, the train stage's catch-up, register's
+backfill and eval metrics). The thread is ours rather than MLflow's asynchronous logging
+(`synchronous=False`) because importing MLflow and building its client take seconds in a
+worker, and an unreachable server must cost the loop nothing; MLflow's own
+`SystemMetricsMonitor` supplies the system metrics.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import sys
 import threading
 import time
+from pathlib import Path
+
+__fingerprint__ = False  # observability only: what it sends never changes a stage folder
 
 RUN_ID_ENV = "MLFLOW_RUN_ID"
+
+
+def read_metrics_file(path: Path) -> list[dict]:
+    """The rows of a `metrics.jsonl`; a torn last line (a kill mid-write) is left out."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}:{i + 1}: not a JSON row") from None
+    return rows
 
 
 def metric_name(key: str) -> str:
@@ -64,6 +91,13 @@ def new_points(rows: list[dict], logged: dict[str, int], times_ms: list[int] | N
 def send(client, run_id: str, metrics: list) -> None:
     for i in range(0, len(metrics), 1000):  # log_batch's limit
         client.log_batch(run_id, metrics=metrics[i:i + 1000], synchronous=True)
+
+
+def send_values(client, run_id: str, values: dict[str, float], step: int = 0) -> None:
+    """One point per name (e.g. eval metrics)."""
+    from mlflow.entities import Metric
+    now = int(time.time() * 1000)
+    send(client, run_id, [Metric(k, float(v), now, step) for k, v in values.items()])
 
 
 def sync_rows(client, run_id: str, rows: list[dict]) -> int:
@@ -174,10 +208,8 @@ class RankZeroMetrics:
         elapsed, done = time.perf_counter() - self.t0, int(row["step"]) - self.start_step
         expected = elapsed / max(done, 1) * (self.total_steps - self.start_step)
         if max(elapsed, expected) >= self.after:
-            import json
-            lines = self.metrics_path.read_text().splitlines() if self.metrics_path.exists() else []
             self.sender = LiveMetrics(self.run_id, os.environ.get("MLFLOW_TRACKING_URI"),
-                                      backlog=[json.loads(line) for line in lines if line.strip()])
+                                      backlog=read_metrics_file(self.metrics_path))
 
     def close(self) -> None:
         if self.sender is not None:

@@ -99,3 +99,15 @@ def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, bool]:
     if same_world and rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=False))
     return trainer_state, same_world
+
+
+def load_model_weights(model, path: str) -> dict:
+    """The model half of a training checkpoint (any world size) into an unsharded `model`, read
+    whole by this one process; returns the loaded state (what the checkpoint holds of the model)."""
+    import warnings
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    state = {k: v for k, v in model.state_dict().items() if f"model.{k}" in saved}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": state}, checkpoint_id=path, no_dist=True)
+    return state

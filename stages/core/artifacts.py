@@ -22,7 +22,6 @@ from typing import Any, Iterator
 from filelock import FileLock
 
 MANIFEST = "manifest.json"
-STAGES_ROOT = Path(__file__).resolve().parent
 
 
 def canonical_json(obj: Any) -> str:
@@ -34,10 +33,12 @@ def sha256_text(text: str) -> str:
 
 
 def file_digest(path: Path, index_dir: Path | None = None) -> str:
-    """sha256 of a file's bytes, remembered per (path, size, mtime) so unchanged files are not re-read."""
+    """sha256 of a file's bytes, remembered per (path, inode, size, mtime, ctime) so unchanged files are
+    not re-read. The ctime is what makes the memo safe: `cp -p`, `rsync -t` or `tar x` can set a file's
+    mtime back to an old value, but any write sets its ctime to now, and no user tool can set it back."""
     path = Path(path).resolve()
     st = path.stat()
-    key = sha256_text(f"{path}|{st.st_size}|{st.st_mtime_ns}")
+    key = sha256_text(f"{path}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}")
     memo = (index_dir / "digests" / key) if index_dir else None
     if memo is not None and memo.is_file():
         return memo.read_text().strip()
@@ -75,18 +76,6 @@ def hub_revision(ref: str) -> str:
         return f"{ref}@unresolved"
 
 
-def code_version(*packages: str) -> str:
-    """Hash of the source files of the given sub-packages/modules of `stages` (relative names)."""
-    h = hashlib.sha256()
-    for name in packages:
-        target = STAGES_ROOT / name
-        files = sorted(target.rglob("*.py")) if target.is_dir() else [target.with_suffix(".py")]
-        for f in files:
-            h.update(str(f.relative_to(STAGES_ROOT)).encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()[:16]
-
-
 def fingerprint(stage: str, **parts: Any) -> str:
     return sha256_text(canonical_json({"stage": stage, **parts}))[:16]
 
@@ -104,10 +93,6 @@ class StageResult:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "StageResult":
-        return cls(**d)
 
 
 def stage_dir(root: Path, stage: str, fp: str) -> Path:

@@ -1,11 +1,9 @@
-"""Batched greedy generation and teacher-forced loss for one Hugging Face model folder."""
+"""Batched greedy generation for a Hugging Face chat model (evaluate, `sftflow chat`, and the
+registered pyfunc model, which ships this file as its code)."""
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 
 # End-of-turn markers of common templates; whichever the tokenizer knows stops generation.
 END_OF_TURN = ["<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "</s>", "<|endoftext|>"]
@@ -15,7 +13,9 @@ def load(model_dir: str, trust_remote_code: bool = False, device: str | None = N
     from transformers import AutoModelForCausalLM, AutoTokenizer
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    # what `actor.precision: auto` picks (stages/runtime/distributed.py); inlined because this file
+    # also runs alone inside a logged model
+    dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=trust_remote_code, dtype=dtype).to(device)
     model.eval()
     return model, tok
@@ -55,29 +55,3 @@ def generate(model, tok, prompts: list[list[dict]], max_new_tokens: int, batch_s
             n = next((k for k, t in enumerate(ids) if t in stops), len(ids))
             out.append({"text": tok.decode(ids[:n], skip_special_tokens=True), "new_tokens": n})
     return out
-
-
-@torch.no_grad()
-def teacher_forced_sums(model, samples: list[dict], pad_id: int, batch_size: int) -> dict:
-    """Sums over the trainable tokens of every sample: cross-entropy, token count, argmax hits.
-    Sums (not means) so that ranks add up exactly; `loss_metrics` divides once."""
-    from stages.train.data import IGNORE_INDEX, collate_padded
-    loss_sum, tokens, correct = 0.0, 0, 0
-    for i in range(0, len(samples), batch_size):
-        batch = {k: v.to(model.device) for k, v in collate_padded(samples[i:i + batch_size], pad_id).items()}
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits[:, :-1].float()
-        labels = batch["labels"][:, 1:]
-        loss_sum += F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1),
-                                    ignore_index=IGNORE_INDEX, reduction="sum").item()
-        valid = labels != IGNORE_INDEX
-        tokens += int(valid.sum())
-        correct += int(((logits.argmax(-1) == labels) & valid).sum())
-    return {"loss_sum": loss_sum, "tokens": tokens, "token_correct": correct}
-
-
-def loss_metrics(sums: dict) -> dict:
-    """eval_loss = sum of token losses / tokens over all samples; perplexity = exp(eval_loss)."""
-    tokens = int(sums["tokens"])
-    loss = sums["loss_sum"] / max(tokens, 1)
-    return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0)),
-            "token_accuracy": sums["token_correct"] / max(tokens, 1), "eval_tokens": tokens}

@@ -15,12 +15,14 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from stages.config import SFTConfig
-from stages.errors import StageError
-from stages.train.proctree import descendants, signal_tree
+from stages.core.config import SFTConfig
+from stages.core.errors import StageError
+
+from .proctree import descendants, signal_tree
 
 
-def torchrun_command(cfg: SFTConfig, spec_path: Path, module: str = "stages.train") -> list[str]:
+def torchrun_command(cfg: SFTConfig, spec_path: Path, module: str) -> list[str]:
+    """`python -m torch.distributed.run ... -m <module> <spec_path>` for this node."""
     a = cfg.actor
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={a.nproc_per_node}"]
     if a.nnodes == 1 and not a.rdzv_endpoint:
@@ -30,21 +32,6 @@ def torchrun_command(cfg: SFTConfig, spec_path: Path, module: str = "stages.trai
         cmd += [f"--nnodes={a.nnodes}", f"--node_rank={a.node_rank}", "--rdzv-backend=c10d",
                 f"--rdzv-endpoint={a.rdzv_endpoint}", f"--rdzv-id=sftflow-{spec_path.parent.name}"]
     return cmd + ["-m", module, str(spec_path)]
-
-
-def check_worker_and_model_type(cfg: SFTConfig) -> None:
-    """Fail before torchrun starts: the worker class imports and the model type is registered."""
-    from stages.config import ConfigError
-    from stages.train.registry import UnknownModelType, get_model_builder
-    from stages.train.worker import load_worker_class
-    try:
-        load_worker_class(cfg.actor.worker)
-    except SystemExit as e:
-        raise ConfigError(str(e)) from None
-    try:
-        get_model_builder(cfg.actor.model.model_type)
-    except UnknownModelType as e:
-        raise ConfigError(str(e)) from None
 
 
 def worker_env(nproc_per_node: int = 1) -> dict[str, str]:
@@ -57,10 +44,6 @@ def worker_env(nproc_per_node: int = 1) -> dict[str, str]:
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
-
-
-class TrainingFailed(StageError):
-    pass
 
 
 # "[rank1]: KeyError: 'labels'" -- the line that says why a worker died.
@@ -86,9 +69,9 @@ def failure_reason(lines: list[str]) -> str:
     return "see the log"
 
 
-def run_torchrun(cmd: list[str], log_path: Path, on_line: Callable[[str], None] = print, nproc_per_node: int = 1,
-                 env: dict[str, str] | None = None, what: str = "training",
-                 error: type[StageError] = TrainingFailed) -> None:
+def run_torchrun(cmd: list[str], log_path: Path, error: type[StageError], what: str,
+                 on_line: Callable[[str], None] = print, nproc_per_node: int = 1,
+                 env: dict[str, str] | None = None) -> None:
     """`env` is added to the workers' environment (e.g. MLFLOW_RUN_ID for live metrics); a failure
     raises `error` with "<what> failed (...): <root cause>"."""
     with open(log_path, "a", encoding="utf-8") as logf:

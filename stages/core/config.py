@@ -1,24 +1,58 @@
 """The run configuration: a pydantic schema, YAML loading and dotted overrides.
 
-Everything is validated here, before any stage runs, so a typo costs a second and one
-line of text rather than a torchrun launch. Relative paths are resolved against the
+Everything is validated here, once per run, before any stage runs, so a typo costs a second
+and one line of text rather than a torchrun launch. Relative paths are resolved against the
 current working directory (the project root when you use `make`).
+
+Fields that can't change a stage's result (how the work is spread, how often it is logged)
+are declared with `unhashed(...)`; `hashed(section)` is what fingerprints see. Data paths
+are unhashed too: fingerprints hash the *contents* of the files they name.
 """
 
 from __future__ import annotations
 
 import copy
-import glob
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError
+from .imports import is_import_path
+from .inputs import expand_paths
+
+# Its effect on results is the config values, which every fingerprint hashes as data; editing
+# a description here must not retrain anything.
+__fingerprint__ = False
+
+__all__ = ["ConfigError", "SFTConfig", "load_config", "config_from_dict", "hashed", "flatten"]
+
+SCORER_NAMES = ("exact", "normalized", "contains", "regex", "numeric")
+DEFAULT_ANSWER_PATTERN = r"####\s*(-?[\d,]*\.?\d+)"
 
 
-class ConfigError(ValueError):
-    """A config problem, phrased as one line that names the key and the fix."""
+def default_tracking_uri(artifacts_dir: str | os.PathLike = "artifacts") -> str:
+    """MLflow's store when `registry.tracking_uri` is unset: a SQLite file in the artifacts folder."""
+    return f"sqlite:///{Path(artifacts_dir).resolve() / 'mlflow.db'}"
+
+
+def unhashed(default: Any = ..., **kw: Any) -> Any:
+    """A field that never changes a stage's output: left out of every fingerprint."""
+    return Field(default, json_schema_extra={"fingerprint": False}, **kw)
+
+
+def hashed(section: BaseModel) -> dict:
+    """The section as fingerprints see it: JSON values without its `unhashed` fields."""
+    out = {}
+    for name, field in type(section).model_fields.items():
+        if (field.json_schema_extra or {}).get("fingerprint") is False:
+            continue
+        value = getattr(section, name)
+        out[name] = hashed(value) if isinstance(value, BaseModel) else section.model_dump(mode="json", include={name})[name]
+    return out
 
 
 class _Section(BaseModel):
@@ -31,9 +65,9 @@ class RunnerConfig(_Section):
     val_check_interval: int = Field(0, description="validation loss every N steps; <= 0 only at the end")
     save_interval: int = Field(0, description="DCP checkpoint every N steps; <= 0 only at the end")
     keep_checkpoints: int = Field(2, ge=1)
-    log_interval: int = Field(1, ge=1)
+    log_interval: int = unhashed(1, ge=1)
     seed: int = 1234
-    resume: str = Field("auto", description="auto | never | <checkpoint path>")
+    resume: str = unhashed("auto", description="auto | never | <checkpoint path>")
 
 
 class ModelConfig(_Section):
@@ -53,18 +87,20 @@ class OptimConfig(_Section):
 
 
 class ActorConfig(_Section):
-    nproc_per_node: int = Field(1, ge=1)
-    nnodes: int = Field(1, ge=1)
-    node_rank: int = Field(0, ge=0)
-    rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous; required when nnodes > 1")
+    # How the work is spread and memory/speed knobs don't change the maths (world size included:
+    # a run checkpointed on 2 processes resumes on 1 under the same fingerprint).
+    nproc_per_node: int = unhashed(1, ge=1)
+    nnodes: int = unhashed(1, ge=1)
+    node_rank: int = unhashed(0, ge=0)
+    rdzv_endpoint: str | None = unhashed(None, description="host:port of the c10d rendezvous; required when nnodes > 1")
     micro_batch_size: int = Field(4, ge=1)
     global_batch_size: int = Field(16, ge=1)
     max_tokens_per_micro_batch: int = Field(0, ge=0, description="> 0: micro-batches filled up to this many tokens")
     packing: bool = Field(True, description="padding-free packed micro-batches when the model supports them")
     precision: Literal["auto", "fp32", "bf16"] = "auto"
-    activation_checkpointing: bool = False
-    compile: bool = False
-    worker: str | None = Field(None, description="'pkg.module:Class' subclass of stages.train.worker.SFTWorker")
+    activation_checkpointing: bool = unhashed(False)
+    compile: bool = unhashed(False)
+    worker: str | None = Field(None, description="'pkg.module:Class' subclass of stages.runtime.worker.SFTWorker")
     model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig()
 
@@ -78,7 +114,7 @@ class ActorConfig(_Section):
             raise ValueError("actor.rdzv_endpoint is required when actor.nnodes > 1; set it to host:port of node 0")
         if self.node_rank >= self.nnodes:
             raise ValueError(f"actor.node_rank={self.node_rank} must be < actor.nnodes={self.nnodes}")
-        if self.worker and ":" not in self.worker:
+        if self.worker and not is_import_path(self.worker):
             raise ValueError(f"actor.worker='{self.worker}' must look like 'pkg.module:ClassName'")
         return self
 
@@ -100,8 +136,8 @@ CANONICAL_FIELDS = ("messages", "conversations", "conversation", "role", "conten
 
 
 class DataConfig(_Section):
-    train_data_paths: list[str] = Field(default_factory=list, min_length=1)
-    val_data_paths: list[str] = Field(default_factory=list)
+    train_data_paths: list[str] = Field(default_factory=list, min_length=1, json_schema_extra={"fingerprint": False})
+    val_data_paths: list[str] = unhashed(default_factory=list)
     val_fraction: float = Field(0.0, ge=0, lt=1, description="without val_data_paths: held-out share, by row hash")
     format: Literal["auto", "messages", "sharegpt", "prompt_completion", "alpaca", "conversation"] = "auto"
     columns: dict[str, str] = Field(default_factory=dict, description="canonical field -> your field name")
@@ -110,7 +146,7 @@ class DataConfig(_Section):
     loss_on: Literal["assistant", "last_assistant", "all"] = "assistant"
     strict: bool = Field(False, description="the first bad row is an error instead of being quarantined")
     shard_rows: int = Field(50_000, ge=1)
-    num_proc: int = Field(1, ge=1, description="tokenizing processes; the output is identical for any value")
+    num_proc: int = unhashed(1, ge=1, description="tokenizing processes; the output is identical for any value")
 
     @field_validator("train_data_paths", "val_data_paths", mode="before")
     @classmethod
@@ -133,7 +169,7 @@ class EvalConfig(_Section):
     max_samples: int = Field(0, description="<= 0: every held-out sample")
     eval_base: bool = Field(True, description="also score the untrained base model (base_accuracy)")
     scorer: str = Field("exact", description="exact | normalized | contains | regex | numeric | 'pkg.module:fn'")
-    answer_pattern: str = Field(r"####\s*(-?[\d,]*\.?\d+)", description="regex/numeric: the answer is group 1 of the last match")
+    answer_pattern: str = Field(DEFAULT_ANSWER_PATTERN, description="regex/numeric: the answer is group 1 of the last match")
     numeric_tolerance: float = Field(1e-6, ge=0, description="numeric: relative or absolute tolerance")
     model: str | None = Field(None, description="None: the trained model; base | folder | train stage folder | "
                                                 "checkpoint folder | models:/name@alias")
@@ -141,14 +177,13 @@ class EvalConfig(_Section):
     @field_validator("scorer")
     @classmethod
     def _known_scorer(cls, v: str) -> str:
-        from stages.evaluate.scorers import check_scorer_name
-        check_scorer_name(v)
+        if v not in SCORER_NAMES and not is_import_path(v):
+            raise ValueError(f"'{v}' is neither a builtin scorer ({', '.join(SCORER_NAMES)}) nor 'pkg.module:fn'")
         return v
 
     @field_validator("answer_pattern")
     @classmethod
     def _compiles(cls, v: str) -> str:
-        import re
         try:
             re.compile(v)
         except re.error as e:
@@ -161,7 +196,7 @@ class RegistryConfig(_Section):
     experiment: str = "sftflow"
     model_name: str = "sftflow-model"
     promote: Literal["always", "if_better", "never"] = "if_better"
-    live_after_seconds: float = Field(10, description="rank 0 logs to MLflow live once training looks this long; "
+    live_after_seconds: float = unhashed(10, description="rank 0 logs to MLflow live once training looks this long; "
                                                       "< 0: only when the train stage ends")
 
 
@@ -174,8 +209,8 @@ class FlowConfig(_Section):
 
 
 class SFTConfig(_Section):
-    artifacts_dir: str = "artifacts"
-    flow: FlowConfig = FlowConfig()
+    artifacts_dir: str = unhashed("artifacts")
+    flow: FlowConfig = unhashed(FlowConfig())
     runner: RunnerConfig = RunnerConfig()
     actor: ActorConfig = ActorConfig()
     data: DataConfig
@@ -188,7 +223,17 @@ class SFTConfig(_Section):
 
     @property
     def resolved_tracking_uri(self) -> str:
-        return self.registry.tracking_uri or f"sqlite:///{self.artifacts_path / 'mlflow.db'}"
+        return self.registry.tracking_uri or default_tracking_uri(self.artifacts_dir)
+
+    _inputs: dict[str, list] | None = PrivateAttr(None)
+
+    def inputs(self) -> dict[str, list[Path | str]]:
+        """split -> the inputs its paths name now (globbed once per config object)."""
+        if self._inputs is None:
+            d = self.data
+            self._inputs = {"train": expand_paths(d.train_data_paths, "data.train_data_paths"),
+                            "val": expand_paths(d.val_data_paths, "data.val_data_paths") if d.val_data_paths else []}
+        return self._inputs
 
 
 # --------------------------------------------------------------------------- loading
@@ -250,41 +295,6 @@ def _section_for(dotted: str) -> type[BaseModel] | None:
     return model
 
 
-def expand_paths(patterns: list[str], key: str) -> list[Path | str]:
-    """Inputs named by paths, globs or directories, sorted; an empty match is an error.
-
-    A directory means the data files under it (by suffix), unless it is a `datasets`
-    save_to_disk folder, which is one input; `hf:NAME` (a hub dataset) passes through."""
-    from stages.prepare.readers import HUB_PREFIX, SUFFIXES, is_datasets_folder
-    files: list[Path | str] = []
-    for pattern in patterns:
-        if pattern.startswith(HUB_PREFIX):
-            files.append(pattern)
-            continue
-        p = Path(pattern).expanduser()
-        if any(ch in pattern for ch in "*?["):
-            matches = sorted(Path(m) for m in glob.glob(str(p), recursive=True) if Path(m).is_file() or is_datasets_folder(Path(m)))
-        elif is_datasets_folder(p):
-            matches = [p]
-        elif p.is_dir():
-            # `datasets` folders inside are one input each; their own .json files are not data
-            datasets = {f.parent for f in p.rglob("*.json") if is_datasets_folder(f.parent)}
-            matches = sorted([d for d in datasets if not any(a in d.parents for a in datasets)] + [
-                f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in SUFFIXES
-                and not any(part.startswith(".") for part in f.relative_to(p).parts)
-                and not any(d in f.parents for d in datasets)])
-            if not matches:
-                raise ConfigError(f"{key}: directory '{pattern}' holds no data files ({', '.join(sorted(SUFFIXES))})")
-        elif p.is_file():
-            matches = [p]
-        else:
-            matches = []
-        if not matches:
-            raise ConfigError(f"{key}: '{pattern}' does not exist (cwd: {os.getcwd()}); fix the path or run from the project root")
-        files.extend(m.resolve() for m in matches)
-    return files
-
-
 def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> SFTConfig:
     path = Path(path)
     if not path.is_file():
@@ -305,10 +315,8 @@ def config_from_dict(raw: dict, source: str = "<config>") -> SFTConfig:
         cfg = SFTConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(f"{source}: {_first_error_line(e)}") from None
-    expand_paths(cfg.data.train_data_paths, "data.train_data_paths")
-    if cfg.data.val_data_paths:
-        expand_paths(cfg.data.val_data_paths, "data.val_data_paths")
-    elif cfg.data.val_fraction <= 0:
+    cfg.inputs()
+    if not cfg.data.val_data_paths and cfg.data.val_fraction <= 0:
         raise ConfigError(f"{source}: evaluate needs held-out prompts: set data.val_data_paths, "
                           "or data.val_fraction (e.g. 0.05) to hold out a share of the training rows")
     return cfg

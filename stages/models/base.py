@@ -1,0 +1,56 @@
+"""Where the base model comes from: `actor.model.model_path` is one of
+  * `builtin:tiny-chat`, built offline into `<artifacts>/models/<fingerprint>/` (builtin.py);
+  * a local Hugging Face folder;
+  * a hub id (needs network; never used by tests or the default run).
+Everything downstream loads the result with `AutoTokenizer` / `AutoModelForCausalLM`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from stages.core.artifacts import StageBuild, file_digest, fingerprint, is_complete, stage_dir, stage_lock
+from stages.core.codeversion import code_version
+from stages.core.config import SFTConfig
+from stages.core.errors import ConfigError
+
+from .builtin import BUILTINS, CHATML_TEMPLATE, build_tiny_chat
+
+BUILTIN_PREFIX = "builtin:"
+
+
+def model_fingerprint(cfg: SFTConfig, corpus_digests: list[str]) -> str:
+    """The base model's identity: a builtin's spec, code and training corpus (`corpus_digests`: the
+    train inputs' content digests), a local folder's file digests, or a hub id."""
+    path = cfg.actor.model.model_path
+    if path.startswith(BUILTIN_PREFIX):
+        name = path[len(BUILTIN_PREFIX):]
+        if name not in BUILTINS:
+            raise ConfigError(f"actor.model.model_path: unknown builtin '{name}'; available: {', '.join(BUILTINS)}")
+        return fingerprint("models", name=name, spec=BUILTINS[name], code=code_version("models.builtin"),
+                           corpus=corpus_digests, template=CHATML_TEMPLATE, format=cfg.data.format,
+                           columns=cfg.data.columns)
+    local = Path(path).expanduser()
+    if local.is_dir():
+        files = sorted(f for f in local.rglob("*") if f.is_file())
+        return fingerprint("models", files={str(f.relative_to(local)): file_digest(f, cfg.artifacts_path) for f in files})
+    return fingerprint("models", hub_id=path)
+
+
+def resolve_model(cfg: SFTConfig, model_fp: str) -> str:
+    """A path or hub id that `from_pretrained` accepts; builds the builtin model (fingerprint
+    `model_fp`, from the plan) on first use."""
+    path = cfg.actor.model.model_path
+    if not path.startswith(BUILTIN_PREFIX):
+        local = Path(path).expanduser()
+        return str(local.resolve()) if local.is_dir() else path
+    name = path[len(BUILTIN_PREFIX):]
+    root = cfg.artifacts_path
+    folder = stage_dir(root, "models", model_fp)
+    with stage_lock(root, "models", model_fp):
+        if not is_complete(folder):
+            build = StageBuild(root, "models", model_fp)
+            corpus = cfg.inputs()["train"]
+            build_tiny_chat(build.partial, corpus, fmt=cfg.data.format, columns=cfg.data.columns, **BUILTINS[name])
+            build.commit({"builtin": name, "corpus": [str(p) for p in corpus]})
+    return str(folder)

@@ -1,0 +1,54 @@
+"""Rank-0 logging, device and precision choice, and exact cross-rank sums."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def log(msg: str) -> None:
+    """Printed once per run (rank 0), whether or not a process group is up."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def rank_and_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def local_device(shared: bool = False) -> torch.device:
+    """This rank's device: cuda:LOCAL_RANK when there is a GPU (with `shared`, ranks may share GPUs:
+    nothing is sharded, e.g. 2 evaluation processes on 1 GPU), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    index = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", index % torch.cuda.device_count() if shared else index)
+    torch.cuda.set_device(device)
+    return device
+
+
+def choose_precision(requested: str, device: torch.device) -> str:
+    """`auto` is bf16 on a GPU that supports it, fp32 otherwise (CPU runs are fp32)."""
+    if requested != "auto":
+        return requested
+    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+
+
+def gather(obj) -> list:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def add_up(parts: list[dict]) -> dict:
+    """Key-wise sums of dicts of numbers (counts and loss sums add up exactly across ranks)."""
+    total: dict = {}
+    for part in parts:
+        for k, v in part.items():
+            total[k] = total.get(k, 0) + v
+    return total

@@ -1,0 +1,487 @@
+"""The SFT worker: one process per rank under torchrun.
+
+    python -m torch.distributed.run ... -m stages.train <spec.json>
+
+`SFTWorker` owns the loop: process group, FSDP2 sharding, gradient accumulation, clipping,
+LR schedule, validation, checkpoints, metrics and export. A subclass adapts it to another
+model or data layout by overriding `build_dataset` (or its RLinf name `build_dataloader`),
+`collate`, `get_train_model_output` and `get_eval_model_output` (docs/adding-a-model.md).
+Evaluate uses the same subclass through `SFTWorker.for_eval`.
+
+Loss of a global step = (sum of token cross-entropy over all micro-batches on all ranks)
+/ (trainable tokens of the whole global step, all-reduced before backward). FSDP averages
+gradients over ranks, so each rank scales its loss by world size to undo that average.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from stages.core.config import SFTConfig
+from stages.core.errors import ConfigError
+from stages.core.imports import import_object
+from stages.tracking.live import RankZeroMetrics, read_metrics_file
+
+from . import checkpoint as ckpt
+from .batches import DataPosition, GlobalBatchSampler, SFTDataset, collate_packed, collate_padded
+from .distributed import choose_precision, local_device, log
+from .loss import token_loss_sum
+from .model_types import UnknownModelType, fsdp_units, get_model_builder, load_state_checked
+from .proctree import descendants
+from .schedule import lr_lambda
+
+# Dense bf16 peak FLOP/s per device, for the MFU estimate (unknown devices report none).
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
+
+
+class WorkerSpec(BaseModel):
+    """Everything a worker is given (written as `spec.json` in the stage folder)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: SFTConfig
+    model_path: str | None = None      # the base model (weights to start from, tokenizer)
+    out_dir: str                       # the stage folder being built
+    train_dir: str | None = None       # prepared shards
+    val_dir: str | None = None
+
+    def write(self, path: Path) -> Path:
+        path.write_text(self.model_dump_json(indent=2))
+        return path
+
+    @classmethod
+    def read(cls, path: str | Path) -> "WorkerSpec":
+        return cls.model_validate_json(Path(path).read_text())
+
+
+def _fault(point: str, step: int) -> None:
+    """Test hook: SFTFLOW_FAULT=<point>:<step> SIGKILLs torchrun and every worker at that point,
+    as an OOM killer or a lost node would."""
+    want = os.environ.get("SFTFLOW_FAULT", "")
+    if want == f"{point}:{step}" and dist.get_rank() == 0:
+        agent = os.getppid()
+        print(f"SFTFLOW_FAULT: killing torchrun and its workers at {want}", flush=True)
+        for pid in [agent, *[p for p in descendants(agent) if p != os.getpid()], os.getpid()]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class SFTWorker:
+    def __init__(self, spec: WorkerSpec | dict):
+        self.spec = spec if isinstance(spec, WorkerSpec) else WorkerSpec.model_validate(spec)
+        self.cfg = self.spec.config
+        self.out = Path(self.spec.out_dir)
+        self.ckpt_dir = self.out / "checkpoints"
+        self.tokenizer = None
+        self.pad_id = 0
+
+    @classmethod
+    def for_eval(cls, spec: WorkerSpec, model: torch.nn.Module, device: torch.device, rank: int, world: int) -> "SFTWorker":
+        """A worker around an already loaded, unsharded `model` for scoring: no process group,
+        optimizer or FSDP of its own; its tokenizer, `build_dataset`, `collate` and
+        `get_eval_model_output` are the subclass's."""
+        w = cls(spec)
+        w.device, w.rank, w.world, w.fsdp, w.packing = device, rank, world, False, False
+        w.precision = "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32"
+        w.load_tokenizer()
+        w.model = model
+        return w
+
+    # ------------------------------------------------------------------ setup
+    def init_distributed(self) -> None:
+        self.device = local_device()
+        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.precision = choose_precision(self.cfg.actor.precision, self.device)
+
+    def build_model(self) -> torch.nn.Module:
+        actor = self.cfg.actor
+        try:
+            builder = get_model_builder(actor.model.model_type)
+        except KeyError as e:
+            raise SystemExit(str(e)) from None
+        torch.manual_seed(self.cfg.runner.seed)
+        model = builder(actor.model.model_dump(), self.spec.model_path)
+        model.to(self.device)
+        units = fsdp_units(model)
+        if actor.activation_checkpointing:
+            if not hasattr(model, "gradient_checkpointing_enable"):
+                raise SystemExit("actor.activation_checkpointing needs a model with gradient_checkpointing_enable()")
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if actor.compile:
+            for unit in units or [model]:
+                unit.compile()
+        # One fp32 process has nothing to shard, reduce or cast: FSDP would only add per-layer hooks.
+        # DCP checkpoints stay interchangeable with sharded runs (they reshard on load).
+        self.fsdp = self.world > 1 or self.precision == "bf16"
+        if not self.fsdp:
+            return model
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if self.precision == "bf16" else MixedPrecisionPolicy())
+        for unit in units:
+            fully_shard(unit, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        return model
+
+    def build_dataset(self, data_paths: str, eval_dataset: bool = False):
+        """A dataset with len(), ds[i], and int arrays `lengths` (tokens per sample, for balancing)
+        and `trainable` (loss tokens per sample, for exact loss weighting); see batches.SFTDataset.
+        The base class asks `build_dataloader`, so a subclass may override either name."""
+        return self.build_dataloader(data_paths, eval_dataset)
+
+    def build_dataloader(self, data_paths: str, eval_dataset: bool = False):
+        """RLinf's name for `build_dataset`; the prepared Arrow shards by default."""
+        return SFTDataset(data_paths)
+
+    def load_tokenizer(self) -> None:
+        if not self.spec.model_path or self.cfg.actor.model.model_type != "causal_lm":
+            return
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(self.spec.model_path, trust_remote_code=self.cfg.actor.model.trust_remote_code)
+        self.tokenizer = tok
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+
+    def supports_packing(self) -> bool:
+        """Packed logits must equal unpacked ones; checked once on two short sequences, on every rank."""
+        from transformers import PreTrainedModel
+        if not isinstance(self.model, PreTrainedModel):
+            return False
+        ids = self.train_ds[0]["input_ids"][:12]
+        a = {"input_ids": ids, "loss_mask": np.ones_like(ids)}
+        b = {"input_ids": ids[::-1].copy(), "loss_mask": np.ones_like(ids)}
+        with torch.no_grad():
+            packed = self.model(**{k: v.to(self.device) for k, v in collate_packed([a, b]).items() if k != "labels"},
+                                use_cache=False).logits[0].float()
+            single = self.model(input_ids=torch.as_tensor(b["input_ids"], device=self.device)[None].long(),
+                                use_cache=False).logits[0].float()
+        tol = 1e-2 if self.precision == "bf16" else 1e-4
+        return bool(torch.allclose(packed[len(ids):], single, atol=tol, rtol=tol))
+
+    # ------------------------------------------------------------------ model outputs
+    def collate(self, samples: list[dict]) -> dict[str, torch.Tensor]:
+        batch = collate_packed(samples) if self.packing else collate_padded(samples, self.pad_id)
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    def _token_loss_sum(self, batch: dict) -> tuple[torch.Tensor, int]:
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        return token_loss_sum(self.model(**inputs, use_cache=False).logits, batch["labels"])
+
+    def get_train_model_output(self, batch: dict):
+        """The micro-batch's loss: `(loss_sum, n_tokens)`, the loop divides by the global step's
+        summed `n_tokens`; or a mean loss (a tensor, or a list/tuple of tensors that are summed),
+        weighted by the micro-batch's `trainable` count from the dataset."""
+        return self._token_loss_sum(batch)
+
+    def get_eval_model_output(self, batch: dict):
+        """`(loss_sum, n_tokens)` or a dict of summable numbers (`loss_sum`, `n_tokens`, `correct`, `total`, ...)."""
+        return self._token_loss_sum(batch)
+
+    @staticmethod
+    def as_loss_sum(out, trainable: float) -> tuple[torch.Tensor, float]:
+        """What get_train_model_output returned, as (sum of per-token losses, number of tokens)."""
+        if isinstance(out, (tuple, list)) and len(out) == 2 and torch.is_tensor(out[0]) and not (
+                torch.is_tensor(out[1]) and out[1].is_floating_point()):
+            return out[0], float(out[1])
+        if isinstance(out, (tuple, list)):
+            out = sum(out)
+        if not torch.is_tensor(out):
+            raise TypeError(f"get_train_model_output returned {type(out).__name__}; expected a tensor, "
+                            "a list/tuple of tensors, or (loss_sum, n_tokens)")
+        return out * trainable, trainable  # a mean over the micro-batch's trainable tokens
+
+    # ------------------------------------------------------------------ loop pieces
+    def micro_batch(self, indices) -> tuple[dict, bool]:
+        """A collated micro-batch; an empty slot reuses sample 0 with zero weight (collectives must run)."""
+        if len(indices) == 0:
+            return self.collate([self.train_ds[0]]), False
+        return self.collate([self.train_ds[int(i)] for i in indices]), True
+
+    def validate(self) -> dict:
+        if self.val_ds is None or len(self.val_ds) == 0:
+            return {}
+        self.model.eval()
+        mbs = self.cfg.actor.micro_batch_size
+        mine = list(range(self.rank, len(self.val_ds), self.world))
+        n_batches = math.ceil(math.ceil(len(self.val_ds) / self.world) / mbs)
+        sums: dict[str, float] = {}
+        with torch.no_grad():
+            for k in range(n_batches):
+                idx = mine[k * mbs: (k + 1) * mbs]
+                out = self.get_eval_model_output(self.collate([self.val_ds[i] for i in (idx or [0])]))
+                if not idx:
+                    continue
+                if not isinstance(out, dict):
+                    out = {"loss_sum": out[0], "n_tokens": out[1]}
+                for key, v in out.items():
+                    sums[key] = sums.get(key, 0.0) + float(v)
+        keys = ["loss_sum", "n_tokens", "correct", "total"]
+        keys += sorted(k for k in sums if k not in keys)
+        stats = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(stats)
+        self.model.train()
+        total = dict(zip(keys, stats.tolist()))
+        out = {"val_loss": total["loss_sum"] / max(total["n_tokens"], 1.0), "val_tokens": int(total["n_tokens"])}
+        if total["total"] > 0:
+            out["val_accuracy"] = total["correct"] / total["total"]
+        return out
+
+    def trainer_state(self, step: int, pos: DataPosition) -> dict:
+        return {"step": step, "data_position": pos.to_dict(), "scheduler": self.scheduler.state_dict(),
+                "world_size": self.world, "total_steps": self.total_steps}
+
+    def maybe_resume(self) -> tuple[int, DataPosition]:
+        resume = self.cfg.runner.resume
+        if resume == "never":
+            return 0, DataPosition()
+        if resume == "auto":
+            found = ckpt.list_checkpoints(self.ckpt_dir, warn=log)
+            if not found:
+                return 0, DataPosition()
+            path = found[-1]
+        else:
+            path = Path(resume)
+            if not (path / ckpt.COMPLETE).is_file():
+                raise SystemExit(f"runner.resume: '{path}' is not a complete checkpoint (no {ckpt.COMPLETE})")
+        state, rng_ok = ckpt.load_checkpoint(path, self.model, self.optimizer)
+        self.scheduler.load_state_dict(state["scheduler"])
+        pos = DataPosition(**state["data_position"])
+        log(f"resumed from {path} at step {state['step']} (epoch {pos.epoch}, {pos.consumed} samples into it)"
+            + ("" if rng_ok else f"; world size {state['world_size']} -> {self.world}, RNG streams start fresh"))
+        return state["step"], pos
+
+    # ------------------------------------------------------------------ main loop
+    def setup(self) -> None:
+        self.init_distributed()
+        self.load_tokenizer()
+        run, actor = self.cfg.runner, self.cfg.actor
+        self.train_ds = self.build_dataset(self.spec.train_dir)
+        self.val_ds = self.build_dataset(self.spec.val_dir, eval_dataset=True) if self.spec.val_dir else None
+        self.lengths = np.asarray(getattr(self.train_ds, "lengths", np.ones(len(self.train_ds))), dtype=np.int64)
+        self.trainable = np.asarray(getattr(self.train_ds, "trainable", np.ones(len(self.train_ds))), dtype=np.int64)
+        self.sampler = GlobalBatchSampler(self.lengths, actor.global_batch_size, actor.micro_batch_size, self.world,
+                                          run.seed, actor.max_tokens_per_micro_batch, interleave=actor.packing)
+        steps_all_epochs = self.sampler.steps_per_epoch * run.max_epochs
+        self.total_steps = min(run.max_steps, steps_all_epochs) if run.max_steps > 0 else steps_all_epochs
+        self.model = self.build_model()
+        self.model.train()
+        o = actor.optim
+        # Before any forward: FSDP2 keeps the root unsharded after a no-grad forward, and the
+        # optimizer must hold the sharded parameters.
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(self.total_steps, o.warmup, o.scheduler, o.min_lr_ratio))
+        self.packing = False
+        if actor.packing:
+            self.packing = self.supports_packing()
+            if self.fsdp:
+                self.model.reshard()
+            if not self.packing:
+                log(f"packing: {type(self.model).__name__} can't be packed (packed logits differ from unpacked or "
+                    "no position_ids); using padded micro-batches")
+        self.n_params = sum(p.numel() for p in self.model.parameters())  # a DTensor's numel is the global size
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
+        self.peak_flops = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+    def forward_backward(self, batch_idx) -> dict:
+        """Accumulates the gradient of one global batch; loss normalized by its total trainable tokens.
+
+        The normalizer must be known before the first backward, so it comes from the dataset's
+        `trainable` counts; when the model outputs' own `n_tokens` add up to a different total,
+        the gradients are rescaled once at the end, so the step divides by what the outputs said."""
+        micro = self.sampler.rank_micro_batches(batch_idx, self.rank)
+        share = np.concatenate(micro) if micro else np.zeros(0, dtype=np.int64)
+        counts = torch.tensor([float(self.trainable[share].sum()), float(self.lengths[share].sum())],
+                              dtype=torch.float64, device=self.device)
+        n_micro = torch.tensor([float(len(micro))], dtype=torch.float64, device=self.device)
+        dist.all_reduce(counts)
+        dist.all_reduce(n_micro, op=dist.ReduceOp.MAX)
+        micro += [np.zeros(0, dtype=np.int64)] * (int(n_micro.item()) - len(micro))
+        expected = max(counts[0].item(), 1.0)
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, tokens the outputs counted
+        for k, idx in enumerate(micro):
+            batch, real = self.micro_batch(idx)
+            if self.fsdp:
+                self.model.set_requires_gradient_sync(k == len(micro) - 1)
+            ls, n = self.as_loss_sum(self.get_train_model_output(batch), float(self.trainable[idx].sum()) if real else 0.0)
+            if not real:
+                ls, n = ls * 0.0, 0.0
+            (ls * self.world / expected).backward()
+            sums[0] += ls.detach().double()
+            sums[1] += n
+        dist.all_reduce(sums)
+        counted = max(sums[1].item(), 1.0)
+        if counted != expected:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(expected / counted)
+        return {"loss": sums[0].item() / counted, "trainable_tokens": int(sums[1].item()),
+                "tokens": int(counts[1].item()), "micro_batches": len(micro)}
+
+    def optimizer_step(self) -> tuple[float, float]:
+        grad_norm = self._clip()
+        self.optimizer.step()
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, lr
+
+    def fit(self) -> None:
+        self.setup()
+        run = self.cfg.runner
+        step, pos = self.maybe_resume()
+        metrics_path = self.out / "metrics.jsonl"
+        live = None
+        if self.rank == 0:
+            self._truncate_metrics(metrics_path, step)
+            # with MLFLOW_RUN_ID (set by the train stage) rows also go to that MLflow run while training runs
+            live = RankZeroMetrics(metrics_path, step, self.total_steps, self.cfg.registry.live_after_seconds)
+        metrics_f = open(metrics_path, "a") if self.rank == 0 else None
+        log(f"training {self.total_steps} steps: {len(self.train_ds)} samples, world {self.world}, "
+            f"accum {self.sampler.accum}, precision {self.precision}, device {self.device.type}, "
+            f"{'packed' if self.packing else 'padded'} micro-batches")
+        bar = self._progress_bar(step)
+        while step < self.total_steps:
+            t0 = time.perf_counter()
+            batch_idx = self.sampler.global_batch(pos)
+            row = self.forward_backward(batch_idx)
+            grad_norm, lr = self.optimizer_step()
+            pos = self.sampler.advance(pos, len(batch_idx))
+            step += 1
+            dt = time.perf_counter() - t0
+            row = {"step": step, "epoch": round(pos.epoch + pos.consumed / len(self.train_ds), 4), **row,
+                   "grad_norm": grad_norm, "lr": lr, "tokens_per_s": row["tokens"] / dt, "step_time": dt}
+            if self.peak_flops:
+                row["mfu"] = 6 * self.n_params * row["tokens_per_s"] / (self.peak_flops * self.world)
+            if (run.val_check_interval > 0 and step % run.val_check_interval == 0) or step == self.total_steps:
+                row.update(self.validate())
+            if metrics_f:
+                metrics_f.write(json.dumps(row) + "\n")
+                metrics_f.flush()
+            if live:
+                live.log(row)
+            self._report(row, step, bar)
+            if (run.save_interval > 0 and step % run.save_interval == 0) or step == self.total_steps:
+                ckpt.save_checkpoint(self.ckpt_dir, step, self.model, self.optimizer, self.trainer_state(step, pos),
+                                     keep=run.keep_checkpoints, before_complete=lambda s=step: _fault("save", s))
+                log(f"checkpoint step {step} saved")
+                _fault("after_save", step)
+        if bar:
+            bar.close()
+        if metrics_f:
+            metrics_f.close()
+        self.export()
+        if live:
+            live.close()
+        dist.barrier()
+        dist.destroy_process_group()
+
+    def _progress_bar(self, step: int):
+        """A live bar when a person watches a terminal; under the flow, log lines instead."""
+        if self.rank != 0 or not sys.stderr.isatty():
+            return None
+        from tqdm import tqdm
+        return tqdm(total=self.total_steps, initial=step, desc="train", dynamic_ncols=True)
+
+    def _report(self, row: dict, step: int, bar) -> None:
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            return
+        if step % self.cfg.runner.log_interval == 0 or step == self.total_steps:
+            extra = f" val_loss {row['val_loss']:.4f}" if "val_loss" in row else ""
+            log(f"step {step}/{self.total_steps} epoch {row['epoch']:.2f} loss {row['loss']:.4f} "
+                f"grad_norm {row['grad_norm']:.3f} lr {row['lr']:.2e} tok/s {row['tokens_per_s']:.0f}{extra}")
+
+    def _clip(self) -> float:
+        max_norm = self.cfg.actor.optim.clip_grad
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return float(norm)
+
+    @staticmethod
+    def _truncate_metrics(path: Path, step: int) -> None:
+        """On resume, drop lines logged after the checkpoint so every step appears exactly once."""
+        if not path.exists():
+            return
+        keep = [row for row in read_metrics_file(path) if row["step"] <= step]
+        path.write_text("".join(json.dumps(row) + "\n" for row in keep))
+
+    def full_state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def export(self) -> None:
+        """Full state dict gathered to rank 0 on CPU; a Hugging Face folder for HF models,
+        `model.safetensors` of the state dict for anything else."""
+        full = self.full_state_dict()
+        if self.rank != 0:
+            return
+        dest = self.out / "model"
+        dest.mkdir(parents=True, exist_ok=True)
+        if self.tokenizer is None:
+            from safetensors.torch import save_file
+            save_file({k: v.contiguous() for k, v in full.items()}, str(dest / "model.safetensors"))
+            log(f"exported state dict to {dest / 'model.safetensors'}")
+            return
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+        src, trust = self.spec.model_path, self.cfg.actor.model.trust_remote_code
+        config = AutoConfig.from_pretrained(src, trust_remote_code=trust)
+        with torch.device("cpu"):
+            plain = AutoModelForCausalLM.from_config(config, trust_remote_code=trust, dtype=torch.float32)
+        try:
+            load_state_checked(plain, full, "the trained model")
+        except ValueError as e:
+            raise RuntimeError(f"export: {e}") from None
+        plain.tie_weights()
+        try:
+            plain.generation_config = GenerationConfig.from_pretrained(src)
+        except OSError:
+            pass
+        plain.save_pretrained(dest, safe_serialization=True)
+        self.tokenizer.save_pretrained(dest)
+        log(f"exported Hugging Face model to {dest}")
+
+
+def load_worker_class(path: str | None) -> type[SFTWorker]:
+    """`actor.worker` (importing it also registers its model types); a ConfigError naming the key."""
+    if not path:
+        return SFTWorker
+    cls = import_object(path, "actor.worker")
+    if not (isinstance(cls, type) and issubclass(cls, SFTWorker)):
+        raise ConfigError(f"actor.worker='{path}' is not a subclass of stages.runtime.worker.SFTWorker")
+    return cls
+
+
+def check_worker_config(cfg: SFTConfig) -> type[SFTWorker]:
+    """Before torchrun starts: the worker class imports and the model type is registered."""
+    cls = load_worker_class(cfg.actor.worker)
+    try:
+        get_model_builder(cfg.actor.model.model_type)
+    except UnknownModelType as e:
+        raise ConfigError(str(e)) from None
+    return cls
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = WorkerSpec.read(argv[0])
+    try:
+        cls = load_worker_class(spec.config.actor.worker)
+    except ConfigError as e:
+        raise SystemExit(str(e)) from None
+    cls(spec).fit()
