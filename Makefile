@@ -6,7 +6,7 @@ CONFIG  ?= configs/default.yaml
 ARGS    ?=
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: run test ui serve install clean
+.PHONY: run test test-fast ui serve install clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,8 +21,13 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/sftflow run -c $(CONFIG) $(ARGS)
 
+# The full suite (CI): torchrun, the Prefect and MLflow servers, the whole flow.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# The fast tier while you work: in-process, no torchrun, no servers (under 2 minutes).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
 ui: $(STAMP)
 	$(BIN)/mlflow ui --host 127.0.0.1 --port 5000 \

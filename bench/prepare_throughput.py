@@ -61,10 +61,11 @@ def synthetic_jsonl(path: Path, n: int, seed: int = 0, max_turns: int = 3) -> Pa
 def build_tokenizer(work: Path) -> str:
     from stages.core.config import config_from_dict
     from stages.models.base import resolve_model
+    from stages.pipeline import plan
     corpus = synthetic_jsonl(work / "corpus.jsonl", 500, seed=1)
     cfg = config_from_dict({"artifacts_dir": str(work / "artifacts"),
                             "data": {"train_data_paths": [str(corpus)], "val_data_paths": [str(corpus)]}})
-    return resolve_model(cfg)
+    return resolve_model(cfg, plan(cfg).fingerprints["models"])
 
 
 def run_sftflow(data: Path, model: str, work: Path, num_proc: int) -> tuple[float, int]:

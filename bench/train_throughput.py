@@ -18,7 +18,7 @@ indices per step, from `GlobalBatchSampler` with the same seed) in up to four wa
 Throughput is real (non-pad) tokens per second: the tokens of the timed steps divided by the
 wall time of their data fetch + collate + forward + backward + optimizer step, after
 `--warmup` untimed steps. Both sides run the same number of CPU threads (torchrun ranks x
-OMP_NUM_THREADS from `stages.train.launcher.worker_env`). The per-step losses of every
+OMP_NUM_THREADS from `stages.runtime.launcher.worker_env`). The per-step losses of every
 method are compared with the bare packed loop's as a check that all do the same math.
 
 Data: synthetic, length-skewed chat rows (most replies a few dozen tokens, ~10% of them 10-30x
@@ -48,7 +48,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from stages.runtime.batches import IGNORE_INDEX, DataPosition, GlobalBatchSampler, collate_packed, collate_padded  # noqa: E402
+from stages.runtime.loss import IGNORE_INDEX  # noqa: E402
+from stages.runtime.batches import DataPosition, GlobalBatchSampler, collate_packed, collate_padded  # noqa: E402
 
 BARE = "bare loop (packed)"
 
@@ -104,14 +105,14 @@ def prepare(tmp: Path, args) -> tuple:
     })
     p = plan(cfg)
     run_stage(p, "prepare")
-    return cfg, resolve_model(cfg), p.folder("prepare") / "train"
+    return cfg, resolve_model(cfg, p.fingerprints["models"]), p.folder("prepare") / "train"
 
 
 # --------------------------------------------------------------------------- sftflow worker (torchrun)
 
 
 def run_worker(cfg, model_path: str, shards: Path, tmp: Path, args, packing: bool, env: dict) -> dict:
-    from stages.train.launcher import kill_group
+    from stages.runtime.launcher import kill_group
 
     cfg = cfg.model_copy(deep=True)
     cfg.actor.packing = packing
@@ -169,7 +170,7 @@ def run_bare(cfg, model_path: str, ds, pad_id: int, args, packed: bool) -> dict:
     longest-first order, world size 1), same loss normalization, clipping and LR schedule as
     the worker, so the losses must match it step for step."""
     from transformers import AutoModelForCausalLM
-    from stages.runtime.worker import lr_lambda
+    from stages.runtime.schedule import lr_lambda
 
     torch.manual_seed(cfg.runner.seed)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).train()
@@ -296,7 +297,7 @@ def main() -> None:
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
     from stages.runtime.batches import SFTDataset
-    from stages.train.launcher import worker_env
+    from stages.runtime.launcher import worker_env
 
     hf_logging.disable_progress_bar()  # model save/load bars would interleave with the report
     t_start = time.perf_counter()

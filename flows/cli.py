@@ -33,6 +33,8 @@ from rich.table import Table  # noqa: E402
 
 from stages.core.config import ConfigError, SFTConfig, default_tracking_uri, flatten, load_config  # noqa: E402
 from stages.core.errors import MissingUpstream, StageError  # noqa: E402
+from stages.models.base import resolve_model  # noqa: E402
+from stages.models.refs import resolve_model_ref  # noqa: E402
 from stages.pipeline import KEY_METRIC, STAGES, Plan, plan, require_upstream  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -175,8 +177,7 @@ def _preview(cfg: SFTConfig, p, n: int) -> None:
     """What the model is trained on, as a careful user checks it by hand: from the prepared shards
     when prepare has run, else prepared on the fly from the first rows (nothing is written)."""
     from rich.text import Text
-    from stages.models.base import resolve_model
-    from stages.prepare import preview_samples
+    from stages.prepare import preview_samples  # tokenizers: only for --preview
     try:
         samples = preview_samples(cfg, p.folder("prepare"), resolve_model(cfg, p.fingerprints["models"]), n)
     except (StageError, ConfigError) as e:
@@ -198,8 +199,7 @@ def chat(question: str = typer.Argument(..., help="the user message"),
          max_new_tokens: int = typer.Option(128, help="reply length limit"),
          tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI for models:/ (default: artifacts/mlflow.db)")) -> None:
     """Ask a model one question through its chat template."""
-    from stages.models.refs import resolve_model_ref
-    from stages.runtime.generation import generate, load
+    from stages.runtime.generation import generate, load  # torch: only for chat
     try:
         path = resolve_model_ref(model, tracking_uri or default_tracking_uri())
     except ValueError as e:

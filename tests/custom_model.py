@@ -13,7 +13,7 @@ N_CLASSES, DIM = 4, 8
 
 
 @register_model_type("tiny_mlp")
-def build_tiny_mlp(model_cfg: dict, weights_path: str, dtype=None) -> nn.Module:
+def build_tiny_mlp(model_cfg: dict, weights_path: str) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(DIM, 64), nn.ReLU(), nn.Linear(64, N_CLASSES))
 

@@ -1,6 +1,10 @@
 """End to end through the CLI and Prefect: four stage folders, a registered MLflow version,
 a fully cached second run, and single-stage re-runs. MLflow here is a real `mlflow server` on
-127.0.0.1 that the module starts (the default sqlite backend is what tests/test_demo.py uses)."""
+127.0.0.1 that the module starts (the default sqlite backend is what tests/test_demo.py uses).
+
+Every test asserts effects (stage folders and their manifests, MLflow runs and versions), and
+none depends on another having run: tests that change what is registered use a model name
+(and data files) of their own."""
 
 import json
 import os
@@ -44,19 +48,29 @@ def mlflow_client(uri: str):
     return MlflowClient(uri)
 
 
-def show(cfg_path: Path, cwd: Path) -> dict:
-    proc = sftflow("show", "-c", str(cfg_path), "--json", cwd=cwd, timeout=120)
+def show(cfg_path: Path, cwd: Path, *overrides: str) -> dict:
+    proc = sftflow("show", "-c", str(cfg_path), "--json", *overrides, cwd=cwd, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
 
-def summary_rows(stdout: str) -> dict[str, list[str]]:
-    rows = {}
-    for line in stdout.splitlines():
-        cells = [c.strip() for c in line.strip("│┃ ").split("│")]
-        if cells and cells[0] in ("prepare", "train", "evaluate", "register"):
-            rows[cells[0]] = cells
-    return rows
+STAGES = ("prepare", "train", "evaluate", "register")
+
+
+def _stamps(stages: dict) -> dict[str, int | None]:
+    """Each stage folder's manifest mtime (None: not complete): a stage that runs rewrites it."""
+    return {s: (Path(st["path"]) / "manifest.json").stat().st_mtime_ns if st["status"] == "complete" else None
+            for s, st in stages.items()}
+
+
+def run_and_see(tmp: Path, cfg_path: Path, *args: str, command=("run",)) -> dict[str, str]:
+    """Runs the CLI; per stage of the config: "ran" (its folder was written now), "reused" (its
+    complete folder was left as it was) or "-" (not part of the command)."""
+    before = _stamps(show(cfg_path, tmp, *[a for a in args if "=" in a])["stages"])
+    proc = sftflow(*command, "-c", str(cfg_path), *args, cwd=tmp)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    after = _stamps(show(cfg_path, tmp, *[a for a in args if "=" in a])["stages"])
+    return {s: "-" if after[s] is None else "reused" if after[s] == before[s] else "ran" for s in STAGES}
 
 
 @pytest.fixture(scope="module")
@@ -78,10 +92,6 @@ def test_full_flow_writes_four_complete_stage_folders(flow_run):
         assert st["status"] == "complete", stage
         manifest = json.loads((Path(st["path"]) / "manifest.json").read_text())
         assert manifest["fingerprint"] == st["fingerprint"] and manifest["stage"] == stage
-    rows = summary_rows(first.stdout)
-    assert set(rows) == {"prepare", "train", "evaluate", "register"}
-    assert all(r[2] == "no" for r in rows.values()), first.stdout
-    assert "held-out accuracy: base" in first.stdout
 
     prep = Path(info["stages"]["prepare"]["path"])
     assert sorted(p.name for p in (prep / "train").glob("*.arrow")) == ["shard-00000.arrow"]
@@ -114,7 +124,7 @@ def test_one_mlflow_run_holds_the_lineage_and_live_metrics(flow_run, mlflow_serv
     client = mlflow_client(mlflow_server)
     stages = show(cfg_path, tmp)["stages"]
     exp = client.get_experiment_by_name("sftflow")
-    runs = client.search_runs([exp.experiment_id])
+    runs = client.search_runs([exp.experiment_id], f"tags.`sftflow.train_fingerprint` = '{stages['train']['fingerprint']}'")
     assert len(runs) == 1  # one run for the one trained model
     run = client.get_run(runs[0].info.run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == f"sft-{stages['train']['fingerprint']}"
@@ -158,7 +168,7 @@ def test_model_is_registered_and_answers_through_pyfunc(flow_run, mlflow_server)
     import mlflow
     client = mlflow_client(mlflow_server)
     versions = client.search_model_versions("name='test-model'")
-    assert len(versions) == 1
+    assert len(versions) == 1  # the tests that train other models register them under names of their own
     v = client.get_model_version("test-model", versions[0].version)
     assert v.aliases == ["champion"]
     assert client.get_model_version_by_alias("test-model", "champion").version == v.version
@@ -191,6 +201,7 @@ def test_promotion_policies(flow_run, mlflow_server, tmp_path):
     tmp, cfg_path, _ = flow_run
     from stages.core.config import config_from_dict
     from stages.register import run_register
+    from stages.tracking.run import Lineage
     client = mlflow_client(mlflow_server)
     stages = show(cfg_path, tmp)["stages"]
     ev = json.loads((Path(stages["evaluate"]["path"]) / "manifest.json").read_text())
@@ -206,7 +217,7 @@ def test_promotion_policies(flow_run, mlflow_server, tmp_path):
         fps = {"prepare": stages["prepare"]["fingerprint"], "train": train_fp, "evaluate": f"e-{train_fp}",
                "register": f"r-{train_fp}-{promote}"}
         dirs = {"prepare": stages["prepare"]["path"], "train": stages["train"]["path"], "evaluate": str(folder)}
-        return run_register(cfg, fps["register"], fps, dirs)
+        return run_register(cfg, fps["register"], Lineage(fps, dirs))
 
     assert register("t1", "if_better", 0.5)["aliases"] == ["champion"]      # the first version
     assert register("t2", "if_better", 0.25)["aliases"] == ["challenger"]   # worse: champion stays on t1
@@ -221,27 +232,44 @@ def test_promotion_policies(flow_run, mlflow_server, tmp_path):
 
 def test_second_run_is_fully_cached_and_registers_nothing_new(flow_run, mlflow_server):
     tmp, cfg_path, _ = flow_run
-    again = sftflow("run", "-c", str(cfg_path), cwd=tmp)
-    assert again.returncode == 0, again.stderr[-3000:]
-    rows = summary_rows(again.stdout)
-    assert all(r[2] == "yes" for r in rows.values()), again.stdout
-    assert "training" not in again.stdout + again.stderr
     client = mlflow_client(mlflow_server)
-    assert len(client.search_model_versions("name='test-model'")) == 1
-    assert len(client.search_runs([client.get_experiment_by_name("sftflow").experiment_id])) == 1  # no empty run
+    exp = client.get_experiment_by_name("sftflow").experiment_id
+    versions, runs = len(client.search_model_versions("name='test-model'")), len(client.search_runs([exp]))
+    assert run_and_see(tmp, cfg_path) == dict.fromkeys(STAGES, "reused")
+    assert len(client.search_model_versions("name='test-model'")) == versions
+    assert len(client.search_runs([exp])) == runs  # no empty run
+
+
+def test_a_flow_run_validates_and_plans_once(flow_run, monkeypatch):
+    """In-process, so every call is seen: the CLI validates and plans; the flow and its tasks use that plan."""
+    tmp, cfg_path, _ = flow_run
+    monkeypatch.chdir(tmp)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp / ".prefect"))
+    from typer.testing import CliRunner
+
+    import flows.cli
+    import flows.sft
+    import stages.core.config
+    calls = {"load_config": 0, "plan": 0, "expand_paths": 0}
+
+    def counted(name, fn):
+        def wrapper(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return wrapper
+    for module in (flows.cli, flows.sft):
+        monkeypatch.setattr(module, "load_config", counted("load_config", module.load_config))
+        monkeypatch.setattr(module, "plan", counted("plan", module.plan))
+    monkeypatch.setattr(stages.core.config, "expand_paths", counted("expand_paths", stages.core.config.expand_paths))
+    result = CliRunner().invoke(flows.cli.app, ["run", "-c", str(cfg_path)])
+    assert result.exit_code == 0, result.output
+    assert calls == {"load_config": 1, "plan": 1, "expand_paths": 2}  # expand_paths: train and val
 
 
 def test_stage_evaluate_force_reruns_only_evaluate(flow_run):
     tmp, cfg_path, _ = flow_run
-    info = show(cfg_path, tmp)
-    before = {s: (Path(st["path"]) / "manifest.json").stat().st_mtime_ns for s, st in info["stages"].items()}
-    proc = sftflow("stage", "evaluate", "-c", str(cfg_path), "--force", cwd=tmp)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = summary_rows(proc.stdout)
-    assert list(rows) == ["evaluate"] and rows["evaluate"][2] == "no"
-    after = {s: (Path(st["path"]) / "manifest.json").stat().st_mtime_ns for s, st in info["stages"].items()}
-    assert after["evaluate"] != before["evaluate"]
-    assert all(after[s] == before[s] for s in ("prepare", "train", "register"))
+    seen = run_and_see(tmp, cfg_path, "--force", command=("stage", "evaluate"))
+    assert seen == {"prepare": "reused", "train": "reused", "evaluate": "ran", "register": "reused"}
 
 
 def test_deleted_stage_folder_reruns_that_stage(flow_run):
@@ -249,58 +277,56 @@ def test_deleted_stage_folder_reruns_that_stage(flow_run):
     import shutil
     info = show(cfg_path, tmp)
     shutil.rmtree(info["stages"]["evaluate"]["path"])
-    proc = sftflow("run", "-c", str(cfg_path), cwd=tmp)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = summary_rows(proc.stdout)
-    assert rows["evaluate"][2] == "no" and rows["train"][2] == "yes" and rows["prepare"][2] == "yes"
+    assert run_and_see(tmp, cfg_path) == {"prepare": "reused", "train": "reused", "evaluate": "ran", "register": "reused"}
     assert show(cfg_path, tmp)["stages"]["evaluate"]["status"] == "complete"
 
 
-def test_eval_knob_changes_only_evaluate_and_register(flow_run):
+def test_eval_knob_changes_only_evaluate_and_register(flow_run, mlflow_server):
     tmp, cfg_path, _ = flow_run
-    proc = sftflow("run", "-c", str(cfg_path), "eval.max_new_tokens=6", cwd=tmp)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = summary_rows(proc.stdout)
-    assert [rows[s][2] for s in ("prepare", "train", "evaluate", "register")] == ["yes", "yes", "no", "no"]
-    assert "[reused]" in proc.stdout  # same train fingerprint: the registered version is reused
-
-
-def stage_status_after(tmp: Path, cfg_path: Path, *overrides: str) -> list[str]:
-    proc = sftflow("run", "-c", str(cfg_path), *overrides, cwd=tmp)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = summary_rows(proc.stdout)
-    return [rows[s][2] for s in ("prepare", "train", "evaluate", "register")]
+    client = mlflow_client(mlflow_server)
+    versions = len(client.search_model_versions("name='test-model'"))
+    seen = run_and_see(tmp, cfg_path, "eval.max_new_tokens=6")
+    assert seen == {"prepare": "reused", "train": "reused", "evaluate": "ran", "register": "ran"}
+    # same train fingerprint: the registered version is reused, nothing is added
+    assert len(client.search_model_versions("name='test-model'")) == versions
+    reg = json.loads((Path(show(cfg_path, tmp, "eval.max_new_tokens=6")["stages"]["register"]["path"])
+                      / "manifest.json").read_text())
+    assert reg["metrics"]["reused_version"] is True
 
 
 def test_lr_change_reruns_train_evaluate_register(flow_run):
     tmp, cfg_path, _ = flow_run
-    assert stage_status_after(tmp, cfg_path, "actor.optim.lr=2e-3") == ["yes", "no", "no", "no"]
+    seen = run_and_see(tmp, cfg_path, "actor.optim.lr=2e-3", "registry.model_name=test-model-lr")
+    assert seen == {"prepare": "reused", "train": "ran", "evaluate": "ran", "register": "ran"}
 
 
 def test_world_size_is_not_part_of_the_result(flow_run):
     tmp, cfg_path, _ = flow_run
     info = show(cfg_path, tmp)
-    one = sftflow("show", "-c", str(cfg_path), "--json", "actor.nproc_per_node=1", cwd=tmp)
-    assert json.loads(one.stdout)["stages"]["train"]["fingerprint"] == info["stages"]["train"]["fingerprint"]
+    assert show(cfg_path, tmp, "actor.nproc_per_node=1")["stages"]["train"]["fingerprint"] == \
+        info["stages"]["train"]["fingerprint"]
 
 
 def test_stage_with_upstream_runs_what_is_missing(flow_run):
     tmp, cfg_path, _ = flow_run
     proc = sftflow("stage", "evaluate", "-c", str(cfg_path), "runner.seed=99", cwd=tmp)
     assert proc.returncode == 2 and "--with-upstream" in proc.stderr
-    proc = sftflow("stage", "evaluate", "-c", str(cfg_path), "runner.seed=99", "--with-upstream", cwd=tmp)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = summary_rows(proc.stdout)
-    assert [rows[s][2] for s in ("prepare", "train", "evaluate")] == ["yes", "no", "no"] and "register" not in rows
+    seen = run_and_see(tmp, cfg_path, "runner.seed=99", "--with-upstream", command=("stage", "evaluate"))
+    assert seen == {"prepare": "reused", "train": "ran", "evaluate": "ran", "register": "-"}
 
 
 def test_edited_data_file_reruns_everything_and_touching_it_does_not(flow_run):
+    """On a copy of the training file, so the other tests' data stays as it was."""
     tmp, cfg_path, _ = flow_run
     import os
     import time
-    train = tmp / "train.jsonl"
+    train = tmp / "train-copy.jsonl"
+    train.write_bytes((tmp / "train.jsonl").read_bytes())
+    own = (f"data.train_data_paths=[{train}]", "registry.model_name=test-model-data")
+    seen = run_and_see(tmp, cfg_path, *own)
+    assert seen == {"prepare": "reused", "train": "reused", "evaluate": "reused", "register": "ran"}  # same contents
     os.utime(train, (time.time() + 5, time.time() + 5))  # same bytes, new mtime
-    assert stage_status_after(tmp, cfg_path) == ["yes", "yes", "yes", "yes"]
+    assert run_and_see(tmp, cfg_path, *own) == dict.fromkeys(STAGES, "reused")
     lines = train.read_text(encoding="utf-8").splitlines()
     train.write_text("\n".join(lines[:-1]) + "\n", encoding="utf-8")  # one row fewer
-    assert stage_status_after(tmp, cfg_path) == ["no", "no", "no", "no"]
+    assert run_and_see(tmp, cfg_path, *own) == dict.fromkeys(STAGES, "ran")

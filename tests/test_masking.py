@@ -5,9 +5,8 @@ import json
 
 import pytest
 
-from conftest import MULTI_TURN, REAL_TEMPLATES, REALDATA, family_tokenizer, tiny_config_dict, write_config
+from conftest import MULTI_TURN, REAL_TEMPLATES, REALDATA, base_model, family_tokenizer, tiny_config_dict, write_config
 from stages.core.config import load_config
-from conftest import base_model
 from stages.chatdata.readers import prompt_and_reference
 from stages.prepare.masking import tokenize_conversation
 from stages.chatdata.readers import RowError, to_messages

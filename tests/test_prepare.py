@@ -9,10 +9,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REAL_TEMPLATES, REALDATA, demo_rows, family_tokenizer, sftflow, tiny_config_dict, write_config, write_jsonl
+from conftest import (REAL_TEMPLATES, REALDATA, base_model, demo_rows, family_tokenizer, sftflow, tiny_config_dict,
+                      write_config, write_jsonl)
 from stages.core.config import config_from_dict, load_config
 from stages.core.errors import StageError
-from conftest import base_model
 from stages.pipeline import plan, run_stage
 from stages.chatdata.shards import ShardWriter, read_shards
 
@@ -159,6 +159,7 @@ def test_every_kind_of_bad_row_is_counted_quarantined_and_never_changes_good_row
     assert "[[" in open(f"{result.path}/preview.txt", encoding="utf-8").read()
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("prefect_api")
 def test_strict_mode_stops_at_the_first_bad_row_in_one_line(tmp_path, tokenizer_dir):
     messy, _, bad_at = messy_corpus(tmp_path)
@@ -243,6 +244,7 @@ def test_show_preview_highlights_trainable_spans(tmp_path, tokenizer_dir):
     assert "first rows, prepared on the fly" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("prefect_api")
 def test_data_with_no_usable_rows_fails_in_one_line(tmp_path, tokenizer_dir):
     train = tmp_path / "empty.jsonl"

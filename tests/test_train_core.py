@@ -13,9 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, free_port, live_processes_mentioning, tiny_config_dict, write_config
+from conftest import ROOT, base_model, free_port, live_processes_mentioning, tiny_config_dict, write_config
 from stages.core.config import ConfigError, load_config
-from conftest import base_model
 from stages.pipeline import plan, run_stage
 from stages.runtime.batches import DataPosition, GlobalBatchSampler, collate_packed, collate_padded, split_micro_batches
 from stages.runtime.launcher import torchrun_command, worker_env

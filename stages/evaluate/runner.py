@@ -98,11 +98,7 @@ def worker_scores(worker_cls, spec: EvalSpec, cfg: SFTConfig, model, device, ran
     sums: dict[str, float] = {}
     with torch.no_grad():
         for i in range(0, len(mine), bs):
-            out = w.get_eval_model_output(w.collate([ds[j] for j in mine[i:i + bs]]))
-            if not isinstance(out, dict):
-                out = {"loss_sum": out[0], "n_tokens": out[1]}
-            for k, v in out.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+            w.add_eval_output(sums, w.get_eval_model_output(w.collate([ds[j] for j in mine[i:i + bs]])))
     total = add_up(gather(sums))
     if total.get("total", 0) <= 0:
         return None

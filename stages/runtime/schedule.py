@@ -3,7 +3,7 @@
 After warmup it is transformers' schedule: `cosine` equals
 `get_cosine_with_min_lr_schedule_with_warmup(min_lr_rate=min_lr_ratio)`, `linear` decays
 linearly to `min_lr_ratio` (transformers' `get_linear_schedule_with_warmup` when it is 0),
-`constant` stays at 1 (tests/test_schedule_reference.py checks all three against transformers).
+`constant` stays at 1 (tests/test_worker_contract.py checks all three against transformers).
 Warmup differs on purpose: transformers starts at lr 0 (step / warmup), so the first step
 trains nothing; here step k of warmup uses (k + 1) / (warmup + 1), never 0.
 """

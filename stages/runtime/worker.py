@@ -191,6 +191,14 @@ class SFTWorker:
         return self._token_loss_sum(batch)
 
     @staticmethod
+    def add_eval_output(sums: dict[str, float], out) -> None:
+        """Adds what get_eval_model_output returned (`(loss_sum, n_tokens)` or a dict) into `sums`."""
+        if not isinstance(out, dict):
+            out = {"loss_sum": out[0], "n_tokens": out[1]}
+        for key, v in out.items():
+            sums[key] = sums.get(key, 0.0) + float(v)
+
+    @staticmethod
     def as_loss_sum(out, trainable: float) -> tuple[torch.Tensor, float]:
         """What get_train_model_output returned, as (sum of per-token losses, number of tokens)."""
         if isinstance(out, (tuple, list)) and len(out) == 2 and torch.is_tensor(out[0]) and not (
@@ -222,12 +230,8 @@ class SFTWorker:
             for k in range(n_batches):
                 idx = mine[k * mbs: (k + 1) * mbs]
                 out = self.get_eval_model_output(self.collate([self.val_ds[i] for i in (idx or [0])]))
-                if not idx:
-                    continue
-                if not isinstance(out, dict):
-                    out = {"loss_sum": out[0], "n_tokens": out[1]}
-                for key, v in out.items():
-                    sums[key] = sums.get(key, 0.0) + float(v)
+                if idx:
+                    self.add_eval_output(sums, out)
         keys = ["loss_sum", "n_tokens", "correct", "total"]
         keys += sorted(k for k in sums if k not in keys)
         stats = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64, device=self.device)

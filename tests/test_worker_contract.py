@@ -1,0 +1,101 @@
+"""The worker contract, in one process (gloo, world size 1): what `get_train_model_output`
+returns is what the step divides by, and the LR schedule matches transformers' after warmup."""
+
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import base_model, free_port, tiny_config_dict, write_config
+from stages.core.config import load_config
+from stages.pipeline import plan, run_stage
+from stages.runtime.schedule import lr_lambda
+from stages.runtime.worker import SFTWorker, WorkerSpec
+
+
+class DoubleCountWorker(SFTWorker):
+    """Claims twice the tokens the batch has: the step must divide by what it claims."""
+
+    def get_train_model_output(self, batch):
+        loss_sum, n_tokens = super().get_train_model_output(batch)
+        return loss_sum, 2 * n_tokens
+
+
+class MeanLossWorker(SFTWorker):
+    """Returns a mean over the micro-batch's trainable tokens (the other documented form)."""
+
+    def get_train_model_output(self, batch):
+        loss_sum, n_tokens = super().get_train_model_output(batch)
+        return loss_sum / n_tokens
+
+
+@pytest.fixture
+def one_process(monkeypatch):
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+                 "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def spec(tmp_path) -> WorkerSpec:
+    cfg = load_config(write_config(tmp_path, tiny_config_dict(tmp_path, actor={"nproc_per_node": 1, "packing": False})))
+    p = plan(cfg)
+    run_stage(p, "prepare")
+    return WorkerSpec(config=cfg, model_path=base_model(cfg), out_dir=str(tmp_path / "out"),
+                      train_dir=str(p.folder("prepare") / "train"), val_dir=None)
+
+
+def _step(cls, spec) -> tuple[dict, dict]:
+    w = cls(spec)
+    w.setup()
+    row = w.forward_backward(np.arange(spec.config.actor.global_batch_size))
+    grads = {n: p.grad.detach().clone() for n, p in w.model.named_parameters() if p.grad is not None}
+    dist.destroy_process_group()
+    return row, grads
+
+
+def test_the_step_divides_by_the_tokens_the_outputs_count(one_process, spec):
+    base_row, base = _step(SFTWorker, spec)
+    row, grads = _step(DoubleCountWorker, spec)
+    assert row["trainable_tokens"] == 2 * base_row["trainable_tokens"]
+    assert row["loss"] == pytest.approx(base_row["loss"] / 2)
+    for name, g in base.items():
+        torch.testing.assert_close(grads[name], g / 2, rtol=1e-5, atol=1e-8)
+
+
+def test_a_mean_loss_is_weighted_by_the_datasets_trainable_counts(one_process, spec):
+    base_row, base = _step(SFTWorker, spec)
+    row, grads = _step(MeanLossWorker, spec)
+    assert row["loss"] == pytest.approx(base_row["loss"], rel=1e-6)
+    for name, g in base.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-7)
+
+
+def test_for_eval_wraps_a_loaded_model_without_a_process_group(spec):
+    model = torch.nn.Linear(2, 2)
+    w = SFTWorker.for_eval(spec, model, torch.device("cpu"), rank=0, world=1)
+    assert w.model is model and not w.fsdp and w.precision == "fp32" and w.tokenizer is not None
+    assert len(w.build_dataset(spec.train_dir)) == len(w.build_dataloader(spec.train_dir)) > 0
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("scheduler", ["cosine", "linear", "constant"])
+def test_lr_schedule_matches_transformers_after_warmup(scheduler):
+    from transformers import (get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup,
+                              get_linear_schedule_with_warmup)
+    total, warm = 40, 5
+    min_ratio = 0.0 if scheduler == "linear" else 0.1
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    reference = {"cosine": lambda: get_cosine_with_min_lr_schedule_with_warmup(opt, warm, total, min_lr_rate=min_ratio),
+                 "linear": lambda: get_linear_schedule_with_warmup(opt, warm, total),
+                 "constant": lambda: get_constant_schedule_with_warmup(opt, warm)}[scheduler]()
+    ref = reference.lr_lambdas[0]
+    ours = lr_lambda(total, warm, scheduler, min_ratio)
+    for step in range(warm, total + 1):
+        assert ours(step) == pytest.approx(ref(step), abs=1e-12), step
+    # warmup: never 0 (transformers' first step is lr 0 and trains nothing), rising to the peak
+    assert ref(0) == 0 and 0 < ours(0) < ours(warm - 1) < ours(warm) == pytest.approx(1.0)
