@@ -9,6 +9,7 @@ Prefect keeps no result store of its own.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import subprocess
 import time
@@ -22,9 +23,29 @@ from prefect.runtime import flow_run
 from prefect.states import Completed
 
 from stages.core.config import load_config
+from stages.core.errors import ConfigError
 from stages.pipeline import KEY_METRIC, STAGES, UPSTREAM, Plan, plan, run_stage, upstream
 
 STEP_LINE = re.compile(r"^step (\d+)/(\d+)\b")
+
+
+class _UsageErrorsWithoutTraceback(logging.Filter):
+    """A bad config or bad data is reported as its one line (the CLI prints it once more, last);
+    Prefect's traceback would only bury it. Every other failure keeps its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], ConfigError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+for _name in ("prefect.task_runs", "prefect.flow_runs"):
+    logging.getLogger(_name).addFilter(_UsageErrorsWithoutTraceback())
+
+
+def _worth_retrying(task, task_run, state) -> bool:
+    """`flow.retries` is for what a second attempt can fix (a killed worker); bad input stays bad."""
+    return not isinstance(state.result(raise_on_failure=False), ConfigError)
 
 
 def _training_progress(logger) -> Callable[[str], None]:
@@ -56,7 +77,7 @@ def _stage(stage: str, p: Plan, force: bool, tags: dict | None = None):
 
 
 # The stage folders are the cache (see stages/core/artifacts.py); Prefect keeps none.
-_opts = dict(cache_policy=NO_CACHE, persist_result=False)
+_opts = dict(cache_policy=NO_CACHE, persist_result=False, retry_condition_fn=_worth_retrying)
 
 
 @task(name="prepare", **_opts)

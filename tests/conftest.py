@@ -29,11 +29,12 @@ def demo_rows(name: str, n: int) -> list[dict]:
     return [json.loads(line) for line in lines[:n]]
 
 
-# template file -> (special tokens the family's tokenizer has, end-of-turn marker after each reply)
+# template file -> (special tokens the family's tokenizer has, end-of-turn text after each reply)
 REAL_TEMPLATES = {
+    "alpaca": ({"bos_token": "<s>", "eos_token": "</s>"}, "</s>"),
     "chatml": ({"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}, "<|im_end|>"),
     "qwen2.5-instruct": ({"eos_token": "<|im_end|>"}, "<|im_end|>"),
-    "llama-2-chat": ({"bos_token": "<s>", "eos_token": "</s>"}, "</s>"),
+    "llama-2-chat": ({"bos_token": "<s>", "eos_token": "</s>"}, " </s>"),
     "llama-3-instruct": ({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
                           "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>"]}, "<|eot_id|>"),
     "mistral-instruct": ({"bos_token": "<s>", "eos_token": "</s>"}, "</s>"),
@@ -44,11 +45,25 @@ REAL_TEMPLATES = {
     "zephyr": ({"eos_token": "</s>", "additional_special_tokens": ["<|user|>", "<|assistant|>", "<|system|>"]}, "</s>"),
     "vicuna": ({"bos_token": "<s>", "eos_token": "</s>"}, "</s>"),
 }
+# Facts about the templates, read off their source (not computed by sftflow): which put a single
+# space between the header and the reply ("[/INST] I am", "ASSISTANT: I am"), and which keep a
+# reply's surrounding whitespace instead of trimming it.
+SPACE_BEFORE_REPLY = {"llama-2-chat", "mistral-instruct", "vicuna"}
+KEEPS_WHITESPACE = {"qwen2.5-instruct", "builtin"}
+
+
+def expected_run(name: str, reply: str) -> str:
+    """What training one reply must decode to on template `name`: the reply as rendered and the end text."""
+    end = REAL_TEMPLATES[name][1] if name in REAL_TEMPLATES else "<|im_end|>"
+    lead = " " if name in SPACE_BEFORE_REPLY else ""
+    return lead + (reply if name in KEEPS_WHITESPACE else reply.strip()) + end
+
+
 MULTI_TURN = [
     [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "I am TinyChat."},
      {"role": "user", "content": "你是谁？"}, {"role": "assistant", "content": "我是 TinyChat。\n第二行"},
      {"role": "user", "content": "Say [INST] and ASSISTANT: please"},
-     {"role": "assistant", "content": "  [INST] ASSISTANT: <|im_start|> done  "}],
+     {"role": "assistant", "content": "[INST] ASSISTANT: <|im_start|> done"}],
     [{"role": "system", "content": "You are TinyChat."}, {"role": "user", "content": "Repeat after me: a b"},
      {"role": "assistant", "content": "You said: a b"}, {"role": "user", "content": "again"},
      {"role": "assistant", "content": "You said: again"}],

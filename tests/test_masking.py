@@ -1,11 +1,14 @@
 """Assistant-only masks, checked against independent references: transformers' own
-`return_assistant_tokens_mask` (builtin template has {% generation %} markers) and decoding."""
+`return_assistant_tokens_mask` (builtin template has {% generation %} markers), and decoding
+the trained tokens, compared *exactly* with each reply and the end-of-turn text the template's
+source puts after it (conftest.expected_run)."""
 
 import json
 
 import pytest
 
-from conftest import MULTI_TURN, REAL_TEMPLATES, REALDATA, base_model, family_tokenizer, tiny_config_dict, write_config
+from conftest import (MULTI_TURN, REAL_TEMPLATES, REALDATA, base_model, expected_run, family_tokenizer, tiny_config_dict,
+                      write_config)
 from stages.core.config import load_config
 from stages.chatdata.readers import prompt_and_reference
 from stages.prepare.masking import tokenize_conversation
@@ -87,26 +90,25 @@ def test_eval_prompt_is_everything_before_the_last_reply():
     assert prompt == CONVERSATIONS[1][:-1]
 
 
-def assert_replies_then_marker(runs: list[str], messages: list[dict], marker: str):
-    replies = [m["content"].strip() for m in messages if m["role"] == "assistant"]
-    assert len(runs) == len(replies), runs
-    for run, reply in zip(runs, replies):
-        run = run.strip()
-        assert run.startswith(reply) and run[len(reply):].strip() == marker, (run, reply)
+def expected_runs(name: str, messages: list[dict], tok=None) -> list[str]:
+    """Each reply's expected run, as the tokenizer can spell it (its normalizer, e.g. NFC, applied)."""
+    runs = [expected_run(name, m["content"]) for m in messages if m["role"] == "assistant"]
+    norm = tok.backend_tokenizer.normalizer if tok is not None else None
+    return [norm.normalize_str(r) for r in runs] if norm is not None else runs
 
 
 @pytest.mark.skipif(not (REALDATA / "chat_templates").is_dir(), reason="../shared/realdata absent")
 @pytest.mark.parametrize("name", sorted(REAL_TEMPLATES))
 @pytest.mark.parametrize("messages", MULTI_TURN, ids=["multi-turn", "system"])
 def test_real_templates_train_exactly_each_reply_and_its_end_of_turn(tokenizer, name, messages):
-    """Real vendor templates without {% generation %} markers: decoding the trainable tokens gives
-    each assistant reply followed by the template's end-of-turn marker, in order, and nothing else."""
+    """Real vendor templates without {% generation %} markers, used as their files are written
+    (indented): the trained tokens decode to each reply and the end-of-turn text, exactly."""
     tok = family_tokenizer(tokenizer, name)
     t = tokenize_conversation(tok, messages, max_length=4096)
     assert t.input_ids == tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
-    assert_replies_then_marker(trainable_runs(tok, t), messages, REAL_TEMPLATES[name][1])
+    assert trainable_runs(tok, t) == expected_runs(name, messages)
     last = tokenize_conversation(tok, messages, max_length=4096, loss_on="last_assistant")
-    assert_replies_then_marker(trainable_runs(tok, last), [messages[-1]], REAL_TEMPLATES[name][1])
+    assert trainable_runs(tok, last) == expected_runs(name, [messages[-1]])
 
 
 def test_loss_on_all_and_truncation(tokenizer):
@@ -124,13 +126,16 @@ def test_loss_on_all_and_truncation(tokenizer):
 
 
 @pytest.mark.skipif(not (REALDATA / "sharegpt_identity.json").is_file(), reason="../shared/realdata absent")
-def test_real_sharegpt_rows_all_trainable(tokenizer):
-    rows = json.loads((REALDATA / "sharegpt_identity.json").read_text())[:50]
-    for row in rows:
+@pytest.mark.parametrize("name", ["builtin", *sorted(REAL_TEMPLATES)])
+def test_every_real_sharegpt_row_trains_exactly_its_replies_on_every_template(tokenizer, name):
+    """All 500 real conversations (1,000 replies), on every real template: kept, and exact."""
+    tok = tokenizer if name == "builtin" else family_tokenizer(tokenizer, name)
+    for row in json.loads((REALDATA / "sharegpt_identity.json").read_text()):
         messages = to_messages(row, "sharegpt")
-        t = tokenize_conversation(tokenizer, messages, max_length=4096)
-        runs = trainable_runs(tokenizer, t)
-        assert runs == [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
+        t = tokenize_conversation(tok, messages, max_length=100_000)
+        assert trainable_runs(tok, t) == expected_runs(name, messages, tok)
+        last = tokenize_conversation(tok, messages, max_length=100_000, loss_on="last_assistant")
+        assert trainable_runs(tok, last) == expected_runs(name, messages[-1:], tok)
 
 
 # --------------------------------------------------------------------------- property-based
@@ -164,81 +169,116 @@ def runs_of(mask: list[int]) -> list[list[int]]:
     return out
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+QUARANTINE = {"reply_boundary", "reply_not_in_template", "template_error"}
+
+
+def tokenize_or_reason(tok, messages, loss_on="assistant"):
+    try:
+        return tokenize_conversation(tok, messages, max_length=100_000, loss_on=loss_on)
+    except RowError as e:
+        assert e.reason in QUARANTINE, e
+        return e.reason
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(messages=conversations())
-def test_property_mask_matches_transformers_up_to_straddling_tokens(tokenizer, messages):
-    """Against transformers' {% generation %} mask: we train a subset of its tokens, and the only
-    tokens it trains that we don't are a run's first token that begins inside the header (the
-    boundary rule). Where no token straddles, a run decodes to exactly reply + <|im_end|>."""
-    ours = tokenize_conversation(tokenizer, messages, max_length=100_000)
+def test_property_mask_equals_transformers_or_the_row_is_quarantined(tokenizer, messages):
+    """Against transformers' {% generation %} mask: a kept row's mask is exactly it; a row is only
+    quarantined when a token of transformers' mask also holds header text (it straddles the reply's
+    start), which no mask can train exactly."""
     ref = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    ours = tokenize_or_reason(tokenizer, messages)
+    if isinstance(ours, str):
+        assert ours == "reply_boundary"
+        starts = [run[0] for run in runs_of(list(ref["assistant_masks"]))]
+        assert any(tokenizer.decode([ref["input_ids"][i]]).startswith("\n") for i in starts)
+        return
     assert ours.input_ids == list(ref["input_ids"])
-    ref_mask = list(ref["assistant_masks"])
-    assert all(r >= o for o, r in zip(ours.loss_mask, ref_mask))
-    replies = [m["content"] for m in messages if m["role"] == "assistant"]
-    ref_runs = runs_of(ref_mask)
-    assert len(ref_runs) == len(replies)
-    for run, text in zip(ref_runs, replies):
-        missing = [i for i in run if not ours.loss_mask[i]]
-        if missing:
-            assert missing == [run[0]] and tokenizer.decode([ours.input_ids[run[0]]]).startswith("\n")
-        else:
-            assert tokenizer.decode([ours.input_ids[i] for i in run]) == text + "<|im_end|>"
+    assert ours.loss_mask == list(ref["assistant_masks"])
+    assert trainable_runs(tokenizer, ours) == expected_runs("builtin", messages, tokenizer)
+
+
+SPECIAL_BITS = ["d", "end", ">", "<|im_", "im_end|>", "<|eot_id", "</", "s>", "<end_of_turn", "[/INST]", "<|end|>"]
+plain = st.lists(st.one_of(st.sampled_from(PIECES + SPECIAL_BITS), st.text(st.characters(blacklist_categories=("Cs",)),
+                                                                             max_size=8)),
+                 min_size=1, max_size=6).map(lambda parts: "".join(parts).strip()).filter(lambda s: s != "")
+
+
+@st.composite
+def real_conversations(draw, reply=plain):
+    """System prompts (empty ones too), assistant-first openings, replies holding template markers,
+    pieces of special tokens, whitespace and unicode."""
+    msgs = [{"role": "system", "content": draw(st.sampled_from(["", "You are X."]) | content)}] \
+        if draw(st.booleans()) else []
+    if draw(st.booleans()):
+        msgs.append({"role": "assistant", "content": draw(reply)})
+    for _ in range(draw(st.integers(1, 3))):
+        msgs += [{"role": "user", "content": draw(content)}, {"role": "assistant", "content": draw(reply)}]
+    return msgs
 
 
 @pytest.mark.skipif(not (REALDATA / "chat_templates").is_dir(), reason="../shared/realdata absent")
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(messages=conversations(), name=st.sampled_from(["llama-3-instruct", "gemma-it", "vicuna"]))
-def test_property_real_templates_never_train_prompt_text(tokenizer, messages, name):
-    """Whatever the contents, a trainable run on an indented real template ends with the end-of-turn
-    marker and every trained character comes from the reply, the marker, or whitespace."""
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(messages=real_conversations(), name=st.sampled_from(sorted(REAL_TEMPLATES)),
+       loss_on=st.sampled_from(["assistant", "last_assistant"]))
+def test_property_real_templates_train_exactly_the_replies(tokenizer, messages, name, loss_on):
+    """Replies without surrounding whitespace are never quarantined (unless the template itself
+    refuses the conversation) and always train exactly reply + end-of-turn text."""
     tok = family_tokenizer(tokenizer, name)
-    t = tokenize_conversation(tok, messages, max_length=100_000)
-    marker = REAL_TEMPLATES[name][1]
-    replies = [m["content"].strip() for m in messages if m["role"] == "assistant"]
-    runs = trainable_runs(tok, t)
-    assert len(runs) == len(replies)
-    for run, text in zip(runs, replies):
-        body = run.strip()
-        assert body.endswith(marker)
-        body = body[: -len(marker)].rstrip()
-        assert text.endswith(body) or body.replace("\ufffd", "") in text, (run, text)
+    t = tokenize_or_reason(tok, messages, loss_on)
+    if isinstance(t, str):
+        assert t == "template_error", t
+        return
+    replies = [m for m in messages if m["role"] == "assistant"]
+    want = expected_runs(name, replies if loss_on == "assistant" else replies[-1:], tok)
+    assert trainable_runs(tok, t) == want
 
 
 @pytest.mark.skipif(not (REALDATA / "chat_templates").is_dir(), reason="../shared/realdata absent")
-def test_tool_calls_and_tool_results_with_the_real_qwen_template(tokenizer):
-    """An OpenAI-style tool call (content null) is trained as the template renders it; the tool's
-    result is prompt."""
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(messages=real_conversations(reply=reply), name=st.sampled_from(sorted(REAL_TEMPLATES)))
+def test_property_any_reply_is_trained_exactly_or_quarantined(tokenizer, messages, name):
+    """Replies with leading/trailing whitespace too: a kept row is exact, never approximately right."""
+    tok = family_tokenizer(tokenizer, name)
+    t = tokenize_or_reason(tok, messages)
+    if isinstance(t, str):
+        return
+    assert trainable_runs(tok, t) == expected_runs(name, messages, tok)
+
+
+@pytest.mark.skipif(not (REALDATA / "chat_templates").is_dir(), reason="../shared/realdata absent")
+@pytest.mark.parametrize("first", ["d", "end", ">", " I am here to help.", "<|im_end|>"])
+def test_qwen_assistant_first_reply_is_trained_whole(tokenizer, first):
+    """Regression: a first reply that is a piece of <|im_end|> was not trained at all, and one with a
+    leading space lost its first word."""
     tok = family_tokenizer(tokenizer, "qwen2.5-instruct")
-    messages = to_messages({"messages": [
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None,
-         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-        {"role": "tool", "content": '{"temp": 21}', "name": "get_weather"},
-        {"role": "assistant", "content": "It is 21 degrees."}]})
+    messages = [{"role": "assistant", "content": first}, {"role": "user", "content": "Who are you?"},
+                {"role": "assistant", "content": "I am TinyChat."}]
     t = tokenize_conversation(tok, messages, max_length=4096)
-    assert trainable_runs(tok, t) == [
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
-        "It is 21 degrees.<|im_end|>"]
+    assert trainable_runs(tok, t) == [first + "<|im_end|>", "I am TinyChat.<|im_end|>"]
 
 
 @pytest.mark.skipif(not (REALDATA / "chat_templates").is_dir(), reason="../shared/realdata absent")
-@pytest.mark.parametrize("name", ["qwen2.5-instruct"])  # the others insist on user first
-def test_a_conversation_that_opens_with_the_assistant_trains_only_replies(tokenizer, name):
-    """The first reply has no prompt before it: the template's preamble (a default system prompt,
-    BOS) must stay untrained."""
+@pytest.mark.parametrize("name", ["gemma-it", "alpaca", "mistral-instruct", "llama-2-chat"])
+def test_no_header_newline_or_template_indentation_is_trained(tokenizer, name):
+    """Regression: Gemma/Alpaca trained the header's newline, Mistral/Llama-2 their indentation."""
     tok = family_tokenizer(tokenizer, name)
-    messages = [{"role": "assistant", "content": "Hi, how can I help?"}, {"role": "user", "content": "Who are you?"},
-                {"role": "assistant", "content": "I am TinyChat."}]
-    t = tokenize_conversation(tok, messages, max_length=4096)
-    assert_replies_then_marker(trainable_runs(tok, t), messages, REAL_TEMPLATES[name][1])
-    assert "You are Qwen" not in "".join(trainable_runs(tok, t))
+    t = tokenize_conversation(tok, [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "I am X."}],
+                              max_length=4096)
+    assert trainable_runs(tok, t) == [expected_run(name, "I am X.")]
+    assert "\n" not in trainable_runs(tok, t)[0]
 
 
-def test_a_conversation_that_opens_with_the_assistant_on_the_builtin_template(tokenizer):
-    messages = [{"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "Who are you?"},
-                {"role": "assistant", "content": "I am TinyChat."}]
-    t = tokenize_conversation(tokenizer, messages, max_length=512)
-    assert trainable_runs(tokenizer, t) == ["Hi!<|im_end|>", "I am TinyChat.<|im_end|>"]
-    ref = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-    assert t.loss_mask == list(ref["assistant_masks"])
+def test_a_token_holding_header_and_reply_text_quarantines_the_row():
+    """A tokenizer with a "\\n " token splits "A:\\n hi" as "A:", "\\n ", "hi": when the reply is " hi", its
+    first token also holds the header's newline, and no mask can train exactly the reply."""
+    import numpy as np
+    from stages.prepare.masking import mask_from_offsets
+    text = "A:\n hi<e>"
+    offsets = np.array([[0, 2], [2, 4], [4, 6], [6, 9]])
+    with pytest.raises(RowError) as e:
+        mask_from_offsets(offsets, [(3, 9)], text)
+    assert e.value.reason == "reply_boundary"
+    assert mask_from_offsets(offsets, [(4, 9)], text).tolist() == [0, 0, 1, 1]
+    with pytest.raises(RowError):  # and at the end: a token reaching past the end-of-turn text
+        mask_from_offsets(offsets, [(4, 8)], text)

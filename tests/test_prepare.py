@@ -12,7 +12,7 @@ import pytest
 from conftest import (REAL_TEMPLATES, REALDATA, base_model, demo_rows, family_tokenizer, sftflow, tiny_config_dict,
                       write_config, write_jsonl)
 from stages.core.config import config_from_dict, load_config
-from stages.core.errors import StageError
+from stages.core.errors import DataError
 from stages.pipeline import plan, run_stage
 from stages.chatdata.shards import ShardWriter, read_shards
 
@@ -103,13 +103,13 @@ def test_every_format_and_file_type_yields_the_same_samples(tmp_path, tokenizer_
 def test_custom_field_names_and_ambiguous_files(tmp_path, tokenizer_dir):
     rows = [{"dialog": [{"speaker": "user", "text": "hi"}, {"speaker": "assistant", "text": "hello"}]}] * 3
     custom = write_jsonl(tmp_path / "custom.jsonl", rows)
-    with pytest.raises(StageError) as e:
+    with pytest.raises(DataError) as e:  # bad input: exit code 2 from the CLI
         prepare(tmp_path, tokenizer_dir, [custom])
     assert "custom.jsonl: cannot detect the format" in str(e.value) and "\n" not in str(e.value)
     result, manifest = prepare(tmp_path, tokenizer_dir, [custom], columns={"messages": "dialog", "role": "speaker", "content": "text"})
     assert manifest["splits"]["train"]["rows_kept"] == 3
     both = write_jsonl(tmp_path / "both.jsonl", [{"messages": [], "conversations": []}])
-    with pytest.raises(StageError, match=r"both.jsonl: ambiguous format, .*messages and sharegpt; set data.format"):
+    with pytest.raises(DataError, match=r"both.jsonl: ambiguous format, .*messages and sharegpt; set data.format"):
         prepare(tmp_path, tokenizer_dir, [both])
 
 
@@ -167,11 +167,30 @@ def test_strict_mode_stops_at_the_first_bad_row_in_one_line(tmp_path, tokenizer_
     raw["actor"]["model"] = {"model_path": str(tokenizer_dir)}
     raw["data"].update({"train_data_paths": [str(messy)], "format": "auto"})
     path = write_config(tmp_path, raw)
-    proc = sftflow("stage", "prepare", "-c", str(path), "data.strict=true", cwd=tmp_path, timeout=300)
-    assert proc.returncode == 1
+    # bad input is a usage error: exit 2, its one line last, no traceback, and never retried
+    proc = sftflow("stage", "prepare", "-c", str(path), "data.strict=true", "flow.retries=2", "flow.retry_delay_seconds=0",
+                   cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-2000:]
     assert errors[0].startswith(f"error: {messy}:{bad_at[0]}: malformed_json"), errors[0]
+    assert proc.stderr.strip().splitlines()[-1] == errors[0]
+    assert "Traceback" not in proc.stdout + proc.stderr and "Retry" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("prefect_api")
+def test_a_file_mixing_formats_is_one_line_and_exit_2(tmp_path, tokenizer_dir):
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [
+        {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+        {"prompt": "a", "completion": "b"}])
+    raw = tiny_config_dict(tmp_path)
+    raw["actor"]["model"] = {"model_path": str(tokenizer_dir)}
+    raw["data"].update({"train_data_paths": [str(mixed)], "format": "auto"})
+    proc = sftflow("stage", "prepare", "-c", str(write_config(tmp_path, raw)), cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {mixed}: rows mix formats")
+    assert "Traceback" not in proc.stdout + proc.stderr
 
 
 def test_output_is_identical_for_any_num_proc_and_shard_size_is_bounded(tmp_path, tokenizer_dir):
@@ -258,3 +277,28 @@ def test_data_with_no_usable_rows_fails_in_one_line(tmp_path, tokenizer_dir):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-2000:]
     assert errors[0].startswith("error: prepare: no usable rows in the train split") and "no_assistant_turn" in errors[0]
+
+
+def test_prompt_and_completion_strings_are_text_even_when_they_look_like_json(tmp_path, tokenizer_dir):
+    """A string in a prompt/completion field is text in every file type; only structured values are turns."""
+    looks_like_turns = json.dumps([{"role": "assistant", "content": "SECRET user text"}])
+    completion = json.dumps([{"role": "user", "content": "hi"}])
+    rows = [{"prompt": looks_like_turns, "completion": "ok"}, {"prompt": "q", "completion": completion}]
+    d = tmp_path / "data"
+    d.mkdir()
+    write_jsonl(d / "pc.jsonl", rows)
+    pq.write_table(pa.Table.from_pylist(rows), d / "pc.parquet")
+    with open(d / "pc.csv", "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, ["prompt", "completion"])
+        w.writeheader()
+        w.writerows(rows)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    for name in ("pc.jsonl", "pc.parquet", "pc.csv"):
+        result, manifest = prepare(tmp_path / name, tokenizer_dir, [d / name], val=[d / name])
+        assert manifest["splits"]["train"]["rows_kept"] == 2, (name, manifest["splits"]["train"]["dropped"])
+        got = [json.loads(r["messages"]) for r in shard_rows(result, "val")]
+        assert got == [[{"role": "user", "content": looks_like_turns}, {"role": "assistant", "content": "ok"}],
+                       [{"role": "user", "content": "q"}, {"role": "assistant", "content": completion}]], name
+        trained = [tok.decode([i for i, m in zip(r["input_ids"], r["loss_mask"]) if m]) for r in shard_rows(result)]
+        assert trained == ["ok<|im_end|>", completion + "<|im_end|>"], name  # the user's text is never trained

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import orjson
 
-from stages.core.errors import StageError
+from stages.core.errors import DataError
 from stages.core.inputs import HUB_PREFIX, JSONL_SUFFIXES, SUFFIXES, is_datasets_folder  # noqa: F401
 
 ROLES = {"system", "user", "assistant", "tool"}
@@ -43,7 +43,7 @@ class RowError(ValueError):
         self.reason, self.detail = reason, detail
 
 
-class SourceError(StageError):
+class SourceError(DataError):
     """A whole input file can't be read as data: a one-line message naming it."""
 
 
@@ -188,9 +188,12 @@ def rename_fields(row: Any, columns: dict[str, str]) -> Any:
             return [fix(t) if isinstance(t, list) else
                     {turn_map.get(k, k): v for k, v in t.items()} if isinstance(t, dict) else t for t in turns]
         return turns
-    for key in ("messages", "conversations", "conversation", "prompt", "completion"):
+    for key in ("messages", "conversations", "conversation"):
         if key in row:
             row[key] = fix(_json_field(row[key]))
+    for key in ("prompt", "completion"):  # a string there is text, whatever it looks like
+        if key in row:
+            row[key] = fix(row[key])
     return row
 
 
@@ -199,9 +202,10 @@ def _is_list_of_lists(v: Any) -> bool:
 
 
 def _json_field(v: Any) -> Any:
-    """CSV cells and some Parquet exports hold message lists as JSON text. Only a list of turns
-    (dicts with a role/from) or of conversations is taken; any other text (a completion that
-    teaches JSON output) stays the string it is."""
+    """CSV cells and some Parquet exports hold message lists as JSON text, in the fields that can
+    only hold turns (messages, conversations, conversation). Only a list of turns (dicts with a
+    role/from) or of conversations is taken; any other text stays the string it is. Prompt and
+    completion strings are never parsed: they are text, even when they look like JSON."""
     if not (isinstance(v, str) and v.lstrip()[:1] == "["):
         return v
     try:
@@ -288,7 +292,7 @@ def to_conversations(row: Any, fmt: str = "auto", columns: dict[str, str] | None
             raise RowError("missing_key", f"'{key}' is not a list of conversations")
         return [_one(c, False) for c in convs]
     if fmt == "prompt_completion":
-        prompt, completion = _json_field(row.get("prompt")), _json_field(row.get("completion"))
+        prompt, completion = row.get("prompt"), row.get("completion")
         msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         msgs = msgs + (completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}])
         return [check_conversation([_message(m, "role", "content") for m in msgs])]

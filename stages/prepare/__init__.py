@@ -28,7 +28,7 @@ from stages.chatdata.readers import RowError, file_format, iter_records, parse_r
 from stages.chatdata.shards import ShardWriter, read_shards
 from stages.core.artifacts import StageBuild, is_complete
 from stages.core.config import SFTConfig
-from stages.core.errors import StageError
+from stages.core.errors import DataError, StageError
 
 from .masking import Renderer, assistant_spans, encode_texts, finish, mask_from_offsets
 
@@ -133,10 +133,10 @@ def process_chunk(chunk: list[tuple[str, str, str, int, Any]]) -> list[Item]:
                 continue
             texts.append(text)
             pending.append((item, spans, record))
-    for (item, spans, record), (ids, offsets) in zip(pending, encode_texts(_WORKER["backend"], texts)):
+    for (item, spans, record), text, (ids, offsets) in zip(pending, texts, encode_texts(_WORKER["backend"], texts)):
         item.truncated = len(ids) > opts.max_length
         try:
-            item.ids, item.mask = finish(ids, mask_from_offsets(offsets, spans), opts.max_length, opts.truncation)
+            item.ids, item.mask = finish(ids, mask_from_offsets(offsets, spans, text), opts.max_length, opts.truncation)
         except RowError as e:
             item.reason, item.detail, item.raw = e.reason, e.detail, _raw_text(record)
     return items
@@ -242,7 +242,7 @@ def run_prepare(cfg: SFTConfig, fp: str, model_path: str) -> dict:
                 st.rows_read += it.first
                 if it.reason is not None:
                     if d.strict:
-                        raise StageError(f"{it.source}: {it.reason}" + (f": {it.detail}" if it.detail else "")
+                        raise DataError(f"{it.source}: {it.reason}" + (f": {it.detail}" if it.detail else "")
                                          + " (data.strict=true; set it to false to quarantine bad rows instead)")
                     st.dropped[it.reason] += 1
                     quarantine.write(json.dumps({"file": it.file, "line": it.line, "index": it.index, "source": it.source,

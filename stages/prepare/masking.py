@@ -99,6 +99,49 @@ def common_prefix_len(a: str, b: str) -> int:
     return lo
 
 
+PLACEHOLDER = "\ue000sftflow-reply-{}\ue001"  # private-use characters: no template or reply has them
+
+
+def _reply_positions(renderer: Renderer, messages: list[dict], text: str, turns: list[int]) -> dict[int, tuple[int, int]]:
+    """turn index -> (start, end) of that reply's text in `text`, for the turns with text."""
+    with_text = [i for i in turns if messages[i]["content"]]
+    if not with_text:
+        return {}
+    if any("\ue000" in m["content"] for m in messages if isinstance(m.get("content"), str)):
+        raise RowError("reply_not_in_template", "content holds the private-use character U+E000")
+    marked = [dict(m, content=PLACEHOLDER.format(i)) if i in with_text else m for i, m in enumerate(messages)]
+    skeleton = renderer(marked)
+    pieces, at = [], 0  # the skeleton cut at the placeholders: text, turn, text, turn, ..., text
+    for i in with_text:
+        ph = PLACEHOLDER.format(i)
+        k = skeleton.find(ph, at)
+        if k < 0 or skeleton.find(ph, k + len(ph)) >= 0:
+            raise RowError("reply_not_in_template", f"assistant turn {i} is rendered {'not at all' if k < 0 else 'twice'}")
+        pieces += [skeleton[at:k], i]
+        at = k + len(ph)
+    pieces.append(skeleton[at:])
+    for form in (lambda c: c, str.strip):  # as written, or trimmed (`content | trim`)
+        out, pos, rebuilt = {}, 0, []
+        for piece in pieces:
+            if isinstance(piece, int):
+                reply = form(messages[piece]["content"])
+                out[piece] = (pos, pos + len(reply))
+                piece = reply
+            rebuilt.append(piece)
+            pos += len(piece)
+        if "".join(rebuilt) == text:
+            return out
+    raise RowError("reply_not_in_template", "the template changes the reply text")
+
+
+def _turn_end(renderer: Renderer, messages: list[dict], i: int, text: str) -> int:
+    """Where assistant turn i ends in `text`: after its end-of-turn text, before the whitespace between turns."""
+    end = len(text) if i == len(messages) - 1 else common_prefix_len(renderer(messages[: i + 1]), text)
+    while end > 0 and text[end - 1].isspace():
+        end -= 1
+    return end
+
+
 def assistant_spans(renderer: Renderer, messages: list[dict], loss_on: str = "assistant") -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans to train on, in order."""
     text = renderer(messages)
@@ -107,53 +150,43 @@ def assistant_spans(renderer: Renderer, messages: list[dict], loss_on: str = "as
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if loss_on == "last_assistant":
         turns = turns[-1:]
+    replies = _reply_positions(renderer, messages, text, turns)
     spans = []
     for i in turns:
-        end = len(text) if i == len(messages) - 1 else common_prefix_len(renderer(messages[: i + 1]), text)
-        while end > 0 and text[end - 1].isspace():
-            end -= 1
-        before = _generation_prompt(renderer, messages[:i])
-        reply = messages[i]["content"].strip()
-        if before is not None and text.startswith(before):
-            start = len(before)
-            found = not reply or text.find(reply, start, end) >= 0
-        elif before is None:
-            # a conversation that opens with the assistant, on a template that can't render an empty
-            # prompt: train the reply itself, never the template's preamble (BOS, default system prompt)
-            start = text.rfind(reply, 0, end) if reply else 0
-            found = start >= 0
-        else:
-            # The generation prompt is not how this template renders the turn inside the conversation
-            # (whitespace, indentation): the reply starts after both the agreeing prefix and the
-            # header's last line ("ASSISTANT:"), so " I am" keeps its leading-space token.
-            agree = common_prefix_len(before, text)
-            reply_at = text.rfind(reply, agree, end) if reply else agree
-            header = before.rstrip().rsplit("\n", 1)[-1].strip()
-            h = text.rfind(header, 0, reply_at) if header and reply_at >= 0 else -1
-            start = min(max(agree, h + len(header)) if h >= 0 else agree, reply_at)
-            found = reply_at >= 0
-        if not found or end <= start:
+        end = _turn_end(renderer, messages, i, text)
+        if i in replies:
+            start, reply_end = replies[i]
+            if start > 0 and text[start - 1] == " ":  # the separator the model generates after the header
+                start -= 1
+        else:  # no text (a tool call): the turn starts where the generation prompt ends
+            before = renderer(messages[:i], add_generation_prompt=True) if i else None
+            if before is None or not text.startswith(before):
+                raise RowError("reply_not_in_template", f"assistant turn {i} does not follow its generation prompt")
+            start = reply_end = len(before)
+        if end < reply_end or end <= start:
             raise RowError("reply_not_in_template", f"assistant turn {i} is not where the template renders it")
         spans.append((start, end))
     return text, spans
 
 
-def _generation_prompt(renderer: Renderer, messages: list[dict]) -> str | None:
-    """The prompt up to where the reply after `messages` starts; None when the template can't
-    render it (most templates can't render an empty conversation)."""
-    if messages:
-        return renderer(messages, add_generation_prompt=True)
-    try:
-        return renderer([], add_generation_prompt=True)
-    except RowError:
-        return None
-
-
-def mask_from_offsets(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
-    starts = offsets[:, 0] if len(offsets) else np.zeros(0, dtype=np.int64)
+def mask_from_offsets(offsets: np.ndarray, spans: list[tuple[int, int]], text: str | None = None) -> np.ndarray:
+    """1 on every token that overlaps a span. With `text`, a token that also covers characters
+    outside its span is a RowError (`reply_boundary`)."""
+    if not len(offsets):
+        return np.zeros(0, dtype=np.int8)
+    starts, ends = offsets[:, 0], offsets[:, 1]
     mask = np.zeros(len(starts), dtype=np.int8)
     for a, b in spans:
-        mask[(starts >= a) & (starts < b)] = 1
+        hit = (starts < b) & (ends > a)
+        mask[hit] = 1
+        if text is None or not hit.any():
+            continue
+        idx = np.flatnonzero(hit)
+        first, last = idx[0], idx[-1]
+        if starts[first] < a:
+            raise RowError("reply_boundary", f"token {text[starts[first]:ends[first]]!r} straddles the start of a reply")
+        if ends[last] > b:
+            raise RowError("reply_boundary", f"token {text[starts[last]:ends[last]]!r} straddles the end of a reply")
     return mask
 
 
@@ -183,5 +216,5 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, loss
                           truncation: str = "drop", renderer: Renderer | None = None) -> Tokenized:
     text, spans = assistant_spans(renderer or Renderer.of(tokenizer), messages, loss_on)
     ((ids, offsets),) = encode_texts(tokenizer.backend_tokenizer, [text])
-    ids, mask = finish(ids, mask_from_offsets(offsets, spans), max_length, truncation)
+    ids, mask = finish(ids, mask_from_offsets(offsets, spans, text), max_length, truncation)
     return Tokenized(ids.tolist(), mask.tolist())
