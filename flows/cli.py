@@ -11,10 +11,6 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-# Self-contained clone: Prefect's home lives under artifacts/ unless the user says otherwise.
-# Must be set before prefect is imported.
-os.environ.setdefault("PREFECT_HOME", str(Path("artifacts/.prefect").resolve()))
-Path(os.environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)  # prefect won't create parents
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # The temporary API server migrates a fresh database on first start: slow on a busy 2-core box.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
@@ -55,6 +51,13 @@ def _load(config: Path, overrides: Optional[list[str]]) -> SFTConfig:
         return load_config(config, overrides or [])
     except ConfigError as e:
         _fail(str(e))
+
+
+def _prefect_home(cfg: SFTConfig) -> None:
+    """Prefect's home lives in the config's artifacts_dir (unless PREFECT_HOME says otherwise), made
+    only once the config is valid; it must be set before prefect is imported (flows.sft, lazily)."""
+    home = Path(os.environ.setdefault("PREFECT_HOME", str(cfg.artifacts_path / ".prefect"))).expanduser()
+    home.mkdir(parents=True, exist_ok=True)  # prefect won't create parents
 
 
 def _plan(config: Path, overrides: Optional[list[str]]) -> Plan:
@@ -110,6 +113,7 @@ def run(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
     p = _plan(config, overrides)
     if p.cfg.eval.model is not None:
         _fail("eval.model is for `sftflow stage evaluate --model`: the flow registers the model it trains")
+    _prefect_home(p.cfg)
     from flows.sft import sft_pipeline
     _summary(_run_flow(sft_pipeline, config_path=str(config), overrides=overrides or [], force=force,
                        planned=p.to_dict()))
@@ -139,6 +143,7 @@ def stage(name: str = typer.Argument(..., help="prepare | train | evaluate | reg
             _fail(f"{e} (or add --with-upstream)")
         except ConfigError as e:
             _fail(str(e))
+    _prefect_home(p.cfg)
     from flows.sft import sft_stage
     _summary(_run_flow(sft_stage, stage=name, config_path=str(config), overrides=overrides or [], force=force,
                        with_upstream=with_upstream, planned=p.to_dict()), scored=model or "tuned")
@@ -218,12 +223,13 @@ def serve(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesAr
           host: str = typer.Option("127.0.0.1", help="--start-server host"),
           port: int = typer.Option(4200, help="--start-server port")) -> None:
     """Retrain on a schedule: serve the flow as a Prefect deployment (blocks; Ctrl-C stops)."""
-    _load(config, overrides)
+    cfg = _load(config, overrides)
     if (cron is None) == (interval is None):
         _fail("give exactly one of --cron or --interval")
+    _prefect_home(cfg)
     from flows.serve import local_server, serve as serve_flow
     if start_server:
-        home = Path(os.environ.get("PREFECT_HOME", "artifacts/.prefect"))
+        home = Path(os.environ["PREFECT_HOME"])
         with local_server(host, port, home, home.parent / "prefect-server.log") as api:
             os.environ["PREFECT_API_URL"] = api
             console.print(f"Prefect UI: http://{host}:{port}  (API {api}); serving deployment '{name}'")

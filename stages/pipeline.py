@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .core.artifacts import StageResult, cached_result, fingerprint, input_digest, is_complete, stage_dir, stage_lock
+from .core.artifacts import StageResult, cached_result, damage, fingerprint, input_digest, is_complete, stage_dir, stage_lock
 from .core.codeversion import code_version
-from .core.config import SFTConfig, hashed
+from .core.config import SCORER_NAMES, SFTConfig, hashed
 from .core.errors import ConfigError, MissingUpstream, StageError
-from .core.imports import import_identity
+from .core.imports import import_identity, import_object
 from .core.inputs import HUB_PREFIX
 from .models.base import model_fingerprint, resolve_model
 from .models.refs import eval_model_identity
@@ -67,8 +67,21 @@ class Plan:
         return cls(cfg, dict(d["fingerprints"]), inputs, d.get("eval_model"))
 
 
+def check_code(cfg: SFTConfig) -> None:
+    """The code the config names imports, before anything runs: a custom scorer, and the worker
+    and model type (importing `actor.worker` registers its model types; it imports torch, so
+    only when the config names one or a model type other than the builtin `causal_lm`)."""
+    if cfg.eval.scorer not in SCORER_NAMES and not callable(import_object(cfg.eval.scorer, "eval.scorer")):
+        raise ConfigError(f"eval.scorer='{cfg.eval.scorer}' is not callable")
+    if cfg.actor.worker or cfg.actor.model.model_type != "causal_lm":
+        from .runtime.worker import check_worker_config
+        check_worker_config(cfg)
+
+
 def plan(cfg: SFTConfig) -> Plan:
-    """Fingerprints of every stage from the config and input *contents*; runs nothing."""
+    """Fingerprints of every stage from the config and input *contents*; runs nothing. The code
+    the config names is imported first (`check_code`), so its errors come before any work."""
+    check_code(cfg)
     root = cfg.artifacts_path
     inputs = {split: [(str(ref), input_digest(ref, root)) for ref in refs] for split, refs in cfg.inputs().items()}
     digests = {split: [d for _, d in items] for split, items in inputs.items()}
@@ -108,6 +121,10 @@ def require_upstream(p: Plan, stage: str) -> dict[str, str]:
         if p.status(up) != "complete":
             raise MissingUpstream(f"{stage} needs the {up} stage ({p.fingerprints[up]}), which has not run for this "
                                   f"config; run `sftflow stage {up} -c <config>` or `sftflow run -c <config>` first")
+        problem = damage(p.folder(up))
+        if problem is not None:
+            raise MissingUpstream(f"{stage} needs the {up} stage folder {p.folder(up)}, which is damaged ({problem}); "
+                                  f"`sftflow stage {up} -c <config>` or `sftflow run -c <config>` rebuilds it")
         dirs[up] = str(p.folder(up))
     return dirs
 
@@ -129,8 +146,8 @@ def run_stage(p: Plan, stage: str, force: bool = False, on_line: Callable[[str],
     dirs = require_upstream(p, stage)
     t0 = time.time()
     # Each stage package imports torch or MLflow: only the one that runs is loaded.
-    with stage_lock(root, stage, fp):
-        hit = cached_result(root, stage, fp)
+    with stage_lock(root, stage, fp, warn=on_line):
+        hit = cached_result(root, stage, fp, warn=on_line)
         if hit is not None and not force:
             return hit
         if stage == "prepare":

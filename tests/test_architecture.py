@@ -20,7 +20,7 @@ ALLOWED = {
     "models": {"core", "chatdata", "tracking"},
     "runtime": {"core", "chatdata", "tracking"},
     **{s: {"core", "chatdata", "models", "runtime", "tracking"} for s in STAGE_PACKAGES},
-    "pipeline": {"core", "models", "tracking", *STAGE_PACKAGES},
+    "pipeline": {"core", "models", "runtime", "tracking", *STAGE_PACKAGES},
 }
 
 

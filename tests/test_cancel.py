@@ -74,3 +74,46 @@ def test_task_retry_resumes_training_from_the_last_checkpoint(tmp_path):
     runs = client.search_runs([client.get_experiment_by_name("sftflow").experiment_id])
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss")] == [1, 2, 3, 4]
+
+
+def _start_training(tmp_path) -> tuple[subprocess.Popen, str]:
+    cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path))
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / ".prefect")}
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "stage", "train", "-c", str(cfg_path),
+                             "--with-upstream", *LONG], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+    marker = str(tmp_path / "artifacts" / "train")
+    for line in proc.stdout:
+        if "step 1/" in line:
+            break
+    assert live_processes_mentioning(marker), "training should be running"
+    return proc, marker
+
+
+def test_sigkill_of_the_cli_leaves_no_torchrun_or_worker_behind(tmp_path):
+    """Nothing the CLI started trains on after it is SIGKILLed (a parent-death signal, not cleanup code)."""
+    proc, marker = _start_training(tmp_path)
+    try:
+        proc.kill()
+        proc.wait(timeout=30)
+        assert wait_gone(marker) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_killing_only_torchrun_stops_its_workers(tmp_path):
+    """SIGKILL to torchrun's agent alone (not its process group): its workers stop too, and the CLI
+    reports the failure instead of waiting on workers that train unsupervised."""
+    import psutil
+    proc, marker = _start_training(tmp_path)
+    try:
+        agents = [p for p in psutil.Process(proc.pid).children() if "torch.distributed.run" in " ".join(p.cmdline())]
+        assert len(agents) == 1
+        agents[0].kill()
+        proc.communicate(timeout=240)
+        assert proc.returncode == 1
+        assert wait_gone(marker) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()

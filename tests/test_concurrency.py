@@ -12,8 +12,9 @@ def _prepare(cfg_path: str, barrier, out) -> None:
     from stages.pipeline import plan, run_stage
     p = plan(load_config(cfg_path))
     barrier.wait()
-    r = run_stage(p, "prepare")
-    out.put((r.cached, r.path))
+    lines = []
+    r = run_stage(p, "prepare", on_line=lines.append)
+    out.put((r.cached, r.path, lines))
 
 
 def test_concurrent_runs_share_one_result(tmp_path):
@@ -27,8 +28,10 @@ def test_concurrent_runs_share_one_result(tmp_path):
         p.join(timeout=300)
         assert p.exitcode == 0
     results = sorted(out.get(timeout=5) for _ in procs)
-    assert [cached for cached, _ in results] == [False, True]
+    assert [cached for cached, _, _ in results] == [False, True]
     assert results[0][1] == results[1][1]
+    # the one that waited said so (both started together; building takes seconds)
+    assert any("another run is building" in line and "waiting" in line for line in results[1][2]), results[1][2]
     folder = Path(results[0][1])
     assert (folder / "manifest.json").is_file()
     assert not list(folder.parent.glob(".*.partial")), "no half-written folder may remain"

@@ -155,6 +155,27 @@ def test_resume_after_sigkill_equals_no_interruption(tmp_path):
     assert [r["loss"] for r in got_rows] == pytest.approx([r["loss"] for r in ref_rows], abs=1e-6)
 
 
+@pytest.mark.slow
+def test_a_corrupt_newest_checkpoint_is_skipped_and_training_resumes_from_the_one_before(tmp_path):
+    ref = train(make_cfg(subdir(tmp_path, "ref"), **RESUME))
+    cfg = make_cfg(tmp_path, **RESUME)
+    with pytest.raises(TrainingFailed, match="killed by SIGKILL"):
+        train(cfg, {"SFTFLOW_FAULT": "after_save:6"})
+    partial = next(cfg.artifacts_path.joinpath("train").glob(".*.partial"))
+    newest = partial / "checkpoints" / "step_00000006"
+    for data in newest.glob("*.distcp"):  # the disk lost the end of the newest checkpoint's data
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with open(partial / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "lo')  # and a line torn by the kill
+    done = train(cfg)
+    log = (Path(done.path) / "train.log").read_text()
+    assert f"skipping checkpoint {newest}" in log and "is truncated" in log
+    assert "resumed from" in log and "at step 4 " in log
+    assert_same_weights(weights(done.path), weights(ref.path), atol=1e-6)
+    steps = [json.loads(line)["step"] for line in (Path(done.path) / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 13))
+
+
 ONE_PROC = {"nproc_per_node": 1, "micro_batch_size": 4, "global_batch_size": 16, "optim": {"lr": 1e-3, "warmup": 1}}
 
 

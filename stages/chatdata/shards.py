@@ -104,3 +104,15 @@ def read_shards(folder: Path, columns: Iterable[str] | None = None) -> pa.Table:
     if not tables:
         return SCHEMA.empty_table() if not columns else SCHEMA.empty_table().select(list(columns))
     return pa.concat_tables(tables)
+
+
+def count_rows(folder: Path, what: str) -> int:
+    """Rows in a split's shards, > 0; a missing, unreadable or empty split is a ValueError naming
+    `folder` (`what` says what the rows are for)."""
+    try:
+        n = read_shards(folder, ["length"]).num_rows
+    except (OSError, pa.ArrowException, KeyError) as e:
+        raise ValueError(f"the shards in {folder} can't be read ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    if n == 0:
+        raise ValueError(f"no {what} in {folder}")
+    return n

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 MANIFEST = "manifest.json"
 
@@ -107,21 +107,64 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return json.loads((Path(folder) / MANIFEST).read_text())
 
 
-def cached_result(root: Path, stage: str, fp: str) -> StageResult | None:
+def _file_sizes(folder: Path) -> dict[str, int]:
+    return {str(f.relative_to(folder)): f.stat().st_size for f in sorted(folder.rglob("*"))
+            if f.is_file() and f.name not in (MANIFEST, MANIFEST + ".tmp")}
+
+
+def damage(folder: Path) -> str | None:
+    """What is wrong with a complete stage folder, or None: the manifest must parse and every file
+    it lists must exist with the size it recorded (a cheap check: sizes, not contents)."""
+    folder = Path(folder)
+    try:
+        files = read_manifest(folder).get("files")
+    except (OSError, ValueError) as e:
+        return f"{MANIFEST} can't be read ({type(e).__name__})"
+    for name, size in (files or {}).items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, the manifest recorded {size}"
+    return None
+
+
+def cached_result(root: Path, stage: str, fp: str, warn=print) -> StageResult | None:
+    """The complete folder's result; a damaged one is reported (`warn`) and becomes the stage's
+    partial folder again, so the stage rebuilds it (train resumes from its checkpoints)."""
     folder = stage_dir(root, stage, fp)
     if not is_complete(folder):
+        return None
+    problem = damage(folder)
+    if problem is not None:
+        warn(f"{stage}: the stage folder {folder} is damaged ({problem}); rebuilding it")
+        partial = folder.parent / f".{fp}.partial"
+        if partial.exists():
+            shutil.rmtree(partial)
+        os.replace(folder, partial)
+        (partial / MANIFEST).unlink(missing_ok=True)
         return None
     m = read_manifest(folder)
     return StageResult(stage, fp, str(folder), m.get("metrics", {}), cached=True)
 
 
 @contextmanager
-def stage_lock(root: Path, stage: str, fp: str, timeout: float = -1) -> Iterator[None]:
-    """Serializes work on one fingerprint: a second caller waits, then finds the result."""
+def stage_lock(root: Path, stage: str, fp: str, warn=None) -> Iterator[None]:
+    """Serializes work on one fingerprint: a second caller waits (saying so through `warn`), then
+    finds the result."""
     lock_path = Path(root) / stage / f".{fp}.lock"
     lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(lock_path), timeout=timeout):
+    lock = FileLock(str(lock_path))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        if warn is not None:
+            warn(f"{stage}: another run is building {stage_dir(root, stage, fp)}; waiting for it to finish")
+        lock.acquire()
+    try:
         yield
+    finally:
+        lock.release()
 
 
 class StageBuild:
@@ -143,6 +186,7 @@ class StageBuild:
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "seconds": round(time.time() - self.started, 3),
             **manifest,
+            "files": _file_sizes(self.partial),  # what `damage` checks when the folder is reused
         }
         tmp = self.partial / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))

@@ -60,6 +60,14 @@ class _Section(BaseModel):
 
 
 class RunnerConfig(_Section):
+    @field_validator("resume")
+    @classmethod
+    def _resume_is_a_checkpoint(cls, v: str) -> str:
+        if v not in ("auto", "never") and not (Path(v).expanduser() / "COMPLETE").is_file():
+            raise ValueError(f"'{v}' is not a complete checkpoint folder (no COMPLETE inside); "
+                             "use auto, never, or a checkpoints/step_N folder")
+        return v
+
     max_epochs: int = Field(3, ge=1)
     max_steps: int = Field(-1, description="<= 0: train max_epochs full epochs")
     val_check_interval: int = Field(0, description="validation loss every N steps; <= 0 only at the end")
@@ -216,6 +224,13 @@ class SFTConfig(_Section):
     data: DataConfig
     eval: EvalConfig = EvalConfig()
     registry: RegistryConfig = RegistryConfig()
+
+    @field_validator("artifacts_dir")
+    @classmethod
+    def _a_folder(cls, v: str) -> str:
+        if Path(v).expanduser().exists() and not Path(v).expanduser().is_dir():
+            raise ValueError(f"'{v}' is a file; artifacts_dir must be a folder (created if missing)")
+        return v
 
     @property
     def artifacts_path(self) -> Path:

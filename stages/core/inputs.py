@@ -55,6 +55,10 @@ def expand_paths(patterns: list[str], key: str) -> list[Path | str]:
             matches = [p]
         else:
             matches = []
+        unsupported = [m for m in matches if m.is_file() and m.suffix.lower() not in SUFFIXES]
+        if unsupported:
+            raise ConfigError(f"{key}: '{unsupported[0]}' is not a data file sftflow reads "
+                              f"({', '.join(sorted(SUFFIXES))}, or a `datasets` folder)")
         if not matches:
             raise ConfigError(f"{key}: '{pattern}' does not exist (cwd: {os.getcwd()}); "
                               "fix the path or run from the project root")

@@ -23,7 +23,7 @@ from typing import Callable
 from pydantic import BaseModel, ConfigDict
 
 from stages.chatdata.readers import prompt_and_reference
-from stages.chatdata.shards import read_shards
+from stages.chatdata.shards import count_rows, read_shards
 from stages.core.artifacts import StageBuild, canonical_json, sha256_text
 from stages.core.config import SFTConfig
 from stages.models.refs import resolve_eval_model
@@ -71,6 +71,10 @@ def run_evaluate(cfg: SFTConfig, fp: str, base_model: str, model_ref: str, prepa
     """Scores `model_ref` (the train stage folder, or `eval.model`, whose plan-time identity is
     `model_identity`) and, with `eval.eval_base`, the base model."""
     _check(cfg)
+    try:  # an empty eval set would report accuracy 0/0 as a result
+        count_rows(Path(prepare_dir) / "val", "held-out samples")
+    except ValueError as e:
+        raise EvaluationError(f"evaluate: {e}; rebuild them with `sftflow stage prepare --force -c <config>`") from None
     build = StageBuild(cfg.artifacts_path, "evaluate", fp)
     with tempfile.TemporaryDirectory(dir=build.partial, prefix=".download-") as tmp:  # models:/ downloads
         model = resolve_eval_model(cfg, model_ref, Path(tmp), base_model, model_identity)

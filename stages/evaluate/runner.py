@@ -19,6 +19,7 @@ Two ways to score a model:
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from stages.runtime.checkpoint import load_model_weights
 from stages.runtime.distributed import add_up, choose_precision, gather, local_device, log, rank_and_world
 from stages.runtime.generation import generate
 from stages.runtime.model_types import get_model_builder, load_state_checked
+from stages.runtime.proctree import die_with_parent
 from stages.runtime.worker import SFTWorker, WorkerSpec, load_worker_class
 
 from . import EvalSpec, eval_samples
@@ -185,6 +187,7 @@ def evaluate_spec(spec: EvalSpec) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    die_with_parent(signal.SIGKILL)  # as the training workers: never outlive torchrun's agent
     argv = sys.argv[1:] if argv is None else argv
     spec = EvalSpec.model_validate_json(Path(argv[0]).read_text())
     # Only Python objects travel between ranks (records and sums), so gloo serves CPU and GPU runs alike.

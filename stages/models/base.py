@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stages.core.artifacts import StageBuild, file_digest, fingerprint, is_complete, stage_dir, stage_lock
+from stages.core.artifacts import StageBuild, damage, file_digest, fingerprint, is_complete, stage_dir, stage_lock
 from stages.core.codeversion import code_version
 from stages.core.config import SFTConfig
 from stages.core.errors import ConfigError
@@ -31,6 +31,9 @@ def model_fingerprint(cfg: SFTConfig, corpus_digests: list[str]) -> str:
                            corpus=corpus_digests, template=CHATML_TEMPLATE, format=cfg.data.format,
                            columns=cfg.data.columns)
     local = Path(path).expanduser()
+    if not local.is_dir() and path.startswith(("/", "./", "../", "~")):
+        raise ConfigError(f"actor.model.model_path: '{path}' is not a folder (a local model folder, a hub id "
+                          f"or builtin:{'|'.join(BUILTINS)})")
     if local.is_dir():
         files = sorted(f for f in local.rglob("*") if f.is_file())
         return fingerprint("models", files={str(f.relative_to(local)): file_digest(f, cfg.artifacts_path) for f in files})
@@ -48,7 +51,7 @@ def resolve_model(cfg: SFTConfig, model_fp: str) -> str:
     root = cfg.artifacts_path
     folder = stage_dir(root, "models", model_fp)
     with stage_lock(root, "models", model_fp):
-        if not is_complete(folder):
+        if not is_complete(folder) or damage(folder) is not None:
             build = StageBuild(root, "models", model_fp)
             corpus = cfg.inputs()["train"]
             build_tiny_chat(build.partial, corpus, fmt=cfg.data.format, columns=cfg.data.columns, **BUILTINS[name])

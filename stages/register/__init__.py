@@ -23,7 +23,8 @@ from pathlib import Path
 from stages.core.artifacts import StageBuild, read_manifest
 from stages.core.config import SFTConfig
 from stages.tracking.live import read_metrics_file, send_values, sync_rows
-from stages.tracking.run import TAG, Lineage, config_hash, data_digest, find_or_create_run, setup_mlflow
+from stages.core.errors import StageError
+from stages.tracking.run import TAG, Lineage, config_hash, data_digest, find_or_create_run, reachable, redact_uri, setup_mlflow
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 # shipped with the logged model as its code (found, not imported: register never needs torch itself)
@@ -57,6 +58,12 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
     from mlflow.tracking import MlflowClient
 
     fingerprints, dirs = lineage.fingerprints, lineage.dirs
+    uri = redact_uri(cfg.resolved_tracking_uri)
+    try:  # seconds, not the minutes MLflow's client retries for
+        reachable(cfg.resolved_tracking_uri)
+    except OSError as e:
+        raise StageError(f"register: MLflow at {uri} can't be reached ({getattr(e, 'reason', e)}); start it or fix "
+                         "registry.tracking_uri, then `sftflow stage register -c <config>` registers the model") from None
     build = StageBuild(cfg.artifacts_path, "register", fp)
     mlflow = setup_mlflow(cfg)
     client = MlflowClient()
@@ -105,8 +112,8 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
     metrics = {"version": int(version.version), "accuracy": eval_metrics["accuracy"], "aliases": aliases,
                "reused_version": existing is not None}
     (build.partial / "registration.json").write_text(json.dumps(
-        {"tracking_uri": cfg.resolved_tracking_uri, "run_id": run_id, "model_name": name,
+        {"tracking_uri": uri, "run_id": run_id, "model_name": name,
          "version": version.version, "model_uri": f"models:/{name}/{version.version}", "aliases": aliases}, indent=2))
     build.commit({"metrics": metrics, "run_id": run_id, "model_name": name, "version": int(version.version),
-                  "tracking_uri": cfg.resolved_tracking_uri})
+                  "tracking_uri": uri})
     return metrics

@@ -51,13 +51,28 @@ _RANK_ERROR = re.compile(r"^\[rank(\d+)\]:\s*((?:[\w.]+)?(?:Error|Exception|Exit
 _TORCHRUN_NOISE = re.compile(r"^(W|E|I)\d{4} |^\s*$|^\*+$|Setting OMP_NUM_THREADS")
 
 
+_ROOT_CAUSE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
+
+
 def failure_reason(lines: list[str]) -> str:
-    """The root cause in a worker crash log: a rank's exception line, else the last plain line
-    printed before torchrun's failure report (a SystemExit message, or where a kill struck)."""
-    for line in reversed(lines):
+    """The root cause in a worker crash log: the exception of the rank that failed first (torchrun's
+    "Root Cause (first observed failure)", else the first rank to print one; the others usually
+    only report the lost connection), else the last plain line printed before torchrun's failure
+    report (a SystemExit message, or where a kill struck)."""
+    errors: dict[str, str] = {}  # rank -> its last exception line (the final one of a chained traceback)
+    for line in lines:
         m = _RANK_ERROR.match(line)
         if m:
-            return f"rank {m.group(1)}: {m.group(2)}"
+            errors.setdefault(m.group(1), "")
+            errors[m.group(1)] = m.group(2)
+    if errors:
+        first = next(iter(errors))
+        at = next((i for i, x in enumerate(lines) if "Root Cause (first observed failure)" in x), None)
+        if at is not None:
+            m = next((_ROOT_CAUSE_RANK.match(x) for x in lines[at:] if _ROOT_CAUSE_RANK.match(x)), None)
+            if m and m.group(1) in errors:
+                first = m.group(1)
+        return f"rank {first}: {errors[first]}"
     plain = []
     for line in lines:
         if line.startswith("Traceback") or "ChildFailedError" in line:
@@ -75,7 +90,9 @@ def run_torchrun(cmd: list[str], log_path: Path, error: type[StageError], what: 
     """`env` is added to the workers' environment (e.g. MLFLOW_RUN_ID for live metrics); a failure
     raises `error` with "<what> failed (...): <root cause>"."""
     with open(log_path, "a", encoding="utf-8") as logf:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        # its own session (one killpg stops the tree); through orphan_guard it dies with us
+        guarded = [cmd[0], "-m", "stages.runtime.orphan_guard", *cmd[1:]] if cmd[0] == sys.executable else cmd
+        proc = subprocess.Popen(guarded, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                 env={**worker_env(nproc_per_node), **(env or {})}, start_new_session=True)
         lines: list[str] = []
         try:

@@ -39,7 +39,7 @@ from .batches import DataPosition, GlobalBatchSampler, SFTDataset, collate_packe
 from .distributed import choose_precision, local_device, log
 from .loss import token_loss_sum
 from .model_types import UnknownModelType, fsdp_units, get_model_builder, load_state_checked
-from .proctree import descendants
+from .proctree import descendants, die_with_parent
 from .schedule import lr_lambda
 
 # Dense bf16 peak FLOP/s per device, for the MFU estimate (unknown devices report none).
@@ -252,14 +252,18 @@ class SFTWorker:
         if resume == "never":
             return 0, DataPosition()
         if resume == "auto":
-            found = ckpt.list_checkpoints(self.ckpt_dir, warn=log)
-            if not found:
+            path = ckpt.newest_usable(self.ckpt_dir, warn=log)
+            if path is None:
+                if ckpt.list_checkpoints(self.ckpt_dir):
+                    log("no usable checkpoint: training starts from the beginning")
                 return 0, DataPosition()
-            path = found[-1]
         else:
             path = Path(resume)
             if not (path / ckpt.COMPLETE).is_file():
                 raise SystemExit(f"runner.resume: '{path}' is not a complete checkpoint (no {ckpt.COMPLETE})")
+            problem = ckpt.checkpoint_problem(path)
+            if problem is not None:
+                raise SystemExit(f"runner.resume: '{path}' can't be used: {problem}")
         state, rng_ok = ckpt.load_checkpoint(path, self.model, self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         pos = DataPosition(**state["data_position"])
@@ -273,6 +277,8 @@ class SFTWorker:
         self.load_tokenizer()
         run, actor = self.cfg.runner, self.cfg.actor
         self.train_ds = self.build_dataset(self.spec.train_dir)
+        if len(self.train_ds) == 0:  # 0 steps would export the base model as if it were trained
+            raise SystemExit(f"no training samples in {self.spec.train_dir} ({type(self).__name__}.build_dataset)")
         self.val_ds = self.build_dataset(self.spec.val_dir, eval_dataset=True) if self.spec.val_dir else None
         self.lengths = np.asarray(getattr(self.train_ds, "lengths", np.ones(len(self.train_ds))), dtype=np.int64)
         self.trainable = np.asarray(getattr(self.train_ds, "trainable", np.ones(len(self.train_ds))), dtype=np.int64)
@@ -482,6 +488,8 @@ def check_worker_config(cfg: SFTConfig) -> type[SFTWorker]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # torchrun's agent supervises the workers; if it is killed (alone, or its process group), they stop too
+    die_with_parent(signal.SIGKILL)
     argv = sys.argv[1:] if argv is None else argv
     spec = WorkerSpec.read(argv[0])
     try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,11 +98,28 @@ def _datasets(inputs: dict[str, list[tuple[str, str]]], prepare_dir: str | None)
     return out
 
 
+def redact_uri(uri: str) -> str:
+    """The tracking URI as it may be logged or written: credentials in it replaced by `***`."""
+    from urllib.parse import urlsplit, urlunsplit
+    parts = urlsplit(uri)
+    if "@" not in parts.netloc:
+        return uri
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
+
+
 def reachable(uri: str) -> None:
     """Fail in seconds, not after minutes of client retries, when a tracking server is down."""
     if uri.startswith(("http://", "https://")):
         import urllib.request
         urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5).read()
+
+
+def run_params(cfg: SFTConfig) -> dict[str, str]:
+    """The run's params: the flattened resolved config, credentials redacted."""
+    params = {k: str(v) for k, v in flatten(cfg.model_dump(mode="json")).items()}
+    if cfg.registry.tracking_uri:
+        params["registry.tracking_uri"] = redact_uri(cfg.registry.tracking_uri)
+    return params
 
 
 def find_run(client, experiment_id: str, train_fp: str):
@@ -121,6 +139,7 @@ def find_or_create_run(cfg: SFTConfig, lineage: Lineage, extra_tags: dict[str, s
     exp = mlflow.get_experiment_by_name(cfg.registry.experiment)
     fingerprints, inputs = lineage.fingerprints, lineage.inputs
     extra = {k: str(v) for k, v in {**lineage.tags, **(extra_tags or {})}.items() if v}
+    mark_abandoned_runs(client, exp.experiment_id)
     run = find_run(client, exp.experiment_id, fingerprints["train"])
     if run is not None:
         # keep the record of the flow run that created it; add what is new (e.g. evaluate's fingerprint)
@@ -134,7 +153,7 @@ def find_or_create_run(cfg: SFTConfig, lineage: Lineage, extra_tags: dict[str, s
         tags.setdefault("mlflow.source.git.commit", extra[TAG + "git_commit"])
     run = client.create_run(exp.experiment_id, run_name=f"sft-{fingerprints['train']}", tags=tags)
     run_id = run.info.run_id
-    params = [Param(k, str(v)[:6000]) for k, v in flatten(cfg.model_dump(mode="json")).items()]
+    params = [Param(k, v[:6000]) for k, v in run_params(cfg).items()]
     for i in range(0, len(params), 100):
         client.log_batch(run_id, params=params[i:i + 100])
     datasets = _datasets(inputs, lineage.dirs.get("prepare"))
@@ -143,13 +162,30 @@ def find_or_create_run(cfg: SFTConfig, lineage: Lineage, extra_tags: dict[str, s
     return run_id, True
 
 
+OWNER_HOST, OWNER_PID = TAG + "owner_host", TAG + "owner_pid"
+
+
 def _set_status(cfg: SFTConfig, run_id: str, status: str) -> None:
+    from mlflow.entities import RunTag
     from mlflow.tracking import MlflowClient
     client = MlflowClient(cfg.resolved_tracking_uri)
-    if status == "RUNNING":
+    if status == "RUNNING":  # who keeps it RUNNING: a later run can tell when that process is gone
+        client.log_batch(run_id, tags=[RunTag(OWNER_HOST, socket.gethostname()), RunTag(OWNER_PID, str(os.getpid()))])
         client.update_run(run_id, status="RUNNING")
     else:
         client.set_terminated(run_id, status)
+
+
+def mark_abandoned_runs(client, experiment_id: str) -> list[str]:
+    """Runs left RUNNING by a process of this host that no longer exists (SIGKILLed, power loss)
+    become KILLED; returns their ids."""
+    import psutil
+    host = socket.gethostname()
+    runs = client.search_runs([experiment_id], f"attributes.status = 'RUNNING' and tags.`{OWNER_HOST}` = '{host}'")
+    dead = [r.info.run_id for r in runs if not psutil.pid_exists(int(r.data.tags.get(OWNER_PID, "0") or 0))]
+    for run_id in dead:
+        client.set_terminated(run_id, "KILLED")
+    return dead
 
 
 @contextmanager
@@ -165,7 +201,7 @@ def training_run(cfg: SFTConfig, lineage: Lineage, on_line: Callable[[str], None
         _set_status(cfg, run_id, "RUNNING")  # system metrics are only logged into a RUNNING run
         env = {"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": cfg.resolved_tracking_uri}
         on_line(f"mlflow: {'created' if created else 'continuing'} run {run_id} "
-                f"(experiment '{cfg.registry.experiment}' at {cfg.resolved_tracking_uri}); metrics go there live")
+                f"(experiment '{cfg.registry.experiment}' at {redact_uri(cfg.resolved_tracking_uri)}); metrics go there live")
     except Exception as e:  # noqa: BLE001 - tracking must never stop training
         on_line(f"mlflow: no live metrics ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
                 "training goes on, register logs the metrics afterwards")

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from stages.chatdata.shards import count_rows
 from stages.core.artifacts import StageBuild
 from stages.core.config import SFTConfig
 from stages.core.errors import StageError
@@ -33,6 +34,11 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
               on_line: Callable[[str], None] = print) -> dict:
     """`lineage`: fingerprints, upstream folders and tags for the MLflow run (see tracking.run)."""
     check_worker_config(cfg)
+    if not cfg.actor.worker:  # a custom worker reads data of its own (build_dataset)
+        try:
+            count_rows(Path(prepare_dir) / "train", "training samples")
+        except ValueError as e:
+            raise TrainingFailed(f"train: {e}; rebuild them with `sftflow stage prepare --force -c <config>`") from None
     # keep_partial: an interrupted run's checkpoints are where runner.resume=auto continues from
     build = StageBuild(cfg.artifacts_path, "train", fp, keep_partial=True)
     spec = WorkerSpec(config=cfg, model_path=model_path, out_dir=str(build.partial),
