@@ -12,8 +12,6 @@ from pathlib import Path
 from typing import Optional
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-# The temporary API server migrates a fresh database on first start: slow on a busy 2-core box.
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -92,7 +90,23 @@ def _summary(results: list[dict], scored: str = "tuned") -> None:
 
 
 def _run_flow(fn, **kwargs) -> list[dict]:
-    """Runs a flow; its failure ends as one line (Prefect's log above has the details)."""
+    """Runs a flow (on PREFECT_API_URL, else on a temporary local server); its failure ends as one
+    line (Prefect's log above has the details)."""
+    if not os.environ.get("PREFECT_API_URL"):
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        from flows.serve import temporary_server
+        try:
+            with temporary_server(Path(os.environ["PREFECT_HOME"])) as api:
+                os.environ["PREFECT_API_URL"] = api
+                with temporary_settings(updates={PREFECT_API_URL: api}):
+                    return _run_flow(fn, **kwargs)
+        except RuntimeError as e:
+            if "prefect server did not start" not in str(e):
+                raise
+            _fail(str(e), code=1)
+        finally:
+            os.environ.pop("PREFECT_API_URL", None)
     try:
         return fn(**kwargs)
     except ConfigError as e:

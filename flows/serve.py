@@ -9,6 +9,7 @@ registers a new version, which becomes `champion` only if it is better (`if_bett
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +17,8 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+
+from filelock import FileLock
 
 
 def _healthy(api_url: str) -> bool:
@@ -26,33 +29,82 @@ def _healthy(api_url: str) -> bool:
         return False
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 @contextmanager
-def local_server(host: str, port: int, home: Path, log_path: Path, timeout: float = 180) -> Iterator[str]:
-    """`prefect server start` on host:port for the duration of the block; yields the API URL."""
+def local_server(host: str, port: int, home: Path, log_path: Path, timeout: float = 180,
+                 ui: bool = True) -> Iterator[str]:
+    """`prefect server start` on host:port for the duration of the block; yields the API URL.
+
+    The server runs in a session of its own, so a Ctrl-C to the terminal's process group reaches
+    the CLI (which then stops cleanly, reporting to this server) and not the server; and it asks
+    for a parent-death signal (`stages.runtime.orphan_guard`), so a SIGKILLed CLI leaves no server
+    behind. Servers sharing one Prefect home start one at a time: the first one migrates the
+    database, and two migrations at once fail."""
     api = f"http://{host}:{port}/api"
     if _healthy(api):  # already running (e.g. a second `make serve`): share it
         yield api
         return
     home.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_UI_ENABLED": "true" if ui else "false"}
     env.pop("PREFECT_API_URL", None)
     prefect = Path(sys.executable).with_name("prefect")
-    with open(log_path, "a") as log:
-        proc = subprocess.Popen([str(prefect), "server", "start", "--host", host, "--port", str(port)],
-                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    cmd = [sys.executable, "-m", "stages.runtime.orphan_guard", str(prefect), "server", "start",
+           "--host", host, "--port", str(port)]
+    with FileLock(str(home / "server-start.lock")):
+        with open(log_path, "a") as log:
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    cwd=str(Path(__file__).resolve().parents[1]))
+        try:
+            deadline = time.time() + timeout
+            while not _healthy(api):
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"prefect server did not start; see {log_path}")
+                time.sleep(0.3)
+        except BaseException:
+            _stop(proc)
+            raise
     try:
-        deadline = time.time() + timeout
-        while not _healthy(api):
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"prefect server did not start; see {log_path}")
-            time.sleep(0.5)
         yield api
     finally:
-        proc.terminate()
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextmanager
+def temporary_server(home: Path) -> Iterator[str]:
+    """A Prefect server for one CLI call when no PREFECT_API_URL is set (what Prefect's own
+    temporary server does, but surviving a Ctrl-C to the terminal and dying with the CLI)."""
+    with local_server("127.0.0.1", free_port(), home, home / "temporary-server.log", ui=False) as api:
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            yield api
+        finally:
+            _drain_prefect_clients()
+
+
+def _drain_prefect_clients(timeout: float = 15) -> None:
+    """Send the logs and events Prefect still queues while their server is up: after it stops, the
+    client would retry them for minutes before the process could exit."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    for service in (APILogWorker, EventsWorker):
+        try:
+            service.drain_all(timeout=timeout)
+        except Exception:  # noqa: BLE001 - best effort: the run's outcome is already decided
+            pass
 
 
 def serve(config_path: str, overrides: list[str], name: str, cron: str | None, interval: float | None) -> None:

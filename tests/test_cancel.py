@@ -76,12 +76,15 @@ def test_task_retry_resumes_training_from_the_last_checkpoint(tmp_path):
     assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss")] == [1, 2, 3, 4]
 
 
-def _start_training(tmp_path) -> tuple[subprocess.Popen, str]:
+def _start_training(tmp_path, own_server: bool = False, **popen) -> tuple[subprocess.Popen, str]:
+    """The CLI training until step 1; with `own_server`, on its temporary Prefect server."""
     cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path))
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / ".prefect")}
+    if own_server:
+        env.pop("PREFECT_API_URL", None)
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "stage", "train", "-c", str(cfg_path),
                              "--with-upstream", *LONG], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
+                            stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL, **popen)
     marker = str(tmp_path / "artifacts" / "train")
     for line in proc.stdout:
         if "step 1/" in line:
@@ -90,13 +93,45 @@ def _start_training(tmp_path) -> tuple[subprocess.Popen, str]:
     return proc, marker
 
 
-def test_sigkill_of_the_cli_leaves_no_torchrun_or_worker_behind(tmp_path):
-    """Nothing the CLI started trains on after it is SIGKILLed (a parent-death signal, not cleanup code)."""
-    proc, marker = _start_training(tmp_path)
+def _tree(pid: int) -> list:
+    import psutil
+    return psutil.Process(pid).children(recursive=True)
+
+
+def _all_gone(procs: list, seconds: float = 30) -> list[str]:
+    import psutil
+    _, alive = psutil.wait_procs(procs, timeout=seconds)
+    return [" ".join(p.cmdline()[:6]) for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_sigkill_of_the_cli_leaves_nothing_behind(tmp_path):
+    """Nothing the CLI started (torchrun, its workers, the temporary Prefect server) lives on after
+    the CLI is SIGKILLed: parent-death signals, not cleanup code that a SIGKILL never runs."""
+    proc, marker = _start_training(tmp_path, own_server=True)
     try:
+        tree = _tree(proc.pid)
+        assert any("server" in p.cmdline() for p in tree), [p.cmdline()[:5] for p in tree]
         proc.kill()
         proc.wait(timeout=30)
+        assert _all_gone(tree) == []
         assert wait_gone(marker) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_ctrl_c_in_a_terminal_stops_everything_within_seconds(tmp_path):
+    """Ctrl-C sends SIGINT to the terminal's whole process group. The temporary Prefect server runs
+    in a session of its own, so it is still there to hear that the run crashed: exit 130, quickly."""
+    import time
+    proc, marker = _start_training(tmp_path, own_server=True, start_new_session=True)
+    try:
+        tree = _tree(proc.pid)
+        t0 = time.time()
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.communicate(timeout=120)
+        assert proc.returncode == 130 and time.time() - t0 < 60
+        assert _all_gone(tree) == [] and wait_gone(marker) == []
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -192,3 +192,29 @@ def test_register_fails_fast_with_one_line_when_mlflow_is_down(tmp_path):
     with pytest.raises(StageError, match=r"register: MLflow at http://127.0.0.1:\d+ can't be reached") as e:
         run_register(cfg, "fp", Lineage({"prepare": "p", "train": "t", "evaluate": "e"}))
     assert time.time() - t0 < 30 and "\n" not in str(e.value)
+
+
+def _open_tracking(cfg_dict: dict, barrier, out) -> None:
+    from stages.core.config import config_from_dict
+    from stages.tracking.run import setup_mlflow
+    cfg = config_from_dict(cfg_dict)
+    barrier.wait()
+    try:
+        setup_mlflow(cfg).get_experiment_by_name(cfg.registry.experiment)
+        out.put("ok")
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out.put(f"{type(e).__name__}: {e}")
+
+
+def test_two_runs_creating_one_mlflow_database_at_once_both_succeed(tmp_path):
+    """Two configs started together on one artifacts dir both create the sqlite store's tables."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(2), ctx.Queue()
+    raw = [tiny_config_dict(tmp_path, registry={"experiment": f"exp{i}"}) for i in range(2)]
+    procs = [ctx.Process(target=_open_tracking, args=(r, barrier, out)) for r in raw]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert sorted(out.get(timeout=5) for _ in procs) == ["ok", "ok"]

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+from filelock import FileLock
+
 from stages.core.artifacts import canonical_json, read_manifest
 from stages.core.config import SFTConfig, flatten
 
@@ -42,6 +44,11 @@ def setup_mlflow(cfg: SFTConfig):
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     uri = cfg.resolved_tracking_uri
     mlflow.set_tracking_uri(uri)
+    if uri.startswith("sqlite:///"):
+        # Two runs on one artifacts dir would both create (migrate) a new database file at once and
+        # race on its tables; the first does it under a lock, the second then finds it ready.
+        with FileLock(uri[len("sqlite:///"):] + ".lock"):
+            mlflow.get_experiment_by_name(cfg.registry.experiment)
     if mlflow.get_experiment_by_name(cfg.registry.experiment) is None:
         location = (cfg.artifacts_path / "mlartifacts").as_uri() if uri.startswith("sqlite:") else None
         try:
