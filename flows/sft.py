@@ -120,7 +120,8 @@ def _run_one(stage: str, p: Plan, force: bool) -> dict:
     if stage in ("train", "register"):  # tags of the MLflow run (opened by train, finished by register)
         kwargs["tags"] = {"sftflow.git_commit": _git_commit(), "prefect.flow_run_id": str(flow_run.id or "")}
     t0 = time.time()
-    result = t(**kwargs)
+    # the state, not the value: a task that returns a `Cached` state would hand back that state
+    result = dict(t(return_state=True, **kwargs).result())
     result["seconds"] = round(time.time() - t0, 2)
     return result
 
