@@ -235,11 +235,19 @@ def serve(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesAr
           name: str = typer.Option("sftflow-retrain", "--name", help="deployment name"),
           start_server: bool = typer.Option(False, "--start-server", help="start a local Prefect server first"),
           host: str = typer.Option("127.0.0.1", help="--start-server host"),
-          port: int = typer.Option(4200, help="--start-server port")) -> None:
+          port: int = typer.Option(4200, help="--start-server port"),
+          allow_override: list[str] = typer.Option([], "--allow-override", help="let runs started through the "
+                                                   "Prefect API override this protected key (actor.worker, eval.scorer, "
+                                                   "actor.model.trust_remote_code, runner.resume, artifacts_dir, "
+                                                   "registry.tracking_uri); repeatable")) -> None:
     """Retrain on a schedule: serve the flow as a Prefect deployment (blocks; Ctrl-C stops)."""
     cfg = _load(config, overrides)
     if (cron is None) == (interval is None):
         _fail("give exactly one of --cron or --interval")
+    from stages.core.config import SERVE_PROTECTED
+    for key in allow_override:
+        if key not in SERVE_PROTECTED:
+            _fail(f"--allow-override {key}: not a protected key; protected: {', '.join(SERVE_PROTECTED)}")
     _prefect_home(cfg)
     from flows.serve import local_server, serve as serve_flow
     if start_server:
@@ -247,12 +255,12 @@ def serve(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesAr
         with local_server(host, port, home, home.parent / "prefect-server.log") as api:
             os.environ["PREFECT_API_URL"] = api
             console.print(f"Prefect UI: http://{host}:{port}  (API {api}); serving deployment '{name}'")
-            serve_flow(str(config), overrides or [], name, cron, interval)
+            serve_flow(str(config), overrides or [], name, cron, interval, allow_override)
         return
     if not os.environ.get("PREFECT_API_URL"):
         _fail("serving needs a running Prefect server: `make serve`, or `sftflow serve --start-server`, "
               "or set PREFECT_API_URL")
-    serve_flow(str(config), overrides or [], name, cron, interval)
+    serve_flow(str(config), overrides or [], name, cron, interval, allow_override)
 
 
 def _terminate(signum, frame) -> None:

@@ -107,9 +107,16 @@ def _drain_prefect_clients(timeout: float = 15) -> None:
             pass
 
 
-def serve(config_path: str, overrides: list[str], name: str, cron: str | None, interval: float | None) -> None:
-    """Blocks, running the deployment's scheduled (and UI-triggered) runs one at a time."""
-    from flows.sft import sft_pipeline
+def serve(config_path: str, overrides: list[str], name: str, cron: str | None, interval: float | None,
+          allow_overrides: list[str] | None = None) -> None:
+    """Blocks, running the deployment's scheduled (and UI-triggered) runs one at a time. Runs started
+    through the Prefect API use this config and can't override `SERVE_PROTECTED` keys beyond
+    `allow_overrides`: the variables that say so live in this process, out of the API's reach."""
+    from stages.core.config import SERVE_PROTECTED
+
+    from flows.sft import PROTECTED_ENV, SERVED_CONFIG_ENV, sft_pipeline
+    os.environ[SERVED_CONFIG_ENV] = str(Path(config_path).resolve())
+    os.environ[PROTECTED_ENV] = ",".join(k for k in SERVE_PROTECTED if k not in (allow_overrides or []))
     sft_pipeline.serve(
         name=name, cron=cron, interval=interval, limit=1,
         parameters={"config_path": str(Path(config_path).resolve()), "overrides": overrides},

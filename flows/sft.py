@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import subprocess
 import time
@@ -22,7 +23,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from prefect.states import Completed
 
-from stages.core.config import load_config
+from stages.core.config import check_overrides_allowed, load_config
 from stages.core.errors import ConfigError
 from stages.pipeline import KEY_METRIC, STAGES, UPSTREAM, Plan, plan, run_stage, upstream
 
@@ -126,8 +127,18 @@ def _run_one(stage: str, p: Plan, force: bool) -> dict:
     return result
 
 
+PROTECTED_ENV, SERVED_CONFIG_ENV = "SFTFLOW_PROTECTED_KEYS", "SFTFLOW_SERVED_CONFIG"
+
+
 def _the_plan(config_path: str | None, overrides: list[str] | None, planned: dict | None) -> Plan:
-    """The CLI plans before the flow starts (its errors exit 2); a deployment run plans here."""
+    """The CLI plans before the flow starts (its errors exit 2); a deployment run plans here. Runs of a
+    served deployment (`sftflow serve` sets the variables, which the Prefect API can't) must use its
+    config, and may override only unprotected keys."""
+    served = os.environ.get(SERVED_CONFIG_ENV)
+    if served:
+        if planned is not None or config_path is None or Path(config_path).resolve() != Path(served):
+            raise ConfigError(f"runs of this deployment use its config {served}; only `overrides` may change")
+        check_overrides_allowed(overrides or [], [k for k in os.environ.get(PROTECTED_ENV, "").split(",") if k])
     if planned is not None:
         return Plan.from_dict(planned)
     if config_path is None:

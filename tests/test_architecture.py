@@ -117,3 +117,11 @@ def test_the_real_tree_closures_hold_the_modules_each_stage_runs():
     assert {"train/__main__.py", "runtime/worker.py", "runtime/batches.py", "runtime/checkpoint.py"} <= names["train"]
     assert {"evaluate/runner.py", "runtime/worker.py", "runtime/batches.py", "models/refs.py"} <= names["evaluate"]
     assert "tracking/live.py" not in names["train"]
+
+
+def test_metrics_reach_mlflow_through_one_sender():
+    """Only tracking/live.py sends metrics (live, the train stage's catch-up, register's backfill and
+    eval metrics all go through its `send`)."""
+    senders = sorted(str(p.relative_to(STAGES_DIR)) for p in _modules()
+                     if any(call in p.read_text() for call in ("log_metric(", "log_metrics(", "metrics=")))
+    assert senders == ["tracking/live.py"], senders

@@ -218,3 +218,46 @@ def test_two_runs_creating_one_mlflow_database_at_once_both_succeed(tmp_path):
     for p in procs:
         p.join(timeout=120)
     assert sorted(out.get(timeout=5) for _ in procs) == ["ok", "ok"]
+
+
+def test_a_served_deployment_keeps_its_config_and_protected_keys(tmp_path, monkeypatch):
+    """Runs started through the Prefect API can't point the deployment at another config, hand it a
+    ready-made plan, or override keys that run code or send data elsewhere (unless allowed)."""
+    from flows.sft import PROTECTED_ENV, SERVED_CONFIG_ENV, _the_plan
+    from stages.core.config import SERVE_PROTECTED
+    path = write_config(tmp_path, tiny_config_dict(tmp_path))
+    monkeypatch.setenv(SERVED_CONFIG_ENV, str(path.resolve()))
+    monkeypatch.setenv(PROTECTED_ENV, ",".join(k for k in SERVE_PROTECTED if k != "runner.resume"))
+    assert _the_plan(str(path), ["actor.optim.lr=2e-3"], None).cfg.actor.optim.lr == 2e-3
+    for bad in (["eval.scorer=evil.mod:fn"], ["actor.worker=evil.mod:W"], ["actor.model={trust_remote_code: true}"],
+                ["registry.tracking_uri=http://elsewhere"], ["actor={worker: 'evil.mod:W'}"]):
+        with pytest.raises(ConfigError, match="can't be set by the runs of this deployment"):
+            _the_plan(str(path), bad, None)
+    with pytest.raises(ConfigError, match="not a complete checkpoint"):  # allowed, so only validated
+        _the_plan(str(path), ["runner.resume=/nowhere"], None)
+    other = write_config(tmp_path, tiny_config_dict(tmp_path), "other.yaml")
+    with pytest.raises(ConfigError, match="runs of this deployment use its config"):
+        _the_plan(str(other), [], None)
+    with pytest.raises(ConfigError, match="runs of this deployment use its config"):
+        _the_plan(str(path), [], plan(load_config(path)).to_dict())
+
+
+def test_a_run_left_running_by_a_dead_process_is_marked_killed(tmp_path):
+    import subprocess
+    import sys
+
+    from mlflow.tracking import MlflowClient
+    from stages.tracking.run import OWNER_HOST, OWNER_PID, mark_abandoned_runs, setup_mlflow
+    cfg = config_from_dict(tiny_config_dict(tmp_path))
+    setup_mlflow(cfg)
+    client = MlflowClient(cfg.resolved_tracking_uri)
+    exp = client.get_experiment_by_name(cfg.registry.experiment).experiment_id
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    import socket
+    runs = {}
+    for name, pid in (("dead", int(dead.stdout)), ("alive", os.getpid())):
+        run = client.create_run(exp, run_name=name, tags={OWNER_HOST: socket.gethostname(), OWNER_PID: str(pid)})
+        runs[name] = run.info.run_id
+    assert mark_abandoned_runs(client, exp) == [runs["dead"]]
+    assert client.get_run(runs["dead"]).info.status == "KILLED"
+    assert client.get_run(runs["alive"]).info.status == "RUNNING"

@@ -310,6 +310,22 @@ def _section_for(dotted: str) -> type[BaseModel] | None:
     return model
 
 
+# Keys a served deployment's runs may not override unless `sftflow serve --allow-override` says so:
+# they run code (imports, remote code), read files from elsewhere, or send data elsewhere.
+SERVE_PROTECTED = ("actor.worker", "eval.scorer", "actor.model.trust_remote_code", "runner.resume", "artifacts_dir",
+                   "registry.tracking_uri")
+
+
+def check_overrides_allowed(overrides: list[str], protected: list[str]) -> None:
+    """A ConfigError for an override that sets a protected key, or a section holding one."""
+    for text in overrides:
+        key = ".".join(parse_override(text)[0])
+        for p in protected:
+            if key == p or p.startswith(key + ".") or key.startswith(p + "."):
+                raise ConfigError(f"override '{text}': {p} can't be set by the runs of this deployment "
+                                  f"(`sftflow serve --allow-override {p}` allows it)")
+
+
 def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> SFTConfig:
     path = Path(path)
     if not path.is_file():
