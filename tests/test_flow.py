@@ -63,13 +63,22 @@ def _stamps(stages: dict) -> dict[str, int | None]:
             for s, st in stages.items()}
 
 
+def stages_of(cfg_path: Path, *overrides: str) -> dict:
+    """What `sftflow show --json` reports per stage, computed in this process (no CLI start)."""
+    from stages.core.config import load_config
+    from stages.pipeline import STAGES as ALL, plan
+    p = plan(load_config(cfg_path, list(overrides)))
+    return {s: {"fingerprint": p.fingerprints[s], "status": p.status(s), "path": str(p.folder(s))} for s in ALL}
+
+
 def run_and_see(tmp: Path, cfg_path: Path, *args: str, command=("run",)) -> dict[str, str]:
     """Runs the CLI; per stage of the config: "ran" (its folder was written now), "reused" (its
     complete folder was left as it was) or "-" (not part of the command)."""
-    before = _stamps(show(cfg_path, tmp, *[a for a in args if "=" in a])["stages"])
+    overrides = [a for a in args if "=" in a]
+    before = _stamps(stages_of(cfg_path, *overrides))
     proc = sftflow(*command, "-c", str(cfg_path), *args, cwd=tmp)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    after = _stamps(show(cfg_path, tmp, *[a for a in args if "=" in a])["stages"])
+    after = _stamps(stages_of(cfg_path, *overrides))
     return {s: "-" if after[s] is None else "reused" if after[s] == before[s] else "ran" for s in STAGES}
 
 
@@ -107,7 +116,7 @@ def test_flow_run_publishes_summary_and_predictions_artifacts(flow_run):
     tmp, cfg_path, _ = flow_run
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
-    train_fp = show(cfg_path, tmp)["stages"]["train"]["fingerprint"]
+    train_fp = stages_of(cfg_path)["train"]["fingerprint"]
     with get_client(sync_client=True) as client:
         def artifacts(key):
             return client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
@@ -122,7 +131,7 @@ def test_one_mlflow_run_holds_the_lineage_and_live_metrics(flow_run, mlflow_serv
     tmp, cfg_path, _ = flow_run
     import hashlib
     client = mlflow_client(mlflow_server)
-    stages = show(cfg_path, tmp)["stages"]
+    stages = stages_of(cfg_path)
     exp = client.get_experiment_by_name("sftflow")
     runs = client.search_runs([exp.experiment_id], f"tags.`sftflow.train_fingerprint` = '{stages['train']['fingerprint']}'")
     assert len(runs) == 1  # one run for the one trained model
@@ -172,7 +181,7 @@ def test_model_is_registered_and_answers_through_pyfunc(flow_run, mlflow_server)
     v = client.get_model_version("test-model", versions[0].version)
     assert v.aliases == ["champion"]
     assert client.get_model_version_by_alias("test-model", "champion").version == v.version
-    stages = show(cfg_path, tmp)["stages"]
+    stages = stages_of(cfg_path)
     ev = json.loads((Path(stages["evaluate"]["path"]) / "manifest.json").read_text())
     run_tags = client.get_run(v.run_id).data.tags
     assert v.tags["sftflow.train_fingerprint"] == stages["train"]["fingerprint"]
@@ -203,7 +212,7 @@ def test_promotion_policies(flow_run, mlflow_server, tmp_path):
     from stages.register import run_register
     from stages.tracking.run import Lineage
     client = mlflow_client(mlflow_server)
-    stages = show(cfg_path, tmp)["stages"]
+    stages = stages_of(cfg_path)
     ev = json.loads((Path(stages["evaluate"]["path"]) / "manifest.json").read_text())
 
     def register(train_fp: str, promote: str, accuracy: float) -> dict:
@@ -275,10 +284,9 @@ def test_stage_evaluate_force_reruns_only_evaluate(flow_run):
 def test_deleted_stage_folder_reruns_that_stage(flow_run):
     tmp, cfg_path, _ = flow_run
     import shutil
-    info = show(cfg_path, tmp)
-    shutil.rmtree(info["stages"]["evaluate"]["path"])
+    shutil.rmtree(stages_of(cfg_path)["evaluate"]["path"])
     assert run_and_see(tmp, cfg_path) == {"prepare": "reused", "train": "reused", "evaluate": "ran", "register": "reused"}
-    assert show(cfg_path, tmp)["stages"]["evaluate"]["status"] == "complete"
+    assert stages_of(cfg_path)["evaluate"]["status"] == "complete"
 
 
 def test_eval_knob_changes_only_evaluate_and_register(flow_run, mlflow_server):
@@ -289,8 +297,7 @@ def test_eval_knob_changes_only_evaluate_and_register(flow_run, mlflow_server):
     assert seen == {"prepare": "reused", "train": "reused", "evaluate": "ran", "register": "ran"}
     # same train fingerprint: the registered version is reused, nothing is added
     assert len(client.search_model_versions("name='test-model'")) == versions
-    reg = json.loads((Path(show(cfg_path, tmp, "eval.max_new_tokens=6")["stages"]["register"]["path"])
-                      / "manifest.json").read_text())
+    reg = json.loads((Path(stages_of(cfg_path, "eval.max_new_tokens=6")["register"]["path"]) / "manifest.json").read_text())
     assert reg["metrics"]["reused_version"] is True
 
 
