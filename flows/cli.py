@@ -95,15 +95,13 @@ def _run_flow(fn, **kwargs) -> list[dict]:
     if not os.environ.get("PREFECT_API_URL"):
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
-        from flows.serve import temporary_server
+        from flows.serve import ServerDidNotStart, temporary_server
         try:
             with temporary_server(Path(os.environ["PREFECT_HOME"])) as api:
                 os.environ["PREFECT_API_URL"] = api
                 with temporary_settings(updates={PREFECT_API_URL: api}):
                     return _run_flow(fn, **kwargs)
-        except RuntimeError as e:
-            if "prefect server did not start" not in str(e):
-                raise
+        except ServerDidNotStart as e:
             _fail(str(e), code=1)
         finally:
             os.environ.pop("PREFECT_API_URL", None)

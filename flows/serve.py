@@ -29,6 +29,10 @@ def _healthy(api_url: str) -> bool:
         return False
 
 
+class ServerDidNotStart(RuntimeError):
+    """`prefect server start` exited or never answered its health check; its log says why."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -64,7 +68,7 @@ def local_server(host: str, port: int, home: Path, log_path: Path, timeout: floa
             deadline = time.time() + timeout
             while not _healthy(api):
                 if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"prefect server did not start; see {log_path}")
+                    raise ServerDidNotStart(f"prefect server did not start; see {log_path}")
                 time.sleep(0.3)
         except BaseException:
             _stop(proc)

@@ -96,7 +96,7 @@ def plan(cfg: SFTConfig) -> Plan:
     # what evaluate scores: the train stage's model, or `eval.model` (plus what loads and scores it)
     scored = {"train": train} if identity is None else {
         "model": identity, "base": model_fp, "actor": hashed(cfg.actor.model), "worker": worker}
-    scorer = None if ":" not in cfg.eval.scorer else import_identity(cfg.eval.scorer)
+    scorer = None if cfg.eval.scorer in SCORER_NAMES else import_identity(cfg.eval.scorer)
     evaluate = fingerprint("evaluate", code=code_version("evaluate"), prepare=prepare, eval=hashed(cfg.eval),
                            scorer=scorer, **scored)
     register = fingerprint("register", code=code_version("register", neutral=True), evaluate=evaluate, train=train,

@@ -109,11 +109,7 @@ def tiny_config(tmp_path) -> Path:
     return write_config(tmp_path, tiny_config_dict(tmp_path))
 
 
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from flows.serve import free_port  # noqa: E402,F401  (tests use the CLI's own)
 
 
 def live_processes_mentioning(text: str) -> list[str]:

@@ -57,9 +57,8 @@ def test_scorer_config_errors_are_one_line(tmp_path):
             config_from_dict(tiny_config_dict(tmp_path, eval=ev))
         assert expected in str(e.value) and "\n" not in str(e.value)
     cfg = config_from_dict(tiny_config_dict(tmp_path, eval={"scorer": "no_such_module:fn"}))  # shape is fine
-    from stages.evaluate import _check
     with pytest.raises(ConfigError, match="eval.scorer='no_such_module:fn': cannot import"):
-        _check(cfg)
+        plan(cfg)  # before anything runs
 
 
 def test_rank_slices_cover_every_sample_once():

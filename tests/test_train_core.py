@@ -130,38 +130,49 @@ def assert_same_weights(a: dict, b: dict, atol: float):
 RESUME = dict(runner={"max_epochs": 2, "max_steps": -1, "save_interval": 2, "val_check_interval": 4, "keep_checkpoints": 5})
 
 
-@pytest.mark.slow
-def test_resume_after_sigkill_equals_no_interruption(tmp_path):
-    ref = train(make_cfg(subdir(tmp_path, "ref"), **RESUME))
-    cfg = make_cfg(tmp_path, **RESUME)
-    # killed right after the checkpoint at step 6, which is exactly the end of epoch 0
-    with pytest.raises(TrainingFailed, match="killed by SIGKILL"):
-        train(cfg, {"SFTFLOW_FAULT": "after_save:6"})
-    with pytest.raises(TrainingFailed):  # then killed in the middle of saving step 10
-        train(cfg, {"SFTFLOW_FAULT": "save:10"})
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The RESUME run trained without interruption: what every interrupted run must end as."""
+    return train(make_cfg(tmp_path_factory.mktemp("ref"), **RESUME))
+
+
+def killed(cfg, *faults: str) -> Path:
+    """Runs the train stage once per fault (each SIGKILLs the tree); the partial folder left behind."""
+    for fault in faults:
+        with pytest.raises(TrainingFailed, match="killed by SIGKILL|training failed"):
+            train(cfg, {"SFTFLOW_FAULT": fault})
     partial = next(cfg.artifacts_path.joinpath("train").glob(".*.partial"))
     assert not live_processes_mentioning(str(partial)), "a killed run left workers behind"
+    return partial
+
+
+def assert_same_run(done, ref) -> None:
+    """Final weights within 1e-6 and every step logged once, with the uninterrupted losses."""
+    assert_same_weights(weights(done.path), weights(ref.path), atol=1e-6)
+    got = [json.loads(line) for line in (Path(done.path) / "metrics.jsonl").read_text().splitlines()]
+    want = [json.loads(line) for line in (Path(ref.path) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in got] == list(range(1, 13))
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_equals_no_interruption(tmp_path, uninterrupted):
+    cfg = make_cfg(tmp_path, **RESUME)
+    # killed right after the checkpoint at step 6 (exactly the end of epoch 0), then in the middle of saving step 10
+    partial = killed(cfg, "after_save:6", "save:10")
     assert (partial / "checkpoints" / "step_00000010.tmp").is_dir()
     assert not (partial / "checkpoints" / "step_00000010.tmp" / "COMPLETE").exists()
     done = train(cfg)
     log = (Path(done.path) / "train.log").read_text()
     assert "resumed from" in log and "at step 6 (epoch 1, 0 samples into it)" in log  # the epoch boundary
     assert "ignoring incomplete checkpoint" in log and "at step 8 (epoch 1, 32 samples into it)" in log
-    assert_same_weights(weights(done.path), weights(ref.path), atol=1e-6)
-    steps = [json.loads(line)["step"] for line in (Path(done.path) / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 13))
-    ref_rows = [json.loads(line) for line in (Path(ref.path) / "metrics.jsonl").read_text().splitlines()]
-    got_rows = [json.loads(line) for line in (Path(done.path) / "metrics.jsonl").read_text().splitlines()]
-    assert [r["loss"] for r in got_rows] == pytest.approx([r["loss"] for r in ref_rows], abs=1e-6)
+    assert_same_run(done, uninterrupted)
 
 
 @pytest.mark.slow
-def test_a_corrupt_newest_checkpoint_is_skipped_and_training_resumes_from_the_one_before(tmp_path):
-    ref = train(make_cfg(subdir(tmp_path, "ref"), **RESUME))
+def test_a_corrupt_newest_checkpoint_is_skipped_and_training_resumes_from_the_one_before(tmp_path, uninterrupted):
     cfg = make_cfg(tmp_path, **RESUME)
-    with pytest.raises(TrainingFailed, match="killed by SIGKILL"):
-        train(cfg, {"SFTFLOW_FAULT": "after_save:6"})
-    partial = next(cfg.artifacts_path.joinpath("train").glob(".*.partial"))
+    partial = killed(cfg, "after_save:6")
     newest = partial / "checkpoints" / "step_00000006"
     for data in newest.glob("*.distcp"):  # the disk lost the end of the newest checkpoint's data
         data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
@@ -171,9 +182,7 @@ def test_a_corrupt_newest_checkpoint_is_skipped_and_training_resumes_from_the_on
     log = (Path(done.path) / "train.log").read_text()
     assert f"skipping checkpoint {newest}" in log and "is truncated" in log
     assert "resumed from" in log and "at step 4 " in log
-    assert_same_weights(weights(done.path), weights(ref.path), atol=1e-6)
-    steps = [json.loads(line)["step"] for line in (Path(done.path) / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 13))
+    assert_same_run(done, uninterrupted)
 
 
 ONE_PROC = {"nproc_per_node": 1, "micro_batch_size": 4, "global_batch_size": 16, "optim": {"lr": 1e-3, "warmup": 1}}

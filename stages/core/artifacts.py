@@ -21,6 +21,8 @@ from typing import Any, Iterator
 
 from filelock import FileLock, Timeout
 
+from .inputs import HUB_PREFIX
+
 MANIFEST = "manifest.json"
 
 
@@ -57,7 +59,7 @@ def file_digest(path: Path, index_dir: Path | None = None) -> str:
 
 def input_digest(ref: Path | str, index_dir: Path | None = None) -> str:
     """Content digest of one input: a file, a folder (every file in it), or `hf:NAME` (its hub revision)."""
-    if isinstance(ref, str) and ref.startswith("hf:"):
+    if isinstance(ref, str) and ref.startswith(HUB_PREFIX):
         return hub_revision(ref)
     path = Path(ref)
     if path.is_dir():
@@ -68,7 +70,7 @@ def input_digest(ref: Path | str, index_dir: Path | None = None) -> str:
 
 def hub_revision(ref: str) -> str:
     """`hf:NAME[:split]` -> the dataset's current commit on the hub (network); offline, the name alone."""
-    name = ref[3:].partition(":")[0]
+    name = ref[len(HUB_PREFIX):].partition(":")[0]
     try:
         from huggingface_hub import HfApi
         return f"{ref}@{HfApi().dataset_info(name).sha}"
@@ -112,21 +114,30 @@ def _file_sizes(folder: Path) -> dict[str, int]:
             if f.is_file() and f.name not in (MANIFEST, MANIFEST + ".tmp")}
 
 
-def damage(folder: Path) -> str | None:
-    """What is wrong with a complete stage folder, or None: the manifest must parse and every file
-    it lists must exist with the size it recorded (a cheap check: sizes, not contents)."""
-    folder = Path(folder)
+def partial_dir(root: Path, stage: str, fp: str) -> Path:
+    """Where a stage folder is built (and where train's checkpoints wait for a resume)."""
+    return Path(root) / stage / f".{fp}.partial"
+
+
+def _checked_manifest(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(manifest, None) for a sound complete folder, else (None, what is wrong): the manifest must
+    parse and every file it lists must exist with the size it recorded (sizes, not contents)."""
     try:
-        files = read_manifest(folder).get("files")
+        manifest = read_manifest(folder)
     except (OSError, ValueError) as e:
-        return f"{MANIFEST} can't be read ({type(e).__name__})"
-    for name, size in (files or {}).items():
+        return None, f"{MANIFEST} can't be read ({type(e).__name__})"
+    for name, size in (manifest.get("files") or {}).items():
         path = folder / name
         if not path.is_file():
-            return f"{name} is missing"
+            return None, f"{name} is missing"
         if path.stat().st_size != size:
-            return f"{name} has {path.stat().st_size} bytes, the manifest recorded {size}"
-    return None
+            return None, f"{name} has {path.stat().st_size} bytes, the manifest recorded {size}"
+    return manifest, None
+
+
+def damage(folder: Path) -> str | None:
+    """What is wrong with a complete stage folder, or None."""
+    return _checked_manifest(Path(folder))[1]
 
 
 def cached_result(root: Path, stage: str, fp: str, warn=print) -> StageResult | None:
@@ -135,17 +146,16 @@ def cached_result(root: Path, stage: str, fp: str, warn=print) -> StageResult | 
     folder = stage_dir(root, stage, fp)
     if not is_complete(folder):
         return None
-    problem = damage(folder)
+    manifest, problem = _checked_manifest(folder)
     if problem is not None:
         warn(f"{stage}: the stage folder {folder} is damaged ({problem}); rebuilding it")
-        partial = folder.parent / f".{fp}.partial"
+        partial = partial_dir(root, stage, fp)
         if partial.exists():
             shutil.rmtree(partial)
         os.replace(folder, partial)
         (partial / MANIFEST).unlink(missing_ok=True)
         return None
-    m = read_manifest(folder)
-    return StageResult(stage, fp, str(folder), m.get("metrics", {}), cached=True)
+    return StageResult(stage, fp, str(folder), manifest.get("metrics", {}), cached=True)
 
 
 @contextmanager
@@ -173,7 +183,7 @@ class StageBuild:
     def __init__(self, root: Path, stage: str, fp: str, keep_partial: bool = False):
         self.stage, self.fingerprint = stage, fp
         self.final = stage_dir(root, stage, fp)
-        self.partial = self.final.parent / f".{fp}.partial"
+        self.partial = partial_dir(root, stage, fp)
         if self.partial.exists() and not keep_partial:
             shutil.rmtree(self.partial)
         self.partial.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,6 @@ from stages.models.refs import resolve_eval_model
 from stages.runtime.launcher import run_torchrun, torchrun_command
 
 from .errors import EvaluationError
-from .scorers import get_scorer
 
 
 def eval_samples(prepare_dir: str, max_samples: int = 0) -> list[dict]:
@@ -59,18 +58,10 @@ def eval_set_fingerprint(rows: list[dict]) -> str:
     return sha256_text(canonical_json([[r["prompt"], r["reference"]] for r in rows]))[:16]
 
 
-def _check(cfg: SFTConfig) -> None:
-    """Fail before any model loads: the scorer imports, the worker class and model type exist."""
-    from stages.runtime.worker import check_worker_config  # torch: only when the stage runs
-    get_scorer(cfg.eval.scorer, cfg.eval.answer_pattern, cfg.eval.numeric_tolerance)
-    check_worker_config(cfg)
-
-
 def run_evaluate(cfg: SFTConfig, fp: str, base_model: str, model_ref: str, prepare_dir: str,
                  model_identity: dict | None = None, on_line: Callable[[str], None] = print) -> dict:
     """Scores `model_ref` (the train stage folder, or `eval.model`, whose plan-time identity is
     `model_identity`) and, with `eval.eval_base`, the base model."""
-    _check(cfg)
     try:  # an empty eval set would report accuracy 0/0 as a result
         count_rows(Path(prepare_dir) / "val", "held-out samples")
     except ValueError as e:

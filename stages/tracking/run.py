@@ -4,7 +4,7 @@ Observability only: nothing here changes what a stage writes (`__fingerprint__ =
 
 One run per train fingerprint, tagged `sftflow.train_fingerprint`: the train stage opens it
 before torchrun starts (rank 0 then logs step and system metrics into it live, see
-`stages/train/live.py`), and register adds eval metrics, artifacts and the model to the same run.
+`stages/tracking/live.py`), and register adds eval metrics, artifacts and the model to the same run.
 A train stage that runs again for the same fingerprint (a retry, a resume, a deleted folder)
 continues that run; a fully cached flow run touches nothing.
 
@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 import socket
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -44,18 +44,17 @@ def setup_mlflow(cfg: SFTConfig):
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     uri = cfg.resolved_tracking_uri
     mlflow.set_tracking_uri(uri)
-    if uri.startswith("sqlite:///"):
-        # Two runs on one artifacts dir would both create (migrate) a new database file at once and
-        # race on its tables; the first does it under a lock, the second then finds it ready.
-        with FileLock(uri[len("sqlite:///"):] + ".lock"):
-            mlflow.get_experiment_by_name(cfg.registry.experiment)
-    if mlflow.get_experiment_by_name(cfg.registry.experiment) is None:
-        location = (cfg.artifacts_path / "mlartifacts").as_uri() if uri.startswith("sqlite:") else None
-        try:
-            mlflow.create_experiment(cfg.registry.experiment, artifact_location=location)
-        except Exception:  # created meanwhile by another process
-            if mlflow.get_experiment_by_name(cfg.registry.experiment) is None:
-                raise
+    sqlite = uri.startswith("sqlite:///")
+    # Two runs on one artifacts dir would both create (migrate) a new database file at once and race
+    # on its tables: the first does it under a lock, the second then finds it ready.
+    with FileLock(uri[len("sqlite:///"):] + ".lock") if sqlite else nullcontext():
+        if mlflow.get_experiment_by_name(cfg.registry.experiment) is None:
+            location = (cfg.artifacts_path / "mlartifacts").as_uri() if sqlite else None
+            try:
+                mlflow.create_experiment(cfg.registry.experiment, artifact_location=location)
+            except Exception:  # a server: created meanwhile by another process
+                if mlflow.get_experiment_by_name(cfg.registry.experiment) is None:
+                    raise
     mlflow.set_experiment(cfg.registry.experiment)
     return mlflow
 
@@ -136,11 +135,11 @@ def find_run(client, experiment_id: str, train_fp: str):
 
 
 def find_or_create_run(cfg: SFTConfig, lineage: Lineage, extra_tags: dict[str, str] | None = None) -> tuple[str, bool]:
-    """(run id, created) of the run for this train fingerprint; a new run gets params, tags and inputs."""
+    """(run id, created) of the run for this train fingerprint; a new run gets params, tags and inputs.
+    Callers check `reachable` first: MLflow's client retries an unreachable server for minutes."""
     from mlflow.entities import Param, RunTag
     from mlflow.tracking import MlflowClient
 
-    reachable(cfg.resolved_tracking_uri)
     mlflow = setup_mlflow(cfg)
     client = MlflowClient()
     exp = mlflow.get_experiment_by_name(cfg.registry.experiment)
@@ -204,6 +203,7 @@ def training_run(cfg: SFTConfig, lineage: Lineage, on_line: Callable[[str], None
     env = {"MLFLOW_RUN_ID": ""}  # without a run, never log into one inherited from the caller's environment
     run_id = None
     try:
+        reachable(cfg.resolved_tracking_uri)
         run_id, created = find_or_create_run(cfg, lineage)
         _set_status(cfg, run_id, "RUNNING")  # system metrics are only logged into a RUNNING run
         env = {"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": cfg.resolved_tracking_uri}

@@ -21,7 +21,7 @@ from stages.core.artifacts import StageBuild
 from stages.core.config import SFTConfig
 from stages.core.errors import StageError
 from stages.runtime.launcher import run_torchrun, torchrun_command
-from stages.runtime.worker import WorkerSpec, check_worker_config
+from stages.runtime.worker import WorkerSpec
 from stages.tracking.live import read_metrics_file
 from stages.tracking.run import training_run
 
@@ -32,8 +32,8 @@ class TrainingFailed(StageError):
 
 def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineage: dict,
               on_line: Callable[[str], None] = print) -> dict:
-    """`lineage`: fingerprints, upstream folders and tags for the MLflow run (see tracking.run)."""
-    check_worker_config(cfg)
+    """`lineage`: fingerprints, upstream folders and tags for the MLflow run (see tracking.run).
+    The worker class and model type were checked when the run was planned (`pipeline.check_code`)."""
     if not cfg.actor.worker:  # a custom worker reads data of its own (build_dataset)
         try:
             count_rows(Path(prepare_dir) / "train", "training samples")
