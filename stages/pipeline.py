@@ -153,15 +153,15 @@ def run_stage(p: Plan, stage: str, force: bool = False, on_line: Callable[[str],
         if stage == "prepare":
             from .prepare import run_prepare
             _check_inputs_unchanged(p)
-            metrics = run_prepare(cfg, fp, resolve_model(cfg, p.fingerprints["models"]))
+            metrics = run_prepare(cfg, fp, resolve_model(cfg, p.fingerprints["models"], on_line))
         elif stage == "train":
             from .train import run_train
-            metrics = run_train(cfg, fp, resolve_model(cfg, p.fingerprints["models"]), dirs["prepare"],
+            metrics = run_train(cfg, fp, resolve_model(cfg, p.fingerprints["models"], on_line), dirs["prepare"],
                                 p.lineage(dirs, tags), on_line=on_line)
         elif stage == "evaluate":
             from .evaluate import run_evaluate
             model_ref = cfg.eval.model if cfg.eval.model is not None else str(p.folder("train"))
-            metrics = run_evaluate(cfg, fp, resolve_model(cfg, p.fingerprints["models"]), model_ref, dirs["prepare"],
+            metrics = run_evaluate(cfg, fp, resolve_model(cfg, p.fingerprints["models"], on_line), model_ref, dirs["prepare"],
                                    p.eval_model, on_line=on_line)
         elif stage == "register":
             from .register import run_register

