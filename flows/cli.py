@@ -29,6 +29,7 @@ from stages.core.config import ConfigError, SFTConfig, default_tracking_uri, fla
 from stages.core.errors import MissingUpstream, StageError  # noqa: E402
 from stages.models.base import resolve_model  # noqa: E402
 from stages.models.refs import resolve_model_ref  # noqa: E402
+from stages.evaluate.report import fmt, set_rows  # noqa: E402
 from stages.pipeline import KEY_METRIC, STAGES, Plan, plan, require_upstream  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -78,7 +79,15 @@ def _summary(results: list[dict], scored: str = "tuned") -> None:
         table.add_row(r["stage"], r["fingerprint"], "yes" if r["cached"] else "no", f"{r['seconds']:.1f}", shown)
     console.print(table)
     ev = next((r for r in results if r["stage"] == "evaluate"), None)
-    if ev and "base_accuracy" in ev["metrics"]:
+    if ev and ev["metrics"].get("sets"):
+        sets = Table(title="eval sets (accuracy)")
+        for col in ("set", "samples", "base", escape(scored), "change", "guard"):
+            sets.add_column(col)
+        for row in set_rows(ev["metrics"]):
+            sets.add_row(row["set"], str(row["n"]), fmt(row["base"]), fmt(row["tuned"]), fmt(row["delta"], signed=True),
+                         row["guard"])
+        console.print(sets)
+    elif ev and "base_accuracy" in ev["metrics"]:
         m = ev["metrics"]
         console.print(f"held-out accuracy: base {m['base_accuracy']:.3f} -> {escape(scored)} {m['accuracy']:.3f} "
                       f"({m['correct']}/{m['total']} correct)")
@@ -86,7 +95,8 @@ def _summary(results: list[dict], scored: str = "tuned") -> None:
     if reg:
         m = reg["metrics"]
         aliases = ", ".join(m.get("aliases", [])) or "no alias"
-        console.print(f"registered model version {m['version']} ({aliases}){escape(' [reused]') if m.get('reused_version') else ''}")
+        console.print(f"registered model version {m['version']} ({aliases}){escape(' [reused]') if m.get('reused_version') else ''}"
+                      + (f": {escape(m['alias_reason'])}" if m.get("alias_reason") else ""))
 
 
 def _run_flow(fn, **kwargs) -> list[dict]:

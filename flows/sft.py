@@ -25,6 +25,7 @@ from prefect.states import Completed
 
 from stages.core.config import check_overrides_allowed, load_config
 from stages.core.errors import ConfigError
+from stages.evaluate.report import fmt, set_rows
 from stages.pipeline import KEY_METRIC, STAGES, UPSTREAM, Plan, plan, run_stage, upstream
 
 STEP_LINE = re.compile(r"^step (\d+)/(\d+)\b")
@@ -72,6 +73,10 @@ def _stage(stage: str, p: Plan, force: bool, tags: dict | None = None):
     on_line = _training_progress(logger) if stage == "train" else logger.info
     result = run_stage(p, stage, force=force, on_line=on_line, tags=tags)
     logger.info(f"{stage} {'reused' if result.cached else 'done'} -> {result.path}")
+    if stage == "register":
+        m = result.metrics
+        logger.info(f"model version {m['version']}, aliases {', '.join(m['aliases']) or 'none'}"
+                    + (f"; {m['alias_reason']}" if m.get("alias_reason") else ""))
     if result.cached:
         return Completed(name="Cached", message=f"stage folder {result.path} is complete", data=result.to_dict())
     return result.to_dict()
@@ -158,6 +163,10 @@ def _publish_summary(results: list[dict]) -> None:
         m = by_stage["evaluate"]["metrics"]
         lines += ["", f"**Held-out accuracy**: base {m.get('base_accuracy', 'n/a')} → tuned {m['accuracy']} "
                       f"({m['correct']}/{m['total']}), eval loss {m.get('eval_loss')}"]
+        if m.get("sets"):
+            lines += ["", "| eval set | samples | base | tuned | change | guard |", "|---|---|---|---|---|---|"]
+            lines += [f"| {r['set']} | {r['n']} | {fmt(r['base'])} | {fmt(r['tuned'])} | {fmt(r['delta'], signed=True)} | "
+                      f"{r['guard']} |" for r in set_rows(m)]
         preds = Path(by_stage["evaluate"]["path"]) / "predictions.jsonl"
         if preds.is_file():
             rows = [json.loads(line) for line in preds.read_text(encoding="utf-8").splitlines()[:20]]
@@ -169,6 +178,9 @@ def _publish_summary(results: list[dict]) -> None:
         reg = json.loads((Path(by_stage["register"]["path"]) / "registration.json").read_text())
         lines += ["", f"**MLflow**: run `{reg['run_id']}` at `{reg['tracking_uri']}`; model "
                       f"`{reg['model_uri']}` aliases {', '.join(reg['aliases']) or 'none'}"]
+        why = by_stage["register"]["metrics"].get("alias_reason")
+        if why:
+            lines += ["", f"**Alias**: {why}"]
     create_markdown_artifact("\n".join(lines), key="sftflow-summary", description="sftflow run summary")
 
 

@@ -17,7 +17,7 @@ from typing import Callable
 
 from .core.artifacts import StageResult, cached_result, damage, fingerprint, input_digest, is_complete, stage_dir, stage_lock
 from .core.codeversion import code_version
-from .core.config import SCORER_NAMES, SFTConfig, hashed
+from .core.config import SCORER_NAMES, SFTConfig, eval_split, hashed
 from .core.errors import ConfigError, MissingUpstream, StageError
 from .core.imports import import_identity, import_object
 from .core.inputs import HUB_PREFIX
@@ -67,12 +67,20 @@ class Plan:
         return cls(cfg, dict(d["fingerprints"]), inputs, d.get("eval_model"))
 
 
+def _custom_scorers(cfg: SFTConfig) -> dict[str, str]:
+    """config key -> 'pkg.module:fn' for every scorer that is not a builtin."""
+    keys = {"eval.scorer": cfg.eval.scorer,
+            **{f"eval.sets.{n}.scorer": s.scorer for n, s in cfg.eval.sets.items() if s.scorer}}
+    return {k: v for k, v in keys.items() if v not in SCORER_NAMES}
+
+
 def check_code(cfg: SFTConfig) -> None:
-    """The code the config names imports, before anything runs: a custom scorer, and the worker
+    """The code the config names imports, before anything runs: custom scorers, and the worker
     and model type (importing `actor.worker` registers its model types; it imports torch, so
     only when the config names one or a model type other than the builtin `causal_lm`)."""
-    if cfg.eval.scorer not in SCORER_NAMES and not callable(import_object(cfg.eval.scorer, "eval.scorer")):
-        raise ConfigError(f"eval.scorer='{cfg.eval.scorer}' is not callable")
+    for key, path in _custom_scorers(cfg).items():
+        if not callable(import_object(path, key)):
+            raise ConfigError(f"{key}='{path}' is not callable")
     if cfg.actor.worker or cfg.actor.model.model_type != "causal_lm":
         from .runtime.worker import check_worker_config
         check_worker_config(cfg)
@@ -86,9 +94,10 @@ def plan(cfg: SFTConfig) -> Plan:
     inputs = {split: [(str(ref), input_digest(ref, root)) for ref in refs] for split, refs in cfg.inputs().items()}
     digests = {split: [d for _, d in items] for split, items in inputs.items()}
     model_fp = model_fingerprint(cfg, digests["train"])
+    sets = {name: digests[eval_split(name)] for name in cfg.eval.sets}
     prepare = fingerprint("prepare", code=code_version("prepare"), model=model_fp,
                           trust_remote_code=cfg.actor.model.trust_remote_code, data=hashed(cfg.data),
-                          train=digests["train"], val=digests["val"])
+                          train=digests["train"], val=digests["val"], **({"sets": sets} if sets else {}))
     worker = import_identity(cfg.actor.worker)
     train = fingerprint("train", code=code_version("train"), prepare=prepare, model=model_fp,
                         actor=hashed(cfg.actor), runner=hashed(cfg.runner), worker=worker)
@@ -96,7 +105,9 @@ def plan(cfg: SFTConfig) -> Plan:
     # what evaluate scores: the train stage's model, or `eval.model` (plus what loads and scores it)
     scored = {"train": train} if identity is None else {
         "model": identity, "base": model_fp, "actor": hashed(cfg.actor.model), "worker": worker}
-    scorer = None if cfg.eval.scorer in SCORER_NAMES else import_identity(cfg.eval.scorer)
+    custom = _custom_scorers(cfg)
+    scorer = ({k: import_identity(v) for k, v in custom.items()} if cfg.eval.sets else
+              import_identity(custom["eval.scorer"]) if custom else None)
     evaluate = fingerprint("evaluate", code=code_version("evaluate"), prepare=prepare, eval=hashed(cfg.eval),
                            scorer=scorer, **scored)
     register = fingerprint("register", code=code_version("register", neutral=True), evaluate=evaluate, train=train,

@@ -188,6 +188,12 @@ def test_property_mask_equals_transformers_or_the_row_is_quarantined(tokenizer, 
     start), which no mask can train exactly."""
     ref = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     ours = tokenize_or_reason(tokenizer, messages)
+    if isinstance(ours, str) and ours == "reply_not_in_template":
+        # text that spells a control token (`<|im_start|>`) is tokenized as that token: the reply's
+        # place can't be found in the rendering, and the row is quarantined rather than guessed at
+        specials = [t for t in tokenizer.all_special_tokens + list(tokenizer.get_added_vocab()) if t]
+        assert any(t in m["content"] for m in messages for t in specials), messages
+        return
     if isinstance(ours, str):
         assert ours == "reply_boundary"
         starts = [run[0] for run in runs_of(list(ref["assistant_masks"]))]

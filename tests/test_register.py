@@ -23,7 +23,7 @@ class FakeRegistry:
     def get_model_version_by_alias(self, name, alias):
         if self.champion is None:
             raise LookupError("no alias")
-        return SimpleNamespace(tags={f"sftflow.{k}": str(v) for k, v in self.champion.items()})
+        return SimpleNamespace(version="3", tags={f"sftflow.{k}": str(v) for k, v in self.champion.items()})
 
 
 CURRENT = {"eval_accuracy": 0.8, "eval_set_fingerprint": "set-a"}
@@ -41,7 +41,33 @@ CURRENT = {"eval_accuracy": 0.8, "eval_set_fingerprint": "set-a"}
     ("if_better", CURRENT, 1.0, "set-b", CHALLENGER),    # another eval set is not comparable
 ])
 def test_decide_alias(policy, champion, accuracy, eval_set, expected):
-    assert decide_alias(FakeRegistry(champion), "m", policy, accuracy, eval_set) == expected
+    alias, why = decide_alias(FakeRegistry(champion), "m", policy, accuracy, eval_set)
+    assert alias == expected and why
+
+
+def test_a_failed_retention_guard_holds_back_promotion(tmp_path):
+    """Per set: delta = tuned - base; a guarded set that fell more than max_drop keeps the version challenger."""
+    from stages.register import failed_guards
+    raw = tiny_config_dict(tmp_path)
+    val = raw["data"]["val_data_paths"]
+    cfg = config_from_dict({**raw, "eval": {"sets": {
+        "identity": {"data_paths": val}, "retention": {"data_paths": val, "max_drop": 0.05}}}})
+    from stages.evaluate import guard_sets
+    metrics = {"accuracy": 1.0, "sets": {"identity": {"accuracy": 1.0, "base_accuracy": 0.0},
+                                         "retention": {"accuracy": 0.80, "base_accuracy": 0.90}}}
+    guard_sets(cfg, metrics)
+    assert metrics["sets"]["identity"]["delta"] == 1.0 and "guard_ok" not in metrics["sets"]["identity"]
+    assert metrics["sets"]["retention"]["guard_ok"] is False
+    failed = failed_guards(metrics)
+    assert len(failed) == 1 and "'retention' accuracy 0.800 is 0.100 below the base model's 0.900" in failed[0]
+    for policy in ("always", "if_better"):
+        alias, why = decide_alias(FakeRegistry(None), "m", policy, 1.0, "set-a", failed)
+        assert alias == CHALLENGER and "retention guard" in why
+    metrics["sets"]["retention"]["accuracy"] = 0.86  # within the margin
+    guard_sets(cfg, metrics)
+    assert not failed_guards(metrics)
+    assert decide_alias(FakeRegistry(None), "m", "if_better", 1.0, "set-a", failed_guards(metrics))[0] == CHAMPION
+
 
 
 def test_metric_names_and_points_after_logged_steps():

@@ -51,7 +51,12 @@ def hashed(section: BaseModel) -> dict:
         if (field.json_schema_extra or {}).get("fingerprint") is False:
             continue
         value = getattr(section, name)
-        out[name] = hashed(value) if isinstance(value, BaseModel) else section.model_dump(mode="json", include={name})[name]
+        if isinstance(value, BaseModel):
+            out[name] = hashed(value)
+        elif isinstance(value, dict) and value and all(isinstance(v, BaseModel) for v in value.values()):
+            out[name] = {k: hashed(v) for k, v in value.items()}
+        else:
+            out[name] = section.model_dump(mode="json", include={name})[name]
     return out
 
 
@@ -184,6 +189,31 @@ class DataConfig(_Section):
         return v
 
 
+def _scorer_name(v: str) -> str:
+    if v not in SCORER_NAMES and not is_import_path(v):
+        raise ValueError(f"'{v}' is neither a builtin scorer ({', '.join(SCORER_NAMES)}) nor 'pkg.module:fn'")
+    return v
+
+
+class EvalSetConfig(_Section):
+    """A named eval set: its own files (read like data.val_data_paths) and scorer."""
+
+    data_paths: list[str] = Field(min_length=1, json_schema_extra={"fingerprint": False})  # contents are hashed
+    scorer: str | None = Field(None, description="default: eval.scorer")
+    max_drop: float | None = Field(None, ge=0, description="promotion guard: the tuned model's accuracy may be at "
+                                                         "most this far below the base model's on this set")
+
+    @field_validator("data_paths", mode="before")
+    @classmethod
+    def _one_path_is_a_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("scorer")
+    @classmethod
+    def _known_scorer(cls, v: str | None) -> str | None:
+        return v if v is None else _scorer_name(v)
+
+
 class EvalConfig(_Section):
     max_new_tokens: int = Field(64, ge=1)
     batch_size: int = Field(16, ge=1)
@@ -194,13 +224,42 @@ class EvalConfig(_Section):
     numeric_tolerance: float = Field(1e-6, ge=0, description="numeric: relative or absolute tolerance")
     model: str | None = Field(None, description="None: the trained model; base | folder | train stage folder | "
                                                 "checkpoint folder | models:/name@alias")
+    sets: dict[str, EvalSetConfig] = Field(default_factory=dict, description="named eval sets; empty: the val split")
+    primary: str | None = Field(None, description="the set whose accuracy ranks models (default: the first set)")
 
     @field_validator("scorer")
     @classmethod
     def _known_scorer(cls, v: str) -> str:
-        if v not in SCORER_NAMES and not is_import_path(v):
-            raise ValueError(f"'{v}' is neither a builtin scorer ({', '.join(SCORER_NAMES)}) nor 'pkg.module:fn'")
+        return _scorer_name(v)
+
+    @field_validator("sets")
+    @classmethod
+    def _set_names(cls, v: dict) -> dict:
+        bad = [name for name in v if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name)]
+        if bad:
+            raise ValueError(f"set name(s) {bad} must be letters, digits, '_', '.' or '-' (they name folders and metrics)")
         return v
+
+    @model_validator(mode="after")
+    def _primary_and_guards(self) -> "EvalConfig":
+        if self.primary is not None and self.primary not in self.sets:
+            raise ValueError(f"eval.primary='{self.primary}' is not one of eval.sets ({', '.join(self.sets) or 'none'})")
+        guarded = [name for name, s in self.sets.items() if s.max_drop is not None]
+        if guarded and not self.eval_base:
+            raise ValueError(f"eval.sets.{guarded[0]}.max_drop compares with the base model: it needs eval.eval_base=true")
+        return self
+
+    @property
+    def set_names(self) -> list[str]:
+        """Sets in report order, the primary first; `["val"]` (the val split) without named sets."""
+        if not self.sets:
+            return ["val"]
+        first = self.primary or next(iter(self.sets))
+        return [first, *[n for n in self.sets if n != first]]
+
+    def scorer_of(self, name: str) -> str:
+        s = self.sets.get(name)
+        return s.scorer if s is not None and s.scorer else self.scorer
 
     @field_validator("answer_pattern")
     @classmethod
@@ -227,6 +286,11 @@ class FlowConfig(_Section):
     retries: int = Field(0, ge=0, description="task retries; a retried train resumes from its last checkpoint")
     retry_delay_seconds: float = Field(10, ge=0)
     timeout_seconds: float | None = Field(None, gt=0, description="per-task timeout; the torchrun tree is killed")
+
+
+def eval_split(set_name: str) -> str:
+    """The prepared split (and folder under the prepare stage) of a named eval set."""
+    return f"eval/{set_name}"
 
 
 class SFTConfig(_Section):
@@ -261,6 +325,8 @@ class SFTConfig(_Section):
             d = self.data
             self._inputs = {"train": expand_paths(d.train_data_paths, "data.train_data_paths"),
                             "val": expand_paths(d.val_data_paths, "data.val_data_paths") if d.val_data_paths else []}
+            for name, s in self.eval.sets.items():
+                self._inputs[eval_split(name)] = expand_paths(s.data_paths, f"eval.sets.{name}.data_paths")
         return self._inputs
 
 
@@ -360,7 +426,7 @@ def config_from_dict(raw: dict, source: str = "<config>") -> SFTConfig:
     except ValidationError as e:
         raise ConfigError(f"{source}: {_first_error_line(e)}") from None
     cfg.inputs()
-    if not cfg.data.val_data_paths and cfg.data.val_fraction <= 0:
+    if not cfg.data.val_data_paths and cfg.data.val_fraction <= 0 and not cfg.eval.sets:
         raise ConfigError(f"{source}: evaluate needs held-out prompts: set data.val_data_paths, "
                           "or data.val_fraction (e.g. 0.05) to hold out a share of the training rows")
     return cfg

@@ -36,7 +36,7 @@ from stages.runtime.model_types import get_model_builder, load_state_checked
 from stages.runtime.proctree import die_with_parent
 from stages.runtime.worker import SFTWorker, WorkerSpec, load_worker_class
 
-from . import EvalSpec, eval_samples
+from . import EvalSpec, eval_samples, set_dir
 from .errors import EvaluationError
 from .losses import loss_metrics, teacher_forced_sums
 from .scorers import get_scorer
@@ -93,12 +93,12 @@ def overrides_eval_output(worker_cls) -> bool:
     return worker_cls.get_eval_model_output is not SFTWorker.get_eval_model_output
 
 
-def worker_scores(worker_cls, spec: EvalSpec, cfg: SFTConfig, model, device, rank: int, world: int) -> dict | None:
+def worker_scores(worker_cls, spec: EvalSpec, cfg: SFTConfig, model, device, rank: int, world: int,
+                  set_name: str = "val") -> dict | None:
     """The worker's own accuracy: sums of get_eval_model_output over its eval dataset; None without `total`."""
     w = worker_cls.for_eval(WorkerSpec(config=spec.config, model_path=spec.base_model, out_dir=spec.out_dir),
                             model, device, rank, world)
-    val_dir = str(Path(spec.prepare_dir) / "val")
-    ds = w.build_dataset(val_dir, eval_dataset=True)
+    ds = w.build_dataset(str(set_dir(spec.prepare_dir, set_name)), eval_dataset=True)
     n = len(ds) if cfg.eval.max_samples <= 0 else min(len(ds), cfg.eval.max_samples)
     mine = list(rank_slice(n, rank, world))
     bs = cfg.eval.batch_size
@@ -120,14 +120,15 @@ def worker_scores(worker_cls, spec: EvalSpec, cfg: SFTConfig, model, device, ran
     return metrics
 
 
-def generation_scores(cfg: SFTConfig, model, tok, rows: list[dict], rank: int, world: int) -> tuple[dict, list[dict]]:
-    """Greedy generation on this rank's slice, scored per sample; gathered and summed."""
+def generation_scores(cfg: SFTConfig, model, tok, rows: list[dict], rank: int, world: int,
+                      set_name: str = "val") -> tuple[dict, list[dict]]:
+    """Greedy generation on this rank's slice, scored per sample by the set's scorer; gathered and summed."""
     e = cfg.eval
-    scorer = get_scorer(e.scorer, e.answer_pattern, e.numeric_tolerance)
+    scorer = get_scorer(e.scorer_of(set_name), e.answer_pattern, e.numeric_tolerance)
     r = rank_slice(len(rows), rank, world)
     mine = rows[r.start:r.stop]
     preds = generate(model, tok, [s["prompt"] for s in mine], e.max_new_tokens, e.batch_size)
-    records = [{"source": s["source"], "prompt": s["prompt"], "reference": s["reference"], "prediction": p["text"],
+    records = [{**({"set": set_name} if e.sets else {}), "source": s["source"], "prompt": s["prompt"], "reference": s["reference"], "prediction": p["text"],
                 "correct": bool(scorer(p["text"], s["reference"])), "new_tokens": p["new_tokens"]}
                for s, p in zip(mine, preds)]
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -144,16 +145,17 @@ def generation_scores(cfg: SFTConfig, model, tok, rows: list[dict], rank: int, w
     return metrics, records
 
 
-def score(cfg: SFTConfig, spec: EvalSpec, worker_cls, model, tok, rows, device, rank, world) -> tuple[dict, list[dict]]:
+def score(cfg: SFTConfig, spec: EvalSpec, worker_cls, model, tok, rows, device, rank, world,
+          set_name: str = "val") -> tuple[dict, list[dict]]:
     if overrides_eval_output(worker_cls):
-        metrics = worker_scores(worker_cls, spec, cfg, model, device, rank, world)
+        metrics = worker_scores(worker_cls, spec, cfg, model, device, rank, world, set_name)
         if metrics is not None:
             return metrics, []
     if tok is None or not getattr(tok, "chat_template", None):
         raise EvaluationError(
             f"evaluate: {type(model).__name__} is not a Hugging Face causal LM with a chat template, and actor.worker "
             f"({cfg.actor.worker or 'SFTWorker'}) has no get_eval_model_output returning 'correct' and 'total'")
-    return generation_scores(cfg, model, tok, rows, rank, world)
+    return generation_scores(cfg, model, tok, rows, rank, world, set_name)
 
 
 def _write_jsonl(path: Path, records: list[dict]) -> None:
@@ -171,21 +173,28 @@ def evaluate_spec(spec: EvalSpec) -> dict:
         worker_cls = load_worker_class(cfg.actor.worker)  # also registers its model types
     except ConfigError as e:
         raise EvaluationError(str(e)) from None
-    rows = eval_samples(spec.prepare_dir, cfg.eval.max_samples)
+    sets = cfg.eval.set_names
+    rows = {s: eval_samples(spec.prepare_dir, cfg.eval.max_samples, s) for s in sets}
     out = Path(spec.out_dir)
     metrics: dict = {}
+    per_set: dict[str, dict] = {s: {} for s in sets}
     for name, ref in spec.models.items():
         model, tok = load_model(cfg, ref, spec.base_model, device)
-        m, records = score(cfg, spec, worker_cls, model, tok, rows, device, rank, world)
-        log(f"evaluate {name} ({ref['kind']} {ref.get('source', ref['path'])}): accuracy {m['accuracy']:.4f} "
-            f"({m['correct']}/{m['total']}) on {world} process(es)")
-        if name == "model":
-            metrics.update(m)
-        else:
-            metrics.update({f"{name}_{k}": m[k] for k in BASE_KEYS if k in m})
+        records: list[dict] = []
+        for s in sets:
+            m, recs = score(cfg, spec, worker_cls, model, tok, rows[s], device, rank, world, s)
+            records += recs
+            where = "" if s == "val" else f" on '{s}'"
+            log(f"evaluate {name} ({ref['kind']} {ref.get('source', ref['path'])}){where}: accuracy {m['accuracy']:.4f} "
+                f"({m['correct']}/{m['total']}) on {world} process(es)")
+            per_set[s].update(m if name == "model" else {f"{name}_{k}": m[k] for k in BASE_KEYS if k in m})
         if rank == 0:
             _write_jsonl(out / ("predictions.jsonl" if name == "model" else f"{name}_predictions.jsonl"), records)
         del model
+    metrics.update(per_set[sets[0]])  # the primary set ranks models
+    if cfg.eval.sets:
+        metrics["primary_set"] = sets[0]
+        metrics["sets"] = {s: {k: v for k, v in m.items() if k != "mode"} for s, m in per_set.items()}
     if rank == 0:
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics

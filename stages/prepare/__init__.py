@@ -8,7 +8,9 @@ into shard writers. Memory stays bounded by the chunks in flight plus one Arrow 
 split, and the output is identical for any `num_proc`.
 
 Output folder:
-    train/shard-*.arrow, val/shard-*.arrow   prepared rows (see stages/chatdata/shards.py)
+    train/shard-*.arrow, val/shard-*.arrow   prepared rows (see stages/chatdata/shards.py); val only when
+                                             data.val_data_paths or data.val_fraction asks for it
+    eval/<set>/shard-*.arrow                 each named eval set (eval.sets), rows as in val
     quarantine.jsonl                         every row not kept: file, line, split, reason, detail, raw
     preview.txt                              the first samples, trainable spans in [[...]]
     manifest.json                            sources, counts by split and reason, tokens, trainable tokens
@@ -27,7 +29,7 @@ from typing import Any, Iterator
 from stages.chatdata.readers import RowError, file_format, iter_records, parse_record, row_content_key, to_conversations
 from stages.chatdata.shards import ShardWriter, read_shards
 from stages.core.artifacts import StageBuild, is_complete
-from stages.core.config import SFTConfig
+from stages.core.config import SFTConfig, eval_split
 from stages.core.errors import DataError, StageError
 
 from .masking import Renderer, assistant_spans, encode_texts, finish, mask_from_offsets
@@ -123,8 +125,8 @@ def process_chunk(chunk: list[tuple[str, str, str, int, Any]]) -> list[Item]:
             items.append(Item(split, file, line, None, True, reason=e.reason, detail=e.detail, raw=_raw_text(record)))
             continue
         for k, conv in enumerate(convs):
-            # only val rows keep their messages (evaluate's prompts); train rows don't ship them back
-            item = Item(split, file, line, k if len(convs) > 1 else None, k == 0, messages=conv if split == "val" else None)
+            # only held-out rows keep their messages (evaluate's prompts); train rows don't ship them back
+            item = Item(split, file, line, k if len(convs) > 1 else None, k == 0, messages=conv if split != "train" else None)
             items.append(item)
             try:
                 text, spans = assistant_spans(renderer, conv, opts.loss_on)
@@ -169,13 +171,20 @@ class Source:
     format: str
 
 
+def splits_of(cfg: SFTConfig) -> list[str]:
+    """The splits prepare writes: train; val when asked for; one per named eval set."""
+    d = cfg.data
+    val = ["val"] if d.val_data_paths or d.val_fraction > 0 else []
+    return ["train", *val, *(eval_split(name) for name in cfg.eval.sets)]
+
+
 def plan_sources(cfg: SFTConfig) -> list[Source]:
     d = cfg.data
     out = []
     for key, paths in cfg.inputs().items():
-        split = "auto" if key == "train" and not d.val_data_paths else key
+        split = "auto" if key == "train" and not d.val_data_paths and d.val_fraction > 0 else key
         for p in paths:
-            out.append(Source(str(p), split, file_format(p, d.format, d.columns, "val" if split == "val" else "train")))
+            out.append(Source(str(p), split, file_format(p, d.format, d.columns, "train" if key == "train" else "val")))
     return out
 
 
@@ -183,7 +192,7 @@ def _chunks(sources: list[Source]) -> Iterator[list]:
     buf: list = []
     for src in sources:
         for n, rec in iter_records(src.ref if src.ref.startswith("hf:") else Path(src.ref),
-                                   "val" if src.split == "val" else "train"):
+                                   "train" if src.split in ("train", "auto") else "val"):
             buf.append((src.split, src.format, src.ref, n, rec))
             if len(buf) >= CHUNK_RECORDS:
                 yield buf
@@ -231,7 +240,7 @@ def run_prepare(cfg: SFTConfig, fp: str, model_path: str) -> dict:
     tokenizer = load_tokenizer(model_path, cfg.actor.model.trust_remote_code)
     sources = plan_sources(cfg)  # format detection fails here, before any output exists
     build = StageBuild(cfg.artifacts_path, "prepare", fp)
-    writers = {s: ShardWriter(build.partial / s, d.shard_rows) for s in ("train", "val")}
+    writers = {s: ShardWriter(build.partial / s, d.shard_rows) for s in splits_of(cfg)}
     stats = {s: SplitStats() for s in writers}
     preview: list[str] = []
     opts = Options.from_config(cfg)
@@ -250,7 +259,7 @@ def run_prepare(cfg: SFTConfig, fp: str, model_path: str) -> dict:
                                                  "raw": it.raw}, ensure_ascii=False) + "\n")
                     continue
                 writers[it.split].add({"input_ids": it.ids, "loss_mask": it.mask, "source": it.source,
-                                       "messages": json.dumps(it.messages, ensure_ascii=False) if it.split == "val" else None})
+                                       "messages": json.dumps(it.messages, ensure_ascii=False) if it.messages else None})
                 st.rows_kept += 1
                 st.tokens += len(it.ids)
                 st.trainable_tokens += int(it.mask.sum())
@@ -264,10 +273,12 @@ def run_prepare(cfg: SFTConfig, fp: str, model_path: str) -> dict:
             raise StageError(f"prepare: no usable rows in the {split} split; see {build.partial / 'quarantine.jsonl'} "
                              f"(dropped: {dict(st.dropped)})")
     splits = {s: {**st.to_dict(), "shards": shards[s]} for s, st in stats.items()}
-    metrics = {f"{s}_{k}": v for s, st in splits.items() for k, v in st.items() if isinstance(v, int)}
+    metrics = {f"{s}_{k}": v for s, st in splits.items() for k, v in st.items()
+               if isinstance(v, int) and s in ("train", "val")}  # named eval sets: in `splits`
     build.commit({"metrics": metrics, "splits": splits, "model_path": model_path,
                   "sources": [s.__dict__ for s in sources],
-                  "inputs": {s: [x.ref for x in sources if x.split in (s, "auto")] for s in ("train", "val")}})
+                  "inputs": {s: [x.ref for x in sources if x.split == s or (x.split == "auto" and s in ("train", "val"))]
+                             for s in splits}})
     return metrics
 
 

@@ -11,6 +11,9 @@ The version is tagged with fingerprints, data digest, config hash and accuracy;
   if_better  champion when accuracy >= the current champion's on the same eval set,
              otherwise the version becomes `challenger`
   never      no alias
+A set in `eval.sets` with `max_drop` guards promotion under `always` and `if_better`: a version
+whose accuracy on it fell more than that below the base model's becomes `challenger`, never
+`champion`. The decision and its reason are in the stage's manifest and the version's tags.
 Registering a train fingerprint that already has a version reuses that version.
 """
 
@@ -40,18 +43,44 @@ def _existing_version(client, name: str, train_fp: str):
     return next((v for v in versions if v.tags.get(TAG + "train_fingerprint") == train_fp), None)
 
 
-def decide_alias(client, name: str, policy: str, accuracy: float, eval_set: str) -> str | None:
+def failed_guards(eval_metrics: dict) -> list[str]:
+    """One line per guarded eval set whose accuracy fell more than its max_drop below the base model's."""
+    return [f"'{name}' accuracy {m['accuracy']:.3f} is {-m['delta']:.3f} below the base model's "
+            f"{m['base_accuracy']:.3f} (max_drop {m['max_drop']})"
+            for name, m in (eval_metrics.get("sets") or {}).items() if m.get("guard_ok") is False]
+
+
+def decide_alias(client, name: str, policy: str, accuracy: float, eval_set: str,
+                 guards: list[str] | None = None) -> tuple[str | None, str]:
+    """(alias to set, why)."""
     if policy == "never":
-        return None
+        return None, "registry.promote=never"
+    if guards:
+        return CHALLENGER, "held back by the retention guard: " + "; ".join(guards)
     if policy == "always":
-        return CHAMPION
+        return CHAMPION, "registry.promote=always"
     try:
         current = client.get_model_version_by_alias(name, CHAMPION)
     except Exception:
-        return CHAMPION
-    same_set = current.tags.get(TAG + "eval_set_fingerprint") == eval_set
+        return CHAMPION, "no champion yet"
+    if current.tags.get(TAG + "eval_set_fingerprint") != eval_set:
+        return CHALLENGER, f"champion v{current.version} was scored on another eval set"
     cur_acc = float(current.tags.get(TAG + "eval_accuracy", "-1"))
-    return CHAMPION if same_set and accuracy >= cur_acc else CHALLENGER
+    if accuracy >= cur_acc:
+        return CHAMPION, f"accuracy {accuracy:.4f} >= champion v{current.version}'s {cur_acc:.4f}"
+    return CHALLENGER, f"accuracy {accuracy:.4f} < champion v{current.version}'s {cur_acc:.4f}"
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def eval_metric_values(eval_metrics: dict) -> dict[str, float]:
+    """MLflow metric name -> value: `eval/<key>` for the primary set, `eval/<set>/<key>` for every named set."""
+    out = {f"eval/{k}": float(v) for k, v in eval_metrics.items() if _number(v)}
+    for name, m in (eval_metrics.get("sets") or {}).items():
+        out.update({f"eval/{name}/{k}": float(v) for k, v in m.items() if _number(v)})
+    return out
 
 
 def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
@@ -84,8 +113,7 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
         if flow_run and client.get_run(run_id).data.tags.get("prefect.flow_run_id") != flow_run:
             client.set_tag(run_id, "prefect.register_flow_run_id", flow_run)
         sync_rows(client, run_id, read_metrics_file(Path(dirs["train"]) / "metrics.jsonl"))  # what live logging missed
-        send_values(client, run_id, {f"eval/{k}": float(v) for k, v in eval_metrics.items()
-                                     if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        send_values(client, run_id, eval_metric_values(eval_metrics))
         with mlflow.start_run(run_id=run_id):
             for stage, folder in dirs.items():
                 mlflow.log_artifact(str(Path(folder) / "manifest.json"), artifact_path=f"manifests/{stage}")
@@ -101,16 +129,19 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
                  "evaluate_fingerprint": fingerprints.get("evaluate", ""), "config_hash": config_hash(cfg),
                  "data_digest": data_digest(lineage.inputs), "eval_accuracy": str(eval_metrics["accuracy"]),
                  "eval_set_fingerprint": eval_set}
+        vtags.update({f"eval_{n}_accuracy": str(m["accuracy"]) for n, m in (eval_metrics.get("sets") or {}).items()})
         for k, v in vtags.items():
             client.set_model_version_tag(name, version.version, TAG + k, v)
 
-    alias = decide_alias(client, name, cfg.registry.promote, float(eval_metrics["accuracy"]), eval_set)
+    guards = failed_guards(eval_metrics)
+    alias, why = decide_alias(client, name, cfg.registry.promote, float(eval_metrics["accuracy"]), eval_set, guards)
+    client.set_model_version_tag(name, version.version, TAG + "alias_reason", why)
     aliases = set(client.get_model_version(name, version.version).aliases)
     if alias and alias not in aliases and CHAMPION not in aliases:
         client.set_registered_model_alias(name, alias, version.version)
     aliases = sorted(client.get_model_version(name, version.version).aliases)
     metrics = {"version": int(version.version), "accuracy": eval_metrics["accuracy"], "aliases": aliases,
-               "reused_version": existing is not None}
+               "reused_version": existing is not None, "alias_decision": alias, "alias_reason": why}
     (build.partial / "registration.json").write_text(json.dumps(
         {"tracking_uri": uri, "run_id": run_id, "model_name": name,
          "version": version.version, "model_uri": f"models:/{name}/{version.version}", "aliases": aliases}, indent=2))

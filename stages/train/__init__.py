@@ -41,8 +41,9 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
             raise TrainingFailed(f"train: {e}; rebuild them with `sftflow stage prepare --force -c <config>`") from None
     # keep_partial: an interrupted run's checkpoints are where runner.resume=auto continues from
     build = StageBuild(cfg.artifacts_path, "train", fp, keep_partial=True)
+    val = Path(prepare_dir) / "val"  # absent when only named eval sets hold out data: no validation loss
     spec = WorkerSpec(config=cfg, model_path=model_path, out_dir=str(build.partial),
-                      train_dir=str(Path(prepare_dir) / "train"), val_dir=str(Path(prepare_dir) / "val"))
+                      train_dir=str(Path(prepare_dir) / "train"), val_dir=str(val) if val.is_dir() else None)
     spec_path = spec.write(build.partial / "spec.json")
     metrics_file = build.partial / "metrics.jsonl"
     with training_run(cfg, lineage, on_line, metrics_file) as env:
