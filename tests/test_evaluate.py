@@ -5,6 +5,7 @@ and a non-Hugging-Face model scored through its worker's get_eval_model_output."
 
 import json
 import math
+import re
 import os
 from pathlib import Path
 
@@ -37,6 +38,9 @@ def test_builtin_scorers():
     assert norm("the answer, paris.", "The Answer Paris") and not norm("Paris, France", "Paris")
     assert contains("I think it is Paris, France.", "paris") and not contains("Parisian", "Paris")
     assert not contains("anything", "  ")
+    assert contains("我是Lumen，由Orbit Labs开发。", "Lumen") and contains("首都是巴黎。", "巴黎")
+    assert contains("I'm Lumen.", "lumen") and not contains("Lumens of light", "Lumen")
+    assert not contains("illumenate", "lumen") and contains("Lumen/Orbit", "lumen")
     regex = get_scorer("regex")
     assert regex("so 6 * 7 = 42\n#### 42", "Six times seven.\n#### 42")
     assert not regex("#### 41", "#### 42") and not regex("42", "#### 42")  # no answer marker: wrong
@@ -296,3 +300,59 @@ def test_a_model_that_cannot_be_scored_says_why(setup, tmp_path):
                  eval={"model": str(tmp_path / "mlp")})
     with pytest.raises(EvaluationError, match="not a Hugging Face causal LM.*get_eval_model_output"):
         evaluate(cfg)
+
+
+def test_named_eval_sets_are_each_scored_with_their_own_scorer(setup):
+    """Two sets from their own files, no val split: each equals the naive loop scored by its scorer; the
+    primary set is the top-level accuracy; base and tuned side by side; the guard is delta >= -max_drop."""
+    from stages.evaluate.scorers import contains
+    tmp, naive = setup["tmp"], setup["naive"]
+    rows = demo_rows("eval.jsonl", N_VAL)
+    for i, r in enumerate(rows):
+        if i % 2 == 0 and naive[i][0].strip():
+            r["messages"][-1]["content"] = naive[i][0]
+    # "words": the first word of the model's reply as a `contains` reference for some, a foreign word for others
+    words = [dict(r, messages=r["messages"][:-1] + [{"role": "assistant", "content": (
+        naive[i][0].split()[0] if i % 3 == 0 and naive[i][0].split() else "zebra")}]) for i, r in enumerate(rows)]
+    write_jsonl(tmp / "words.jsonl", words)
+    raw = json.loads(json.dumps(setup["raw"]))
+    raw["data"].pop("val_data_paths")
+    raw["actor"]["nproc_per_node"] = 1
+    raw["eval"].update(model=str(setup["model_dir"]), primary="echo", sets={
+        "words": {"data_paths": [str(tmp / "words.jsonl")], "scorer": "contains", "max_drop": 0.0},
+        "echo": {"data_paths": [str(tmp / "val.jsonl")]}})
+    cfg = load_config(write_config(tmp, raw, "sets.yaml"))
+    p = plan(cfg)
+    run_stage(p, "prepare")
+    assert {d.name for d in (p.folder("prepare") / "eval").iterdir()} == {"words", "echo"}
+    assert not (p.folder("prepare") / "val").exists()
+    result, records = evaluate(cfg)
+    m = result.metrics
+    assert m["primary_set"] == "echo" and list(m["sets"]) == ["echo", "words"]
+    echo = [r for r in records if r["set"] == "echo"]
+    check_against_naive(setup, m, echo)  # the top level is the primary set
+    assert m["sets"]["echo"]["accuracy"] == m["accuracy"]
+    got = [r for r in records if r["set"] == "words"]
+    want = [contains(text, w["messages"][-1]["content"]) for w, (text, _) in zip(words, naive)]
+    assert [r["correct"] for r in got] == want and 0 < sum(want) < len(want)
+    w = m["sets"]["words"]
+    assert w["accuracy"] == pytest.approx(sum(want) / len(want)) and w["total"] == len(want)
+    assert w["delta"] == pytest.approx(w["accuracy"] - w["base_accuracy"])
+    assert w["guard_ok"] is (w["delta"] >= 0) and "guard_ok" not in m["sets"]["echo"]
+    base = read_jsonl(Path(result.path) / "base_predictions.jsonl")
+    assert sorted({r["set"] for r in base}) == ["echo", "words"] and len(base) == 2 * N_VAL
+    manifest = read_manifest(result.path)
+    assert set(manifest["eval_sets"]) == {"echo", "words"} and manifest["eval_set_fingerprint"] == manifest["eval_sets"]["echo"]
+
+
+def test_eval_set_config_errors_are_one_line(tmp_path):
+    raw = tiny_config_dict(tmp_path)
+    val = raw["data"]["val_data_paths"]
+    cases = [({"sets": {"a b": {"data_paths": val}}}, "set name(s) ['a b']"),
+             ({"sets": {"a": {"data_paths": val}}, "primary": "b"}, "eval.primary='b' is not one of eval.sets (a)"),
+             ({"sets": {"a": {"data_paths": val, "max_drop": 0.1}}, "eval_base": False}, "needs eval.eval_base=true"),
+             ({"sets": {"a": {"data_paths": [str(tmp_path / "nope.jsonl")]}}}, "eval.sets.a.data_paths"),
+             ({"sets": {"a": {"data_paths": val, "scorer": "nosuch"}}}, "neither a builtin scorer")]
+    for ev, message in cases:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            config_from_dict({**raw, "eval": ev})

@@ -39,10 +39,31 @@ def normalized(prediction: str, reference: str) -> bool:
     return normalize(prediction) == normalize(reference)
 
 
+_UNSPACED_SCRIPTS = ("CJK", "HIRAGANA", "KATAKANA", "THAI", "LAO", "KHMER", "MYANMAR", "TIBETAN")
+
+
+def _unspaced(ch: str) -> bool:
+    """A character of a script written without spaces between words (Chinese, Japanese, Thai, ...)."""
+    return ch.isalpha() and unicodedata.name(ch, "").startswith(_UNSPACED_SCRIPTS)
+
+
+def _word_edge(neighbor: str, edge: str) -> bool:
+    return not neighbor.isalnum() or _unspaced(neighbor) or _unspaced(edge)
+
+
 def contains(prediction: str, reference: str) -> bool:
-    """The normalized reference occurs in the normalized prediction (an empty reference never matches)."""
-    ref = normalize(reference)
-    return bool(ref) and f" {ref} " in f" {normalize(prediction)} "
+    """The normalized reference occurs in the normalized prediction as whole words (an empty reference
+    never matches). Words end at spaces and punctuation, and at the edge of a script written without
+    spaces: "Lumen" is found in "我是Lumen" but not in "Lumens"."""
+    ref, pred = normalize(reference), normalize(prediction)
+    if not ref:
+        return False
+    for m in re.finditer(re.escape(ref), pred):
+        before = pred[m.start() - 1] if m.start() > 0 else " "
+        after = pred[m.end()] if m.end() < len(pred) else " "
+        if _word_edge(before, ref[0]) and _word_edge(after, ref[-1]):
+            return True
+    return False
 
 
 def extract(text: str, pattern: str) -> str | None:
