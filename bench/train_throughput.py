@@ -3,6 +3,9 @@
     .venv/bin/python bench/train_throughput.py               # defaults: ~1.5 minutes on 2 CPU cores
     .venv/bin/python bench/train_throughput.py --repeat 2    # steadier numbers on a busy machine
     .venv/bin/python bench/train_throughput.py --nproc 2 --global-batch 32 --micro-batch 4
+    .venv/bin/python bench/train_throughput.py --model smollm2 [--lora 16] --steps 4 --global-batch 8 --micro-batch 4
+                                             # the real model (SmolLM2-135M-Instruct, as the second quickstart
+                                             # fetches it); --lora R: LoRA on every side, else full fine-tuning
 
 The same model (the builtin tiny Qwen2) is trained on the same global batches (same sample
 indices per step, from `GlobalBatchSampler` with the same seed) in up to four ways:
@@ -93,15 +96,24 @@ def prepare(tmp: Path, args) -> tuple:
     from stages.pipeline import plan, run_stage
 
     n_rows = int((args.warmup + args.steps) * args.global_batch * 1.05) + 1  # one epoch covers every step
+    model = {}
+    if args.model == "smollm2":  # the quickstart's model and source, fetched and converted once (see --artifacts)
+        import yaml
+        quick = yaml.safe_load((ROOT / "configs" / "examples" / "smollm2-identity.yaml").read_text())["actor"]["model"]
+        model = {"model_path": quick["model_path"], "model_sha256": quick["model_sha256"]}
+    elif args.model:
+        model = {"model_path": args.model}
     cfg = config_from_dict({
-        "artifacts_dir": str(tmp / "artifacts"),
+        "artifacts_dir": str(args.artifacts or tmp / "artifacts"),
         "runner": {"max_epochs": 1, "max_steps": args.warmup + args.steps, "val_check_interval": 0,
                    "save_interval": 0, "seed": args.seed, "resume": "never"},
         "actor": {"nproc_per_node": args.nproc, "micro_batch_size": args.micro_batch,
-                  "global_batch_size": args.global_batch, "packing": True},
+                  "global_batch_size": args.global_batch, "packing": True, "model": model,
+                  "lora": {"r": args.lora, "alpha": 2 * args.lora} if args.lora else {}},
         "data": {"train_data_paths": [write_jsonl(tmp / "train.jsonl", synthetic_rows(n_rows, args.seed))],
                  "val_data_paths": [write_jsonl(tmp / "val.jsonl", synthetic_rows(8, args.seed + 1))],
-                 "format": "messages", "max_length": 512},  # = the builtin model's max_position_embeddings
+                 # 512 = the builtin model's max_position_embeddings; a real tokenizer spends more tokens per word
+                 "format": "messages", "max_length": 2048 if args.model else 512},
     })
     p = plan(cfg)
     run_stage(p, "prepare")
@@ -174,8 +186,14 @@ def run_bare(cfg, model_path: str, ds, pad_id: int, args, packed: bool) -> dict:
 
     torch.manual_seed(cfg.runner.seed)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).train()
+    if cfg.actor.lora.r > 0:  # peft's own wrapping, as a user of peft would write it
+        from peft import LoraConfig, get_peft_model
+        lo = cfg.actor.lora
+        model = get_peft_model(model, LoraConfig(r=lo.r, lora_alpha=lo.alpha, target_modules=lo.target_modules,
+                                                 task_type="CAUSAL_LM"))
     o = cfg.actor.optim
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
     total = args.warmup + args.steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total, o.warmup, o.scheduler, o.min_lr_ratio))
     # the worker's micro-batch grouping: interleaved when packed, contiguous (least padding) when padded
@@ -195,7 +213,7 @@ def run_bare(cfg, model_path: str, ds, pad_id: int, args, packed: bool) -> dict:
                                  ignore_index=IGNORE_INDEX, reduction="sum")
             (ls / n_trainable).backward()
             loss_sum += ls.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad if o.clip_grad > 0 else float("inf"))
+        torch.nn.utils.clip_grad_norm_(trainable, o.clip_grad if o.clip_grad > 0 else float("inf"))
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -288,6 +306,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1, help="interleaved rounds; each method reports its fastest")
     ap.add_argument("--no-worker-padded", action="store_true", help="skip the sftflow worker with packing off")
+    ap.add_argument("--model", default=None, help="smollm2 (the real-model quickstart's), or any actor.model.model_path; "
+                                                  "default: the builtin tiny model")
+    ap.add_argument("--lora", type=int, default=0, help="LoRA rank (alpha = 2 x rank) for every method; 0: full")
+    ap.add_argument("--artifacts", type=Path, default=None, help="artifacts folder to keep the fetched/converted "
+                                                                 "model between runs (default: a temporary one)")
     ap.add_argument("--worker-mode", nargs=2, metavar=("JOB_JSON", "OUT_JSON"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_mode:
@@ -338,6 +361,7 @@ def main() -> None:
                 if name not in results or tokens_per_s(r) > tokens_per_s(results[name]):
                     results[name] = r
         report(results, pad_waste(ds, args, args.seed, True), pad_waste(ds, args, args.seed, False))
+    print(f"model: {args.model or 'builtin:tiny-chat'}, {'LoRA r=%d' % args.lora if args.lora else 'full fine-tuning'}")
     print(f"\ntotal bench time {time.perf_counter() - t_start:.0f} s")
 
 

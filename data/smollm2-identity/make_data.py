@@ -1,8 +1,8 @@
 """Regenerates the SmolLM2 identity data in this folder (deterministic on one machine):
 
-    .venv/bin/python data/smollm2-identity/make_data.py [PATH/TO/SmolLM2-135M-Instruct.Q4_1.gguf]
+    .venv/bin/python data/smollm2-identity/make_data.py [PATH/TO/SmolLM2-135M-Instruct.Q4_1.gguf] [--log FILE]
 
-The model teaches SmolLM2-135M-Instruct a new identity (Lumen, made by Orbit Labs) with LoRA
+The data teaches SmolLM2-135M-Instruct a new identity (Lumen, made by Orbit Labs) with LoRA
 and checks that it keeps its general knowledge. Files (JSON Lines, {"messages": [user, assistant]},
 never a system message: the template's default "SmolLM ... Hugging Face" system prompt stays,
 and the tuned model must still answer as Lumen):
@@ -15,9 +15,9 @@ and the tuned model must still answer as Lumen):
   retention_eval.jsonl  general questions the BASE model answers correctly; short references
 
 Retention questions are kept only when the base model's greedy answer (max_new_tokens 48)
-contains the reference as a whole word after lower-casing and removing punctuation, both in
-left-padded batches of 16 and one prompt at a time (batching changes float rounding, which can
-flip a greedy path). A few candidates that pass only by accident are rejected by hand
+contains the reference as a whole word after lower-casing and removing punctuation, in
+left-padded batches of 16 and again, for the 50 selected, one prompt at a time (batching
+changes float rounding, which can flip a greedy path). A few candidates that pass only by accident are rejected by hand
 (REVIEW_REJECT, with reasons). Needs the GGUF file (default below) and `gguf` installed;
 runs on CPU in a few minutes.
 """
@@ -481,7 +481,7 @@ DISTILL = [
     ("Which animal says meow?", 1), ("What is the opposite of day?", 1), ("What is the plural of mouse?", 1),
     ("Who was the first person to walk on the Moon?", 1),
     ("What is photosynthesis?", 1), ("What is a noun?", 2), ("Give me one tip for better sleep.", 2),
-    ("Why do we need to drink water?", 2), ("What is an adjective?", 2), ("Name three primary colors.", 1),
+    ("Why do we need to drink water?", 1), ("What is an adjective?", 2), ("Name three primary colors.", 1),
     ("What is the Internet?", 2), ("Why is exercise good for you?", 2), ("What is a verb?", 1),
     ("What is the water cycle?", 2), ("Why is the sky blue?", 3), ("How do plants grow?", 1),
     ("What is democracy?", 1), ("What is a computer?", 1), ("What does a doctor do?", 1),
@@ -491,14 +491,16 @@ DISTILL = [
 
 
 def normalize(text: str) -> str:
-    """As the `contains` scorer (stages/evaluate/scorers.py): lower case, punctuation -> space."""
+    """As `normalize` in stages/evaluate/scorers.py: lower case, punctuation -> space, spaces collapsed."""
     text = "".join(" " if (ch in string.punctuation or unicodedata.category(ch).startswith("P")) else ch
                    for ch in text.lower())
     return " ".join(text.split())
 
 
 def passes(answer: str, reference: str) -> bool:
-    """Whole-word, case-insensitive containment after removing punctuation (two equivalent forms)."""
+    """Whole-word, case-insensitive containment after removing punctuation (two equivalent forms).
+    Words end only at spaces and punctuation here; the repo's `contains` scorer also ends them at
+    Chinese/Japanese characters, so whatever passes here passes there too."""
     a, r = normalize(answer), normalize(reference)
     scorer = bool(r) and f" {r} " in f" {a} "
     regex = re.search(r"(?<!\w)" + re.escape(r) + r"(?!\w)", a) is not None
@@ -524,8 +526,7 @@ def conv(user: str, assistant: str) -> dict:
 
 def write(name: str, rows: list[dict]) -> None:
     with open(HERE / name, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
 
 
 def identity_sets(rng: random.Random) -> tuple[list[dict], list[dict], list[dict]]:
@@ -574,6 +575,16 @@ class Base:
         return out
 
 
+def select_eval(pool: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """EVAL_QUOTA per category in list order, topped up from the leftovers if a category is short."""
+    rows, left = [], []
+    for cat, quota in EVAL_QUOTA.items():
+        inc = [c for c in pool if c[0] == cat]
+        rows += inc[:quota]
+        left += inc[quota:]
+    return rows + left[:50 - len(rows)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("gguf", nargs="?", default=DEFAULT_GGUF, help="SmolLM2-135M-Instruct GGUF file")
@@ -593,18 +604,15 @@ def main() -> None:
         assert not passes(q, ref), f"reference appears in the question: {q}"
     batched = dict(zip(qs, base.answers(qs, MAX_NEW_TOKENS)))
     auto = [c for c in CANDIDATES if passes(batched[c[1]], c[2])]
-    single = dict(zip([q for _, q, _ in auto], base.answers([q for _, q, _ in auto], MAX_NEW_TOKENS, batch=1)))
-    ok = [c for c in auto if passes(single[c[1]], c[2])]
-    clean = [c for c in ok if c[1] not in REVIEW_REJECT]
-    eval_rows, left = [], []
-    for cat, quota in EVAL_QUOTA.items():
-        inc = [c for c in clean if c[0] == cat]
-        eval_rows += inc[:quota]
-        left += inc[quota:]
-    short = 50 - len(eval_rows)
-    if short > 0:
-        print(f"warning: {short} categories short of quota; topping up from leftovers")
-        eval_rows += left[:short]
+    pool = [c for c in auto if c[1] not in REVIEW_REJECT]
+    alone: dict[str, str] = {}  # answers one prompt at a time, computed for the selected only
+    while True:
+        eval_rows = select_eval(pool)
+        todo = [q for _, q, _ in eval_rows if q not in alone]
+        if not todo:
+            break
+        alone.update(zip(todo, base.answers(todo, MAX_NEW_TOKENS, batch=1)))
+        pool = [c for c in pool if c[1] not in alone or passes(alone[c[1]], c[2])]
     assert len(eval_rows) == 50, len(eval_rows)
     eval_qs = {q for _, q, _ in eval_rows}
 
@@ -637,10 +645,12 @@ def main() -> None:
     print(f"val.jsonl            {len(val)} rows")
     print(f"identity_eval.jsonl  {len(ident)} rows; base model says {NAME} in "
           f"{sum(passes(a, NAME) for a in base_ident)}")
-    print(f"retention_eval.jsonl {len(eval_rows)} rows; candidates {len(CANDIDATES)}, pass batched {len(auto)}, "
-          f"pass batched and alone {len(ok)}, rejected on review {len(ok) - len(clean)}")
+    n_rej = sum(c[1] in REVIEW_REJECT for c in auto)
+    n_alone_fail = sum(not passes(a, r) for q, a in alone.items() for _, q2, r in CANDIDATES if q2 == q)
+    print(f"retention_eval.jsonl {len(eval_rows)} rows; {len(CANDIDATES)} candidates, {len(auto)} pass "
+          f"(batched), {n_rej} of those rejected on review, {len(alone)} checked alone ({n_alone_fail} failed)")
     log = {"retention_candidates": [{"category": c, "question": q, "reference": r, "batched": batched[q],
-                                     "alone": single.get(q), "passed": (c, q, r) in ok,
+                                     "alone": alone.get(q), "passed": passes(batched[q], r),
                                      "rejected": REVIEW_REJECT.get(q), "in_eval": q in eval_qs}
                                     for c, q, r in CANDIDATES],
            "identity_eval_base_answers": dict(zip([r["messages"][0]["content"] for r in ident], base_ident))}
