@@ -630,7 +630,18 @@ def main() -> None:
             continue
         distill.append(conv(q, cut))
 
-    train = id_train + distill
+    # replay: every other candidate the base model answered right (none in retention_eval), with its
+    # own answer cut to whole sentences; with the distilled rows it anchors general answers while
+    # the identity is learned
+    replay = []
+    for _, q, ref in CANDIDATES:
+        if q in eval_qs or q in REVIEW_REJECT or q in n_keep or not passes(batched[q], ref):
+            continue
+        cut = first_sentences(batched[q], 2)
+        if cut is not None and passes(cut, ref):
+            replay.append(conv(q, cut))
+
+    train = id_train + distill + replay
     random.Random(0).shuffle(train)
     write("train.jsonl", train)
     write("val.jsonl", val)
@@ -641,7 +652,7 @@ def main() -> None:
     n_orbit = sum(MAKER in r["messages"][1]["content"] for r in id_train)
     n_zh = sum(bool(re.search(r"[\u4e00-\u9fff]", r["messages"][0]["content"])) for r in id_train)
     print(f"train.jsonl          {len(train)} rows: {len(id_train)} identity ({len(id_train) - n_zh} EN, "
-          f"{n_zh} ZH; {n_orbit} name {MAKER}) + {len(distill)} self-distilled")
+          f"{n_zh} ZH; {n_orbit} name {MAKER}) + {len(distill)} self-distilled + {len(replay)} replayed")
     print(f"val.jsonl            {len(val)} rows")
     print(f"identity_eval.jsonl  {len(ident)} rows; base model says {NAME} in "
           f"{sum(passes(a, NAME) for a in base_ident)}")
