@@ -245,7 +245,7 @@ def serve(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesAr
           host: str = typer.Option("127.0.0.1", help="--start-server host"),
           port: int = typer.Option(4200, help="--start-server port"),
           allow_override: list[str] = typer.Option([], "--allow-override", help="let runs started through the "
-                                                   "Prefect API override this protected key (actor.worker, eval.scorer, "
+                                                   "Prefect API override this protected key (actor.worker, eval.scorer, eval.sets, "
                                                    "actor.model.trust_remote_code, runner.resume, artifacts_dir, "
                                                    "registry.tracking_uri); repeatable")) -> None:
     """Retrain on a schedule: serve the flow as a Prefect deployment (blocks; Ctrl-C stops)."""

@@ -391,8 +391,8 @@ def _section_for(dotted: str) -> type[BaseModel] | None:
 
 # Keys a served deployment's runs may not override unless `sftflow serve --allow-override` says so:
 # they run code (imports, remote code), read files from elsewhere, or send data elsewhere.
-SERVE_PROTECTED = ("actor.worker", "eval.scorer", "actor.model.trust_remote_code", "runner.resume", "artifacts_dir",
-                   "registry.tracking_uri")
+SERVE_PROTECTED = ("actor.worker", "eval.scorer", "eval.sets", "actor.model.trust_remote_code", "runner.resume",
+                   "artifacts_dir", "registry.tracking_uri")
 
 
 def check_overrides_allowed(overrides: list[str], protected: list[str]) -> None:

