@@ -14,6 +14,7 @@ from conftest import MULTI_TURN, ROOT, sftflow
 from stages.core.config import config_from_dict
 from stages.core.errors import StageError
 from stages.pipeline import plan
+from test_masking import trainable_runs
 
 pytestmark = pytest.mark.slow
 
@@ -63,16 +64,7 @@ def test_smollm2_masks_are_exact_on_its_real_template(quickstart):
     for messages in MULTI_TURN:
         t = tokenize_conversation(tok, messages, max_length=4096)
         assert t.input_ids == tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
-        runs, cur = [], []
-        for i, m in zip(t.input_ids, t.loss_mask):
-            if m:
-                cur.append(i)
-            elif cur:
-                runs.append(tok.decode(cur))
-                cur = []
-        if cur:
-            runs.append(tok.decode(cur))
-        assert runs == [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
+        assert trainable_runs(tok, t) == [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
 
 
 def test_smollm2_quickstart_path_end_to_end(quickstart):
