@@ -26,7 +26,22 @@ def wait_gone(text: str, seconds: float = 30) -> list[str]:
     return live_processes_mentioning(text)
 
 
+def listening_addresses(text: str) -> list[tuple[str, str]]:
+    """(command line, address) of every listening TCP socket of the processes mentioning `text`."""
+    import psutil
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if text in cmd:
+            try:
+                found += [(cmd, c.laddr.ip) for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+            except psutil.Error:
+                pass
+    return found
+
+
 def test_sigterm_mid_training_leaves_no_process_alive(tmp_path):
+    """Also: a one-machine run listens on loopback only (torchrun --standalone hosts its stores on `::`)."""
     cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path))
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / ".prefect")}  # PREFECT_API_URL: the session server
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "stage", "train", "-c", str(cfg_path),
@@ -38,6 +53,9 @@ def test_sigterm_mid_training_leaves_no_process_alive(tmp_path):
             if "step 1/" in line:
                 break
         assert live_processes_mentioning(marker), "training should be running"
+        listening = listening_addresses(marker)
+        assert len(listening) >= 3, listening  # the run's store + a gloo listener per rank
+        assert {ip for _, ip in listening} <= {"127.0.0.1", "::1"}, listening
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=240)  # keep draining (a full pipe would block the CLI); slow on a loaded box
     finally:
@@ -143,7 +161,7 @@ def test_killing_only_torchrun_stops_its_workers(tmp_path):
     import psutil
     proc, marker = _start_training(tmp_path)
     try:
-        agents = [p for p in psutil.Process(proc.pid).children() if "torch.distributed.run" in " ".join(p.cmdline())]
+        agents = [p for p in psutil.Process(proc.pid).children() if "local_torchrun" in " ".join(p.cmdline())]
         assert len(agents) == 1
         agents[0].kill()
         proc.communicate(timeout=240)

@@ -22,15 +22,17 @@ from .proctree import descendants, signal_tree
 
 
 def torchrun_command(cfg: SFTConfig, spec_path: Path, module: str) -> list[str]:
-    """`python -m torch.distributed.run ... -m <module> <spec_path>` for this node."""
+    """torchrun (for one machine through `local_torchrun`) `... -m <module> <spec_path>` for this node."""
     a = cfg.actor
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={a.nproc_per_node}"]
+    nproc = f"--nproc_per_node={a.nproc_per_node}"
     if a.nnodes == 1 and not a.rdzv_endpoint:
-        cmd.append("--standalone")
+        # one machine: its stores and sockets on loopback only (torchrun --standalone binds `::`)
+        cmd = [sys.executable, "-m", "stages.runtime.local_torchrun", nproc]
     else:
         # Every node runs this same command (only node_rank differs) and meets at node 0's endpoint.
-        cmd += [f"--nnodes={a.nnodes}", f"--node_rank={a.node_rank}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={a.rdzv_endpoint}", f"--rdzv-id=sftflow-{spec_path.parent.name}"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", nproc, f"--nnodes={a.nnodes}",
+               f"--node_rank={a.node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={a.rdzv_endpoint}",
+               f"--rdzv-id=sftflow-{spec_path.parent.name}"]
     return cmd + ["-m", module, str(spec_path)]
 
 
