@@ -182,6 +182,21 @@ def test_one_process_equals_the_naive_loop(setup):
     assert (Path(result.path) / "metrics.json").is_file()
 
 
+def test_max_samples_spreads_over_the_whole_set(setup):
+    """`eval.max_samples` scores rows from across the set (0, 2, 4 of 7), not its first rows, and
+    the scores are the naive loop's on exactly those rows."""
+    cfg = config(setup, "three.yaml", actor={"nproc_per_node": 1},
+                 eval={"model": str(setup["model_dir"]), "max_samples": 3})
+    result, records = evaluate(cfg)
+    picked = [0, 2, 4]  # i * 7 // 3
+    refs = [r["messages"][-1]["content"] for r in read_jsonl(setup["tmp"] / "val.jsonl")]
+    assert [r["reference"] for r in records] == [refs[i] for i in picked]
+    naive = [setup["naive"][i] for i in picked]
+    assert [r["prediction"] for r in records] == [text for text, _ in naive]
+    assert result.metrics["total"] == 3
+    assert result.metrics["correct"] == sum(text.strip() == refs[i].strip() for i, (text, _) in zip(picked, naive))
+
+
 def read_manifest(path) -> dict:
     return json.loads((Path(path) / "manifest.json").read_text())
 

@@ -43,10 +43,17 @@ def set_dir(prepare_dir: str | Path, name: str) -> Path:
     return Path(prepare_dir) / ("val" if name == "val" else eval_split(name))
 
 
+def sample_indices(n: int, max_samples: int) -> list[int]:
+    """Which of a set's `n` rows `eval.max_samples` keeps: all of them, or that many spread evenly
+    over the whole set in file order (the first N rows are often all one kind of prompt)."""
+    if max_samples <= 0 or max_samples >= n:
+        return list(range(n))
+    return [i * n // max_samples for i in range(max_samples)]
+
+
 def eval_samples(prepare_dir: str, max_samples: int = 0, set_name: str = "val") -> list[dict]:
     table = read_shards(set_dir(prepare_dir, set_name), ["input_ids", "loss_mask", "source", "messages"])
-    rows = table.to_pylist()
-    rows = rows[:max_samples] if max_samples > 0 else rows
+    rows = table.take(sample_indices(table.num_rows, max_samples)).to_pylist()
     for r in rows:
         r["prompt"], r["reference"] = prompt_and_reference(json.loads(r["messages"]))
     return rows

@@ -36,7 +36,7 @@ from stages.runtime.model_types import get_model_builder, load_state_checked
 from stages.runtime.proctree import die_with_parent
 from stages.runtime.worker import SFTWorker, WorkerSpec, load_worker_class
 
-from . import EvalSpec, eval_samples, set_dir
+from . import EvalSpec, eval_samples, sample_indices, set_dir
 from .errors import EvaluationError
 from .losses import loss_metrics, teacher_forced_sums
 from .scorers import get_scorer
@@ -99,8 +99,8 @@ def worker_scores(worker_cls, spec: EvalSpec, cfg: SFTConfig, model, device, ran
     w = worker_cls.for_eval(WorkerSpec(config=spec.config, model_path=spec.base_model, out_dir=spec.out_dir),
                             model, device, rank, world)
     ds = w.build_dataset(str(set_dir(spec.prepare_dir, set_name)), eval_dataset=True)
-    n = len(ds) if cfg.eval.max_samples <= 0 else min(len(ds), cfg.eval.max_samples)
-    mine = list(rank_slice(n, rank, world))
+    kept = sample_indices(len(ds), cfg.eval.max_samples)  # the rows eval_samples scores
+    mine = [kept[i] for i in rank_slice(len(kept), rank, world)]
     bs = cfg.eval.batch_size
     sums: dict[str, float] = {}
     with torch.no_grad():
