@@ -106,15 +106,18 @@ def _run_flow(fn, **kwargs) -> list[dict]:
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
         from flows.serve import ServerDidNotStart, temporary_server
+        from flows.sft import TEMPORARY_SERVER_ENV
         try:
             with temporary_server(Path(os.environ["PREFECT_HOME"])) as api:
                 os.environ["PREFECT_API_URL"] = api
+                os.environ[TEMPORARY_SERVER_ENV] = "1"
                 with temporary_settings(updates={PREFECT_API_URL: api}):
                     return _run_flow(fn, **kwargs)
         except ServerDidNotStart as e:
             _fail(str(e), code=1)
         finally:
             os.environ.pop("PREFECT_API_URL", None)
+            os.environ.pop(TEMPORARY_SERVER_ENV, None)
     try:
         return fn(**kwargs)
     except ConfigError as e:

@@ -54,8 +54,11 @@ def local_server(host: str, port: int, home: Path, log_path: Path, timeout: floa
         yield api
         return
     home.mkdir(parents=True, exist_ok=True)
+    # the UI calls the API it was served with, not 4200 (its default): on another port it would
+    # show "can't connect", or another server's runs
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_UI_ENABLED": "true" if ui else "false"}
+           "PREFECT_UI_ENABLED": "true" if ui else "false", "PREFECT_UI_API_URL": api,
+           "PREFECT_SERVER_API_HOST": host, "PREFECT_SERVER_API_PORT": str(port)}
     env.pop("PREFECT_API_URL", None)
     prefect = Path(sys.executable).with_name("prefect")
     cmd = [sys.executable, "-m", "stages.runtime.orphan_guard", str(prefect), "server", "start",
@@ -121,8 +124,24 @@ def serve(config_path: str, overrides: list[str], name: str, cron: str | None, i
     from flows.sft import PROTECTED_ENV, SERVED_CONFIG_ENV, sft_pipeline
     os.environ[SERVED_CONFIG_ENV] = str(Path(config_path).resolve())
     os.environ[PROTECTED_ENV] = ",".join(k for k in SERVE_PROTECTED if k not in (allow_overrides or []))
-    sft_pipeline.serve(
-        name=name, cron=cron, interval=interval, limit=1,
-        parameters={"config_path": str(Path(config_path).resolve()), "overrides": overrides},
-        description="sftflow: prepare -> train -> evaluate -> register; cached stages are skipped",
-    )
+    try:
+        sft_pipeline.serve(
+            name=name, cron=cron, interval=interval, limit=1, paused=False,
+            parameters={"config_path": str(Path(config_path).resolve()), "overrides": overrides},
+            description="sftflow: prepare -> train -> evaluate -> register; cached stages are skipped",
+        )
+    finally:
+        _pause(f"{sft_pipeline.name}/{name}")
+
+
+def _pause(deployment: str) -> None:
+    """Nothing serves the deployment once `serve` stops: pause it, so the UI says so (the server only
+    marks it not ready a minute after its last poll) and its schedule queues no runs that nobody runs.
+    The next `serve` resumes it."""
+    from prefect.client.orchestration import get_client
+    try:
+        with get_client(sync_client=True) as client:
+            client.pause_deployment(client.read_deployment_by_name(deployment).id)
+        print(f"paused deployment '{deployment}' (nothing serves it now)", flush=True)
+    except Exception as e:  # noqa: BLE001 - the server may be gone too
+        print(f"could not pause deployment '{deployment}': {e}", flush=True)

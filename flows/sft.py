@@ -29,6 +29,12 @@ from stages.evaluate.report import fmt, set_rows
 from stages.pipeline import KEY_METRIC, STAGES, UPSTREAM, Plan, plan, run_stage, upstream
 
 STEP_LINE = re.compile(r"^step (\d+)/(\d+)\b")
+# MLflow's own logging ("2026/12/01 06:45:02 INFO mlflow.system_metrics...: ..."), timestamped by
+# itself: it stays in train.log, out of the task log that a person reads for the training lines.
+MLFLOW_LOG_LINE = re.compile(r"^\d{4}/\d{2}/\d{2} \d{2}:\d{2}:\d{2} [A-Z]+ mlflow[\w.]*:")
+# Set by the CLI around its temporary Prefect server: it has no UI and is gone after the run, so
+# links to its pages would be dead.
+TEMPORARY_SERVER_ENV = "SFTFLOW_TEMPORARY_PREFECT"
 
 
 class _UsageErrorsWithoutTraceback(logging.Filter):
@@ -50,20 +56,36 @@ def _worth_retrying(task, task_run, state) -> bool:
     return not isinstance(state.result(raise_on_failure=False), ConfigError)
 
 
+def _eta(seconds: float) -> str:
+    m, sec = divmod(int(round(seconds)), 60)
+    return f"{m // 60}:{m % 60:02d}:{sec:02d}" if m >= 60 else f"{m}:{sec:02d}"
+
+
 def _training_progress(logger) -> Callable[[str], None]:
-    """Forwards torchrun's lines to the task log and mirrors `step N/M` into a progress artifact."""
-    state: dict[str, Any] = {"id": None, "last": -1.0}
+    """Forwards torchrun's lines to the task log (MLflow's own logging left in train.log) and mirrors
+    `step k/N` into a progress artifact whose description says the step and the time left."""
+    state: dict[str, Any] = {"id": None, "last": -1.0, "first": None}
 
     def on_line(line: str) -> None:
+        if MLFLOW_LOG_LINE.match(line):
+            return
         logger.info(line)
         m = STEP_LINE.match(line)
         if not m:
             return
-        pct = 100.0 * int(m.group(1)) / max(int(m.group(2)), 1)
+        k, n = int(m.group(1)), max(int(m.group(2)), 1)
+        pct = 100.0 * k / n
+        if state["first"] is None:  # the pace from the first step seen (a resumed run starts past 1)
+            state["first"] = (k, time.time())
+        k0, t0 = state["first"]
+        eta = f", {_eta((time.time() - t0) / (k - k0) * (n - k))} left" if k > k0 and k < n else ""
+        description = f"training: step {k}/{n}{eta}" if k < n else f"training: step {n}/{n}, done"
         if state["id"] is None:
-            state["id"] = create_progress_artifact(pct, key="sftflow-training", description="training steps")
-        elif pct - state["last"] >= 1 or pct == 100:
-            update_progress_artifact(state["id"], pct)
+            state["id"] = create_progress_artifact(pct, key="sftflow-training", description=description)
+        elif pct - state["last"] >= 1 or k == n:
+            update_progress_artifact(state["id"], pct, description=description)
+        else:
+            return
         state["last"] = pct
     return on_line
 
@@ -117,7 +139,16 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def _run_one(stage: str, p: Plan, force: bool) -> dict:
+def flow_run_url() -> str | None:
+    """This flow run's page in the Prefect UI, when a UI will be there to show it."""
+    if os.environ.get(TEMPORARY_SERVER_ENV):
+        return None
+    return flow_run.ui_url or None
+
+
+def _run_one(stage: str, p: Plan, force: bool, states: dict) -> dict:
+    """Runs `stage` after the upstream stages of this flow run (`states`: stage -> its final state),
+    which become its inputs in Prefect, so the run graph draws the pipeline's edges."""
     f = p.cfg.flow
     # A retried train finds its partial folder and resumes from the newest checkpoint.
     t = TASKS[stage].with_options(retries=f.retries, retry_delay_seconds=f.retry_delay_seconds,
@@ -125,11 +156,51 @@ def _run_one(stage: str, p: Plan, force: bool) -> dict:
     kwargs: dict[str, Any] = dict(p=p, force=force)
     if stage in ("train", "register"):  # tags of the MLflow run (opened by train, finished by register)
         kwargs["tags"] = {"sftflow.git_commit": _git_commit(), "prefect.flow_run_id": str(flow_run.id or "")}
+        if flow_run_url():
+            kwargs["tags"]["prefect.flow_run_url"] = flow_run_url()
     t0 = time.time()
     # the state, not the value: a task that returns a `Cached` state would hand back that state
-    result = dict(t(return_state=True, **kwargs).result())
+    states[stage] = t(return_state=True, wait_for=[states[u] for u in UPSTREAM[stage] if u in states], **kwargs)
+    result = dict(states[stage].result())
     result["seconds"] = round(time.time() - t0, 2)
     return result
+
+
+def _update_flow_run(**fields) -> None:
+    """Renames or tags this flow run; the run itself never fails over how it is labelled."""
+    if flow_run.id is None:
+        return
+    try:
+        from prefect.client.orchestration import get_client
+        with get_client(sync_client=True) as client:
+            client.update_flow_run(flow_run.id, **fields)
+    except Exception as e:  # noqa: BLE001
+        get_run_logger().warning(f"could not label the flow run: {e}")
+
+
+def _name_flow_run(p: Plan, config_path: str | None, stage: str | None = None) -> None:
+    """`<config>-<train fingerprint>`, or `<config>-<stage>-<its fingerprint>` for `sft_stage`: the same
+    work has the same name in every run, and a random name says nothing."""
+    stem = Path(config_path).stem if config_path else p.cfg.registry.model_name
+    _update_flow_run(name="-".join(x for x in (stem, stage, p.fingerprints.get(stage or "train", "")[:8]) if x))
+
+
+def run_tags(results: list[dict]) -> list[str]:
+    """What a run did, as tags to filter runs by: `trained` (or `cached` when every stage was reused),
+    `ran:<stage>` per stage that ran, `model:<name>`, `version:<n>` and `alias:<alias>` when registered."""
+    ran = [r["stage"] for r in results if not r["cached"]]
+    tags = ["cached"] if not ran else (["trained"] if "train" in ran else []) + [f"ran:{s}" for s in ran]
+    reg = next((r for r in results if r["stage"] == "register"), None)
+    if reg:
+        m = reg["metrics"]
+        tags.append(f"version:{m['version']}")
+        tags += [f"alias:{a}" for a in m.get("aliases", [])]
+    return tags
+
+
+def _tag_flow_run(p: Plan, results: list[dict]) -> None:
+    current = list(flow_run.tags or [])
+    _update_flow_run(tags=sorted(set(current + [f"model:{p.cfg.registry.model_name}"] + run_tags(results))))
 
 
 PROTECTED_ENV, SERVED_CONFIG_ENV = "SFTFLOW_PROTECTED_KEYS", "SFTFLOW_SERVED_CONFIG"
@@ -151,36 +222,65 @@ def _the_plan(config_path: str | None, overrides: list[str] | None, planned: dic
     return plan(load_config(config_path, overrides or []))
 
 
+def _value(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else "n/a" if v is None else str(v)
+
+
+def _clip(text: str, n: int = 300) -> str:
+    return text if len(text) <= n else text[:n] + "…"
+
+
+def _publish_predictions(preds: Path, limit: int = 50) -> None:
+    """Wrong answers first (they are what a person looks for), `correct` as the first column."""
+    rows = [json.loads(line) for line in preds.read_text(encoding="utf-8").splitlines() if line.strip()]
+    wrong = [r for r in rows if not r["correct"]]
+    shown = (wrong + [r for r in rows if r["correct"]])[:limit]
+    sets = any("set" in r for r in rows)
+    create_table_artifact(
+        [{"correct": "yes" if r["correct"] else "no", **({"set": r.get("set", "val")} if sets else {}),
+          "prompt": _clip(r["prompt"][-1]["content"]), "reference": _clip(r["reference"]),
+          "prediction": _clip(r["prediction"])} for r in shown],
+        key="sftflow-eval-predictions",
+        description=f"{len(shown)} of {len(rows)} held-out predictions, wrong answers first ({len(wrong)} wrong)")
+
+
+def _link(text: str, url: str | None) -> str:
+    return f"[{text}]({url})" if url else f"`{text}`"
+
+
 def _publish_summary(results: list[dict]) -> None:
-    """A markdown run summary and a table of eval predictions, visible on the flow run's page."""
+    """A markdown run summary (with links to the MLflow run and model version) and a table of eval
+    predictions, visible on the flow run's page."""
     lines = ["| stage | fingerprint | cached | seconds | key metric |", "|---|---|---|---|---|"]
     for r in results:
         key, label = KEY_METRIC[r["stage"]]
         lines.append(f"| {r['stage']} | `{r['fingerprint']}` | {'yes' if r['cached'] else 'no'} | "
-                     f"{r['seconds']:.1f} | {label} {r['metrics'].get(key)} |")
+                     f"{r['seconds']:.1f} | {label} {_value(r['metrics'].get(key))} |")
     by_stage = {r["stage"]: r for r in results}
     if "evaluate" in by_stage:
         m = by_stage["evaluate"]["metrics"]
-        lines += ["", f"**Held-out accuracy**: base {m.get('base_accuracy', 'n/a')} → tuned {m['accuracy']} "
-                      f"({m['correct']}/{m['total']}), eval loss {m.get('eval_loss')}"]
+        lines += ["", f"**Held-out accuracy**: base {_value(m.get('base_accuracy'))} → tuned {_value(m['accuracy'])} "
+                      f"({m['correct']}/{m['total']}), eval loss {_value(m.get('eval_loss'))}"]
         if m.get("sets"):
             lines += ["", "| eval set | samples | base | tuned | change | guard |", "|---|---|---|---|---|---|"]
             lines += [f"| {r['set']} | {r['n']} | {fmt(r['base'])} | {fmt(r['tuned'])} | {fmt(r['delta'], signed=True)} | "
                       f"{r['guard']} |" for r in set_rows(m)]
         preds = Path(by_stage["evaluate"]["path"]) / "predictions.jsonl"
         if preds.is_file():
-            rows = [json.loads(line) for line in preds.read_text(encoding="utf-8").splitlines()[:20]]
-            create_table_artifact(
-                [{"prompt": r["prompt"][-1]["content"], "reference": r["reference"], "prediction": r["prediction"],
-                  "correct": r["correct"]} for r in rows],
-                key="sftflow-eval-predictions", description="first 20 held-out predictions")
+            _publish_predictions(preds)
     if "register" in by_stage:
         reg = json.loads((Path(by_stage["register"]["path"]) / "registration.json").read_text())
-        lines += ["", f"**MLflow**: run `{reg['run_id']}` at `{reg['tracking_uri']}`; model "
-                      f"`{reg['model_uri']}` aliases {', '.join(reg['aliases']) or 'none'}"]
+        lines += ["", f"**MLflow**: run {_link(reg['run_id'], reg.get('run_url'))}, model version "
+                      f"{_link(reg['model_uri'], reg.get('version_url'))} "
+                      f"(aliases: {', '.join(reg['aliases']) or 'none'}), tracking at `{reg['tracking_uri']}`"]
         why = by_stage["register"]["metrics"].get("alias_reason")
         if why:
             lines += ["", f"**Alias**: {why}"]
+    elif "train" in by_stage:
+        train = json.loads((Path(by_stage["train"]["path"]) / "manifest.json").read_text())
+        run_id = train.get("mlflow_run_id")
+        lines += ["", f"**MLflow**: run `{run_id}` holds this training's metrics; register logs the model into it"
+                  if run_id else "**MLflow**: training ran without an MLflow run; register logs its metrics"]
     create_markdown_artifact("\n".join(lines), key="sftflow-summary", description="sftflow run summary")
 
 
@@ -190,15 +290,17 @@ def sft_pipeline(config_path: str | None = None, overrides: list[str] | None = N
     """prepare -> train -> evaluate -> register; `force` names stages to redo (and so everything after them).
     `planned`: a `Plan.to_dict()` made by the caller, used instead of loading `config_path` again."""
     p = _the_plan(config_path, overrides, planned)
+    _name_flow_run(p, config_path)
     forced = set(force or [])
-    results = []
+    results, states = [], {}
     for stage in STAGES:
         # forcing a stage changes nothing upstream but redoes everything downstream of it
         redo = stage in forced or any(u in forced for u in UPSTREAM[stage])
-        results.append(_run_one(stage, p, redo))
+        results.append(_run_one(stage, p, redo, states))
         if redo:
             forced.add(stage)
     _publish_summary(results)
+    _tag_flow_run(p, results)
     return results
 
 
@@ -208,11 +310,13 @@ def sft_stage(stage: str, config_path: str | None = None, overrides: list[str] |
     """One stage. Upstream stages come from their completed folders; with `with_upstream`, the
     missing ones run first (complete ones are reused)."""
     p = _the_plan(config_path, overrides, planned)
-    results = []
+    _name_flow_run(p, config_path, stage)
+    results, states = [], {}
     if with_upstream:
         needed = upstream(p.cfg, stage)  # evaluate --model needs prepare only: nothing is trained for it
         for up in (s for s in STAGES if s in needed):
-            results.append(_run_one(up, p, False))
-    results.append(_run_one(stage, p, force))
+            results.append(_run_one(up, p, False, states))
+    results.append(_run_one(stage, p, force, states))
     _publish_summary(results)
+    _tag_flow_run(p, results)
     return results

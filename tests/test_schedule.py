@@ -62,9 +62,18 @@ def test_served_deployment_retrains_when_data_changes(tmp_path):
         edited = time.time()
         wait_for(lambda: completed_runs(name, after=edited) and versions(tmp_path) == 2, 240,
                  "a retrain on the edited data", proc)
+        runs = sorted(completed_runs(name), key=lambda r: r.start_time)
+        trained = {d.name[:8] for d in (tmp_path / "artifacts" / "train").iterdir() if not d.name.startswith(".")}
+        assert {r.name for r in runs} == {f"config-{fp}" for fp in trained}  # named after the training they did
+        assert "trained" in runs[0].tags and "cached" in runs[1].tags and "model:test-model" in runs[0].tags
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.communicate(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+    # nothing serves it any more, and the UI must not say "Ready"
+    from prefect.client.orchestration import get_client
+    with get_client(sync_client=True) as client:
+        assert client.read_deployment_by_name(f"sft_pipeline/{name}").paused
+

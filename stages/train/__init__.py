@@ -47,6 +47,7 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
     spec_path = spec.write(build.partial / "spec.json")
     metrics_file = build.partial / "metrics.jsonl"
     with training_run(cfg, lineage, on_line, metrics_file) as env:
+        mlflow_run_id = env.get("MLFLOW_RUN_ID") or None
         run_torchrun(torchrun_command(cfg, spec_path, module="stages.train"), build.partial / "train.log",
                      TrainingFailed, "training", on_line, cfg.actor.nproc_per_node, env)
     rows = read_metrics_file(metrics_file)
@@ -59,5 +60,5 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
                "first_loss": rows[0]["loss"] if rows else None,
                "mean_tokens_per_s": sum(r["tokens_per_s"] for r in rows) / len(rows) if rows else None}
     build.commit({"metrics": metrics, "model_dir": str(build.final / "model"), "base_model": model_path,
-                  "prepare_dir": prepare_dir})
+                  "prepare_dir": prepare_dir, "mlflow_run_id": mlflow_run_id})
     return metrics
