@@ -178,18 +178,32 @@ def _update_flow_run(**fields) -> None:
         get_run_logger().warning(f"could not label the flow run: {e}")
 
 
-def _name_flow_run(p: Plan, config_path: str | None, stage: str | None = None) -> None:
+def run_name(config_path: str | None, fingerprints: dict | None, stage: str | None = None) -> str:
     """`<config>-<train fingerprint>`, or `<config>-<stage>-<its fingerprint>` for `sft_stage`: the same
     work has the same name in every run, and a random name says nothing."""
-    stem = Path(config_path).stem if config_path else p.cfg.registry.model_name
-    _update_flow_run(name="-".join(x for x in (stem, stage, p.fingerprints.get(stage or "train", "")[:8]) if x))
+    fp = (fingerprints or {}).get(stage or "train", "")[:8]
+    return "-".join(x for x in (Path(config_path).stem if config_path else "sftflow", stage, fp) if x)
+
+
+def _initial_name() -> str:
+    """The name a run starts with (the CLI's runs come with their plan; a deployment's runs get their
+    fingerprint once they have planned, `_name_flow_run`)."""
+    params = flow_run.parameters
+    return run_name(params.get("config_path"), (params.get("planned") or {}).get("fingerprints"), params.get("stage"))
+
+
+def _name_flow_run(p: Plan, config_path: str | None, stage: str | None = None) -> None:
+    name = run_name(config_path, p.fingerprints, stage)
+    if flow_run.name != name:
+        _update_flow_run(name=name)
 
 
 def run_tags(results: list[dict]) -> list[str]:
-    """What a run did, as tags to filter runs by: `trained` (or `cached` when every stage was reused),
-    `ran:<stage>` per stage that ran, `model:<name>`, `version:<n>` and `alias:<alias>` when registered."""
+    """What a run did, as tags to filter runs by, most telling first: `trained` (or `cached` when every
+    stage was reused, or `ran:<stage>` per stage that ran when training did not), `version:<n>` and
+    `alias:<alias>` when registered."""
     ran = [r["stage"] for r in results if not r["cached"]]
-    tags = ["cached"] if not ran else (["trained"] if "train" in ran else []) + [f"ran:{s}" for s in ran]
+    tags = ["cached"] if not ran else ["trained"] if "train" in ran else [f"ran:{s}" for s in ran]
     reg = next((r for r in results if r["stage"] == "register"), None)
     if reg:
         m = reg["metrics"]
@@ -199,8 +213,8 @@ def run_tags(results: list[dict]) -> list[str]:
 
 
 def _tag_flow_run(p: Plan, results: list[dict]) -> None:
-    current = list(flow_run.tags or [])
-    _update_flow_run(tags=sorted(set(current + [f"model:{p.cfg.registry.model_name}"] + run_tags(results))))
+    new = run_tags(results) + [f"model:{p.cfg.registry.model_name}"]
+    _update_flow_run(tags=new + [t for t in (flow_run.tags or []) if t not in new])
 
 
 PROTECTED_ENV, SERVED_CONFIG_ENV = "SFTFLOW_PROTECTED_KEYS", "SFTFLOW_SERVED_CONFIG"
@@ -223,7 +237,9 @@ def _the_plan(config_path: str | None, overrides: list[str] | None, planned: dic
 
 
 def _value(v) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else "n/a" if v is None else str(v)
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.4g}"
+    return "n/a" if v is None else str(v)
 
 
 def _clip(text: str, n: int = 300) -> str:
@@ -284,7 +300,7 @@ def _publish_summary(results: list[dict]) -> None:
     create_markdown_artifact("\n".join(lines), key="sftflow-summary", description="sftflow run summary")
 
 
-@flow(name="sft_pipeline", log_prints=True)
+@flow(name="sft_pipeline", log_prints=True, flow_run_name=_initial_name)
 def sft_pipeline(config_path: str | None = None, overrides: list[str] | None = None, force: list[str] | None = None,
                  planned: dict | None = None) -> list[dict]:
     """prepare -> train -> evaluate -> register; `force` names stages to redo (and so everything after them).
@@ -304,7 +320,7 @@ def sft_pipeline(config_path: str | None = None, overrides: list[str] | None = N
     return results
 
 
-@flow(name="sft_stage", log_prints=True)
+@flow(name="sft_stage", log_prints=True, flow_run_name=_initial_name)
 def sft_stage(stage: str, config_path: str | None = None, overrides: list[str] | None = None, force: bool = False,
               with_upstream: bool = False, planned: dict | None = None) -> list[dict]:
     """One stage. Upstream stages come from their completed folders; with `with_upstream`, the
