@@ -274,6 +274,33 @@ def serve(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesAr
     serve_flow(str(config), overrides or [], name, cron, interval, allow_override)
 
 
+@app.command()
+def deploy(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
+           pool: str = typer.Option(..., "--pool", help="work pool (a `process` pool is created if missing)"),
+           name: str = typer.Option("sftflow-retrain", "--name", help="deployment name"),
+           cron: Optional[str] = typer.Option(None, "--cron", help='cron schedule, e.g. "0 3 * * *"'),
+           interval: Optional[float] = typer.Option(None, "--interval", help="seconds between runs"),
+           allow_override: list[str] = typer.Option([], "--allow-override", help="as for `serve`; repeatable")) -> None:
+    """Deploy the flow to a Prefect work pool: `prefect worker start --pool NAME` runs it (needs PREFECT_API_URL)."""
+    p = _plan(config, overrides)  # a config that can't plan here is not deployed
+    from stages.core.config import SERVE_PROTECTED
+    for key in allow_override:
+        if key not in SERVE_PROTECTED:
+            _fail(f"--allow-override {key}: not a protected key; protected: {', '.join(SERVE_PROTECTED)}")
+    if not os.environ.get("PREFECT_API_URL"):
+        _fail("deploying needs a Prefect server that workers reach: set PREFECT_API_URL")
+    _prefect_home(p.cfg)
+    from flows.deploy import deploy as deploy_flow, ensure_work_pool
+    try:
+        if ensure_work_pool(pool):
+            console.print(f"created work pool '{pool}' (type process)")
+        deployment = deploy_flow(str(config), overrides or [], name, pool, cron, interval, allow_override)
+    except Exception as e:  # noqa: BLE001 - the server's answer, in one line
+        _fail(f"deploy failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}", code=1)
+    console.print(f"deployed '{deployment}' to work pool '{pool}'; start a worker with "
+                  f"`prefect worker start --pool {pool}`, run it with `prefect deployment run '{deployment}'`")
+
+
 def _terminate(signum, frame) -> None:
     # SIGTERM unwinds like Ctrl-C, so the launcher's cleanup kills the torchrun tree.
     raise KeyboardInterrupt(f"signal {signum}")

@@ -302,9 +302,12 @@ def _publish_summary(results: list[dict]) -> None:
 
 @flow(name="sft_pipeline", log_prints=True, flow_run_name=_initial_name)
 def sft_pipeline(config_path: str | None = None, overrides: list[str] | None = None, force: list[str] | None = None,
-                 planned: dict | None = None) -> list[dict]:
+                 planned: dict | None = None, workdir: str | None = None) -> list[dict]:
     """prepare -> train -> evaluate -> register; `force` names stages to redo (and so everything after them).
-    `planned`: a `Plan.to_dict()` made by the caller, used instead of loading `config_path` again."""
+    `planned`: a `Plan.to_dict()` made by the caller, used instead of loading `config_path` again.
+    `workdir`: where the config's relative paths start (a work-pool deployment's runs start elsewhere)."""
+    if workdir:
+        os.chdir(workdir)  # a worker runs each flow run in a process of its own
     p = _the_plan(config_path, overrides, planned)
     _name_flow_run(p, config_path)
     forced = set(force or [])
