@@ -275,6 +275,52 @@ def serve(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesAr
 
 
 @app.command()
+def sweep(config: Path = ConfigOpt,
+          grid: list[str] = typer.Argument(..., help="KEY=V1,V2,... (a grid axis) or KEY=VALUE (fixed)"),
+          metric: str = typer.Option("accuracy", "--metric", help="pick the best trial by this eval metric: accuracy, "
+                                     "eval_loss (lower is better), or <set>/accuracy"),
+          max_parallel: int = typer.Option(1, "--max-parallel", min=1, help="trainings at once")) -> None:
+    """A grid of trials in one flow run: prepare once, train -> evaluate per trial, register the best."""
+    from stages.sweep import parse_grid, plan_trials
+    try:
+        fixed, axes = parse_grid(grid)
+        trials = plan_trials(config, fixed, axes)
+    except ConfigError as e:
+        _fail(str(e))
+    if trials[0].plan.cfg.eval.model is not None:
+        _fail("eval.model is for `sftflow stage evaluate --model`: a sweep registers a model it trains")
+    console.print(f"sweep: {len(trials)} trials over {', '.join(axes)}")
+    _prefect_home(trials[0].plan.cfg)
+    from flows.sweep import sft_sweep
+    flow_fn = sft_sweep
+    if max_parallel > 1:
+        from prefect.task_runners import ThreadPoolTaskRunner
+        flow_fn = sft_sweep.with_options(task_runner=ThreadPoolTaskRunner(max_workers=max_parallel))
+    out = _run_flow(flow_fn, config_path=str(config), args=grid, metric=metric, max_parallel=max_parallel,
+                    planned=[{"index": t.index, "values": t.values, "plan": t.plan.to_dict()} for t in trials])
+    _sweep_summary(out, metric)
+
+
+def _sweep_summary(out: dict, metric: str) -> None:
+    from stages.sweep import metric_of
+    by_index = {t["index"]: t for t in out["trials"]}
+    keys = list(out["trials"][0]["values"])
+    table = Table(title=f"trials by {metric}, best first")
+    for col in ["rank", *keys, metric, "accuracy", "trained"]:
+        table.add_column(col)
+    for rank, i in enumerate(out["order"], 1):
+        t = by_index[i]
+        m = t["evaluate"]["metrics"]
+        table.add_row(str(rank), *[t["values"][k] for k in keys], fmt(metric_of(m, metric)), fmt(m.get("accuracy")),
+                      "cached" if t["train"]["cached"] else "yes")
+    console.print(table)
+    reg = out["register"]["metrics"]
+    best = by_index[out["best"]]["values"]
+    console.print(f"best trial {' '.join(f'{k}={v}' for k, v in best.items())}: registered model version {reg['version']} "
+                  f"({', '.join(reg['aliases']) or 'no alias'})" + (f": {escape(reg['alias_reason'])}" if reg.get("alias_reason") else ""))
+
+
+@app.command()
 def deploy(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
            pool: str = typer.Option(..., "--pool", help="work pool (a `process` pool is created if missing)"),
            name: str = typer.Option("sftflow-retrain", "--name", help="deployment name"),

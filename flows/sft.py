@@ -146,18 +146,26 @@ def flow_run_url() -> str | None:
     return flow_run.ui_url or None
 
 
-def _run_one(stage: str, p: Plan, force: bool, states: dict) -> dict:
-    """Runs `stage` after the upstream stages of this flow run (`states`: stage -> its final state),
-    which become its inputs in Prefect, so the run graph draws the pipeline's edges."""
+def configured_task(stage: str, p: Plan, force: bool, label: str | None = None):
+    """(the stage's task with the config's retries and timeout, its keyword arguments); `label` names
+    the task run (a sweep's trial)."""
     f = p.cfg.flow
     # A retried train finds its partial folder and resumes from the newest checkpoint.
     t = TASKS[stage].with_options(retries=f.retries, retry_delay_seconds=f.retry_delay_seconds,
-                                  timeout_seconds=f.timeout_seconds)
+                                  timeout_seconds=f.timeout_seconds,
+                                  **({"task_run_name": f"{stage} [{label}]"} if label else {}))
     kwargs: dict[str, Any] = dict(p=p, force=force)
     if stage in ("train", "register"):  # tags of the MLflow run (opened by train, finished by register)
         kwargs["tags"] = {"sftflow.git_commit": _git_commit(), "prefect.flow_run_id": str(flow_run.id or "")}
         if flow_run_url():
             kwargs["tags"]["prefect.flow_run_url"] = flow_run_url()
+    return t, kwargs
+
+
+def _run_one(stage: str, p: Plan, force: bool, states: dict, label: str | None = None) -> dict:
+    """Runs `stage` after the upstream stages of this flow run (`states`: stage -> its final state),
+    which become its inputs in Prefect, so the run graph draws the pipeline's edges."""
+    t, kwargs = configured_task(stage, p, force, label)
     t0 = time.time()
     # the state, not the value: a task that returns a `Cached` state would hand back that state
     states[stage] = t(return_state=True, wait_for=[states[u] for u in UPSTREAM[stage] if u in states], **kwargs)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -36,6 +37,10 @@ from stages.models.refs import resolve_eval_model
 from stages.runtime.launcher import run_torchrun, torchrun_command
 
 from .errors import EvaluationError
+
+# One in-process evaluation at a time: transformers builds models under process-wide patches
+# (meta-device init), so two threads loading at once (a sweep's parallel trials) break each other.
+_IN_PROCESS = threading.Lock()
 
 
 def set_dir(prepare_dir: str | Path, name: str) -> Path:
@@ -109,7 +114,8 @@ def run_evaluate(cfg: SFTConfig, fp: str, base_model: str, model_ref: str, prepa
         spec_path.write_text(spec.model_dump_json(indent=2))
         if cfg.actor.world_size == 1:
             from .runner import evaluate_spec
-            evaluate_spec(spec)
+            with _IN_PROCESS:
+                evaluate_spec(spec)
         else:
             run_torchrun(torchrun_command(cfg, spec_path, module="stages.evaluate"), build.partial / "eval.log",
                          EvaluationError, "evaluation", on_line, cfg.actor.nproc_per_node)

@@ -1,0 +1,124 @@
+"""The sweep flow: one Prefect flow run for a grid of trials (`stages/sweep.py` plans them).
+
+prepare once per distinct prepare fingerprint, then train -> evaluate per trial (one at a time,
+or `max_parallel` trainings at once through Prefect's thread-pool task runner), then register the
+best trial by the chosen metric under the config's promotion rules. Trials already trained or
+evaluated are cache hits. MLflow gets a parent run with the trials' runs as its children; the
+flow run's summary is a table of trials, best first.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from prefect.runtime import flow_run
+
+from stages.core.errors import ConfigError
+from stages.sweep import Trial, lower_is_better, metric_of, parse_grid, plan_trials, ranked
+from stages.pipeline import Plan
+
+from flows.sft import _run_one, _update_flow_run, _value, configured_task, flow_run_url
+
+
+def _sweep_name() -> str:
+    params = flow_run.parameters
+    return f"sweep-{Path(params.get('config_path') or 'sftflow').stem}"
+
+
+def _trials(config_path: str, args: list[str], planned: list[dict] | None) -> list[Trial]:
+    if planned is not None:
+        return [Trial(t["index"], t["values"], Plan.from_dict(t["plan"])) for t in planned]
+    fixed, axes = parse_grid(args)
+    return plan_trials(config_path, fixed, axes)
+
+
+def _train_and_evaluate(trials: list[Trial], prepared: dict[str, Any], max_parallel: int) -> dict[int, dict]:
+    """{trial index: {"train": result, "evaluate": result}}; with max_parallel > 1 every train is
+    submitted before any evaluate, so the pool's threads go to trainings first."""
+    out: dict[int, dict] = {t.index: {} for t in trials}
+    if max_parallel <= 1:
+        for t in trials:
+            states = {"prepare": prepared[t.plan.fingerprints["prepare"]]}
+            out[t.index]["train"] = _run_one("train", t.plan, False, states, t.label)
+            out[t.index]["evaluate"] = _run_one("evaluate", t.plan, False, states, t.label)
+        return out
+    futures: dict[tuple[int, str], Any] = {}
+    for stage in ("train", "evaluate"):
+        for t in trials:
+            task, kwargs = configured_task(stage, t.plan, False, t.label)
+            upstream = [prepared[t.plan.fingerprints["prepare"]]] + ([futures[(t.index, "train")]] if stage == "evaluate" else [])
+            futures[(t.index, stage)] = task.submit(wait_for=upstream, **kwargs)
+    for (i, stage), future in futures.items():
+        future.wait()
+        out[i][stage] = dict(future.state.result())
+    return out
+
+
+def _publish(trials: list[Trial], results: dict[int, dict], order: list[int], metric: str,
+             registered: dict | None, mlflow_note: str) -> None:
+    keys = list(trials[0].values)
+    lines = [f"**Sweep** of {len(trials)} trials by `{metric}` ({'lower' if lower_is_better(metric) else 'higher'} is "
+             "better), best first", "",
+             "| rank | " + " | ".join(keys) + f" | {metric} | accuracy | eval loss | trained | train fingerprint |",
+             "|" + "---|" * (len(keys) + 6)]
+    by_index = {t.index: t for t in trials}
+    for rank, i in enumerate(order, 1):
+        t, r = by_index[i], results[i]
+        m = r["evaluate"]["metrics"]
+        lines.append(f"| {rank} | " + " | ".join(t.values[k] for k in keys) + f" | {_value(metric_of(m, metric))} | "
+                     f"{_value(m.get('accuracy'))} | {_value(m.get('eval_loss'))} | "
+                     f"{'cached' if r['train']['cached'] else 'yes'} | `{r['train']['fingerprint']}` |")
+    if registered:
+        m = registered["metrics"]
+        lines += ["", f"**Registered** the best trial as version {m['version']} "
+                      f"(aliases: {', '.join(m['aliases']) or 'none'}): {m.get('alias_reason', '')}"]
+    if mlflow_note:
+        lines += ["", mlflow_note]
+    create_markdown_artifact("\n".join(lines), key="sftflow-sweep", description=f"sweep: {len(trials)} trials")
+
+
+@flow(name="sft_sweep", log_prints=True, flow_run_name=_sweep_name)
+def sft_sweep(config_path: str, args: list[str], metric: str = "accuracy", max_parallel: int = 1,
+              planned: list[dict] | None = None, workdir: str | None = None) -> dict:
+    """`args`: the command line's `KEY=V1,V2,...` grid and `KEY=VALUE` fixed overrides. `planned`: the
+    CLI's trials (`{"index", "values", "plan"}`), used instead of planning again."""
+    if workdir:
+        os.chdir(workdir)
+    logger = get_run_logger()
+    trials = _trials(config_path, args, planned)
+    prepared: dict[str, Any] = {}
+    for t in trials:  # once per distinct prepare fingerprint
+        fp = t.plan.fingerprints["prepare"]
+        if fp not in prepared:
+            states: dict = {}
+            _run_one("prepare", t.plan, False, states)
+            prepared[fp] = states["prepare"]
+    results = _train_and_evaluate(trials, prepared, max_parallel)
+    order = ranked([(i, metric_of(r["evaluate"]["metrics"], metric)) for i, r in results.items()], metric)
+    if metric_of(results[order[0]]["evaluate"]["metrics"], metric) is None:
+        raise ConfigError(f"--metric {metric}: no trial's evaluation has it (e.g. accuracy, eval_loss, <set>/accuracy)")
+    best = next(t for t in trials if t.index == order[0])
+    logger.info(f"best trial: {best.label} ({metric} {_value(metric_of(results[best.index]['evaluate']['metrics'], metric))})")
+    states = {"prepare": prepared[best.plan.fingerprints["prepare"]]}
+    registered = _run_one("register", best.plan, False, states, best.label)
+    mlflow_note = ""
+    try:
+        from stages.tracking.sweep import record_sweep
+        parent = record_sweep(best.plan.cfg, Path(config_path).stem,
+                              {k: [t.values[k] for t in trials] for k in best.values}, metric,
+                              [(t.values, t.plan.fingerprints["train"], results[t.index]["evaluate"]["metrics"])
+                               for t in trials], best.plan.fingerprints["train"], flow_run_url())
+        mlflow_note = f"**MLflow**: parent run `{parent}` with the {len(trials)} trial runs as its children"
+    except Exception as e:  # noqa: BLE001 - tracking never fails a sweep whose models are built
+        logger.warning(f"mlflow: the sweep's parent run was not recorded ({type(e).__name__}: {e})")
+    _publish(trials, results, order, metric, registered, mlflow_note)
+    trained = sum(not r["train"]["cached"] for r in results.values())
+    _update_flow_run(tags=[f"trials:{len(trials)}", f"trained:{trained}", f"version:{registered['metrics']['version']}",
+                           f"model:{best.plan.cfg.registry.model_name}"])
+    return {"trials": [{"index": t.index, "values": t.values, "train": results[t.index]["train"],
+                        "evaluate": results[t.index]["evaluate"]} for t in trials],
+            "order": order, "best": best.index, "register": registered}

@@ -1,0 +1,70 @@
+"""A sweep in MLflow: a parent run whose children are the trials' own runs (one per train
+fingerprint, as for any training), so the UI's compare view lines up their params and eval
+metrics (parallel coordinates of the grid's keys against accuracy).
+
+Observability only (`__fingerprint__ = False`). The parent is found again by the sweep's identity
+(its config and its trials' train fingerprints), so re-running a sweep updates one parent run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from stages.core.artifacts import canonical_json
+from stages.core.config import SFTConfig
+
+from .run import RUN_TAG, TAG, setup_mlflow
+
+__fingerprint__ = False
+
+SWEEP_TAG = TAG + "sweep_id"
+
+
+def eval_values(eval_metrics: dict) -> dict[str, float]:
+    """The metrics a trial is compared by: `eval/<key>` of the primary set, `eval/<set>/<key>` per set."""
+    def numbers(m: dict) -> dict[str, float]:
+        return {k: float(m[k]) for k in ("accuracy", "base_accuracy", "eval_loss") if isinstance(m.get(k), (int, float))}
+    out = {f"eval/{k}": v for k, v in numbers(eval_metrics).items()}
+    for name, m in (eval_metrics.get("sets") or {}).items():
+        out.update({f"eval/{name}/{k}": v for k, v in numbers(m).items()})
+    return out
+
+
+def record_sweep(cfg: SFTConfig, name: str, axes: dict[str, list[str]], metric: str,
+                 trials: list[tuple[dict[str, str], str, dict]], best_fp: str, prefect_url: str | None) -> str:
+    """Creates (or finds) the sweep's parent run and makes each trial's run its child, with the trial's
+    eval metrics; `trials`: (grid values, train fingerprint, evaluate metrics). Returns the parent's id."""
+    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.tracking import MlflowClient
+    import time
+    setup_mlflow(cfg)
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(cfg.registry.experiment)
+    sweep_id = hashlib.sha256(canonical_json({"name": name, "trials": sorted(fp for _, fp, _ in trials)}).encode()).hexdigest()[:16]
+    found = client.search_runs([exp.experiment_id], filter_string=f"tags.`{SWEEP_TAG}` = '{sweep_id}'", max_results=1)
+    if found:
+        parent = found[0].info.run_id
+    else:
+        note = f"Sweep of {len(trials)} trials over {', '.join(axes)}, best by `{metric}`."
+        if prefect_url:
+            note += f"\n\n- Prefect flow run: [{prefect_url}]({prefect_url})"
+        parent = client.create_run(exp.experiment_id, run_name=f"sweep-{name}-{sweep_id[:8]}",
+                                   tags={SWEEP_TAG: sweep_id, "mlflow.note.content": note}).info.run_id
+        client.log_batch(parent, params=[Param(f"sweep.{k}", ",".join(dict.fromkeys(v))) for k, v in axes.items()]
+                         + [Param("sweep.metric", metric)])
+    now = int(time.time() * 1000)
+    best_run = None
+    for values, fp, eval_metrics in trials:
+        runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{fp}'", max_results=1)
+        if not runs:  # trained without MLflow reachable: nothing to attach
+            continue
+        run_id = runs[0].info.run_id
+        best_run = run_id if fp == best_fp else best_run
+        logged = "eval/accuracy" in runs[0].data.metrics  # register logged them (the best trial), or a re-run
+        client.log_batch(run_id, metrics=[] if logged else [Metric(k, v, now, 0) for k, v in eval_values(eval_metrics).items()],
+                         tags=[RunTag("mlflow.parentRunId", parent),
+                               RunTag(TAG + "sweep_trial", " ".join(f"{k}={v}" for k, v in values.items()))])
+    if best_run:
+        client.set_tag(parent, TAG + "best_run_id", best_run)
+    client.set_terminated(parent, "FINISHED")
+    return parent
