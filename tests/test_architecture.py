@@ -21,6 +21,7 @@ ALLOWED = {
     "runtime": {"core", "chatdata", "tracking"},
     **{s: {"core", "chatdata", "models", "runtime", "tracking"} for s in STAGE_PACKAGES},
     "pipeline": {"core", "models", "runtime", "tracking", *STAGE_PACKAGES},
+    "sweep": {"core", "pipeline"},
 }
 
 

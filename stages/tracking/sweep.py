@@ -13,6 +13,7 @@ import hashlib
 from stages.core.artifacts import canonical_json
 from stages.core.config import SFTConfig
 
+from .live import send_values
 from .run import RUN_TAG, TAG, setup_mlflow
 
 __fingerprint__ = False
@@ -34,9 +35,8 @@ def record_sweep(cfg: SFTConfig, name: str, axes: dict[str, list[str]], metric: 
                  trials: list[tuple[dict[str, str], str, dict]], best_fp: str, prefect_url: str | None) -> str:
     """Creates (or finds) the sweep's parent run and makes each trial's run its child, with the trial's
     eval metrics; `trials`: (grid values, train fingerprint, evaluate metrics). Returns the parent's id."""
-    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.entities import Param
     from mlflow.tracking import MlflowClient
-    import time
     setup_mlflow(cfg)
     client = MlflowClient()
     exp = client.get_experiment_by_name(cfg.registry.experiment)
@@ -52,7 +52,6 @@ def record_sweep(cfg: SFTConfig, name: str, axes: dict[str, list[str]], metric: 
                                    tags={SWEEP_TAG: sweep_id, "mlflow.note.content": note}).info.run_id
         client.log_batch(parent, params=[Param(f"sweep.{k}", ",".join(dict.fromkeys(v))) for k, v in axes.items()]
                          + [Param("sweep.metric", metric)])
-    now = int(time.time() * 1000)
     best_run = None
     for values, fp, eval_metrics in trials:
         runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`{RUN_TAG}` = '{fp}'", max_results=1)
@@ -60,10 +59,10 @@ def record_sweep(cfg: SFTConfig, name: str, axes: dict[str, list[str]], metric: 
             continue
         run_id = runs[0].info.run_id
         best_run = run_id if fp == best_fp else best_run
-        logged = "eval/accuracy" in runs[0].data.metrics  # register logged them (the best trial), or a re-run
-        client.log_batch(run_id, metrics=[] if logged else [Metric(k, v, now, 0) for k, v in eval_values(eval_metrics).items()],
-                         tags=[RunTag("mlflow.parentRunId", parent),
-                               RunTag(TAG + "sweep_trial", " ".join(f"{k}={v}" for k, v in values.items()))])
+        if "eval/accuracy" not in runs[0].data.metrics:  # else register logged them (the best trial), or a re-run
+            send_values(client, run_id, eval_values(eval_metrics))
+        client.set_tag(run_id, "mlflow.parentRunId", parent)
+        client.set_tag(run_id, TAG + "sweep_trial", " ".join(f"{k}={v}" for k, v in values.items()))
     if best_run:
         client.set_tag(parent, TAG + "best_run_id", best_run)
     client.set_terminated(parent, "FINISHED")
