@@ -101,3 +101,12 @@ def test_a_two_by_two_sweep_shares_prepare_registers_the_best_and_resumes(tmp_pa
     assert set(after) == set(before) | {victim}
     assert {n for n in after if before.get(n) != after[n]} == {victim}
     assert len(client.search_model_versions("name='test-model'")) == 1
+
+
+def test_the_cli_rejects_a_bad_grid_with_one_line_and_exit_2(tmp_path):
+    cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path))
+    proc = sftflow("sweep", "-c", str(cfg_path), "actor.optim.lr=1e-3,oops", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error:") and "actor.optim.lr" in errors[0], proc.stderr
+    assert not (tmp_path / "artifacts").exists()
