@@ -1,0 +1,138 @@
+"""Evaluation speed: the evaluate stage against a naive per-prompt `model.generate` loop.
+
+    .venv/bin/python bench/eval_throughput.py                       # builtin tiny model, 64 prompts (~1 minute)
+    .venv/bin/python bench/eval_throughput.py --model smollm2 --prompts 32 --max-new-tokens 48
+                                                                    # the real model of the second quickstart
+
+Both score the same held-out prompts (the demo's eval prompts, cycled to `--prompts`) with the
+same model and greedy decoding:
+
+  * naive loop               one prompt at a time: `apply_chat_template` + `model.generate`
+                             (KV cache, batch of 1), stopping at the same stop tokens.
+  * evaluate stage, 1 proc   `run_stage(plan, "evaluate")` in-process: left-padded batches of
+                             `eval.batch_size` (base model not scored: `eval.eval_base: false`).
+  * evaluate stage, 2 procs  the same under torchrun, each rank a contiguous slice.
+
+Throughput is generated tokens (each reply up to its stop token) per second of wall time,
+model loading included on both sides (and torchrun's start for 2 processes). The replies are
+compared: the check column says how many of the stage's predictions equal the naive loop's,
+and the accuracies must be equal (batching with left padding can flip a near-tie argmax, which
+the check would show).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def write_prompts(path: Path, n: int) -> Path:
+    rows = [json.loads(line) for line in (ROOT / "data" / "demo" / "eval.jsonl").read_text(encoding="utf-8").splitlines()]
+    with open(path, "w", encoding="utf-8") as f:
+        for row in itertools.islice(itertools.cycle(rows), n):
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return path
+
+
+def config(tmp: Path, args, nproc: int):
+    from stages.core.config import config_from_dict
+    model = {}
+    if args.model == "smollm2":
+        import yaml
+        quick = yaml.safe_load((ROOT / "configs" / "examples" / "smollm2-identity.yaml").read_text())["actor"]["model"]
+        model = {"model_path": quick["model_path"], "model_sha256": quick["model_sha256"]}
+    elif args.model:
+        model = {"model_path": args.model}
+    prompts = write_prompts(tmp / "eval.jsonl", args.prompts)
+    return config_from_dict({
+        "artifacts_dir": str(args.artifacts or tmp / "artifacts"),
+        "actor": {"nproc_per_node": nproc, "model": model},
+        "data": {"train_data_paths": [str(prompts)], "val_data_paths": [str(prompts)], "format": "messages",
+                 "max_length": 2048 if args.model else 512},
+        "eval": {"model": "base", "eval_base": False, "batch_size": args.batch_size,
+                 "max_new_tokens": args.max_new_tokens, "scorer": "contains"},
+    })
+
+
+def run_stage_method(tmp: Path, args, nproc: int) -> dict:
+    from stages.pipeline import plan, run_stage
+    p = plan(config(tmp, args, nproc))
+    run_stage(p, "prepare", on_line=lambda _: None)
+    t0 = time.perf_counter()
+    result = run_stage(p, "evaluate", force=True, on_line=lambda _: None)
+    seconds = time.perf_counter() - t0
+    preds = [json.loads(line) for line in (Path(result.path) / "predictions.jsonl").read_text().splitlines()]
+    return {"seconds": seconds, "tokens": sum(r["new_tokens"] for r in preds), "texts": [r["prediction"] for r in preds],
+            "accuracy": result.metrics["accuracy"]}
+
+
+def run_naive(tmp: Path, args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from stages.chatdata.readers import prompt_and_reference
+    from stages.evaluate.scorers import get_scorer
+    from stages.models.base import resolve_model
+    from stages.pipeline import plan
+    from stages.runtime.generation import stop_ids
+    cfg = config(tmp, args, 1)
+    model_dir = resolve_model(cfg, plan(cfg).fingerprints["models"])
+    rows = [json.loads(line) for line in (tmp / "eval.jsonl").read_text(encoding="utf-8").splitlines()]
+    score = get_scorer("contains")
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    stops = stop_ids(model, tok)
+    texts, tokens, correct = [], 0, 0
+    with torch.no_grad():
+        for row in rows:
+            prompt, reference = prompt_and_reference(row["messages"])
+            ids = tok.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+            out = model.generate(**ids, max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=stops,
+                                 pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else stops[0])
+            new = out[0, ids["input_ids"].shape[1]:].tolist()
+            n = next((k for k, t in enumerate(new) if t in stops), len(new))
+            text = tok.decode(new[:n], skip_special_tokens=True)
+            texts.append(text)
+            tokens += n
+            correct += bool(score(text, reference))
+    return {"seconds": time.perf_counter() - t0, "tokens": tokens, "texts": texts, "accuracy": correct / len(rows)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=16, help="eval.batch_size of the stage")
+    ap.add_argument("--model", default=None, help="smollm2 (the real-model quickstart's) or any actor.model.model_path")
+    ap.add_argument("--artifacts", type=Path, default=None, help="keep the fetched/converted model here between runs")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="sftflow-bench-eval-") as tmp:
+        work = Path(tmp)
+        results = {"naive loop (per prompt)": run_naive(work, args),
+                   "evaluate stage, 1 process": run_stage_method(work, args, 1),
+                   "evaluate stage, 2 processes": run_stage_method(work, args, 2)}
+    naive = results["naive loop (per prompt)"]
+    base = naive["tokens"] / naive["seconds"]
+    print(f"\n{args.prompts} prompts, max_new_tokens {args.max_new_tokens}, model {args.model or 'builtin tiny-chat'}, "
+          f"stage batch {args.batch_size}\n")
+    print("| method | seconds | generated tokens | tokens/s | vs naive | same replies | accuracy |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        same = sum(a == b for a, b in zip(r["texts"], naive["texts"]))
+        print(f"| {name} | {r['seconds']:.1f} | {r['tokens']:,} | {r['tokens'] / r['seconds']:,.0f} | "
+              f"{r['tokens'] / r['seconds'] / base:.2f}x | {same}/{len(naive['texts'])} | {r['accuracy']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
