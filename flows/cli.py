@@ -105,8 +105,17 @@ def _run_flow(fn, **kwargs) -> list[dict]:
     if not os.environ.get("PREFECT_API_URL"):
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
-        from flows.serve import ServerDidNotStart, temporary_server
+        from flows.serve import ServerDidNotStart, running_server, temporary_server
         from flows.sft import TEMPORARY_SERVER_ENV
+        running = running_server(Path(os.environ["PREFECT_HOME"]))
+        if running:  # `make serve` on this home: no temporary server to start (seconds saved)
+            err.print(f"using the running Prefect server at {running}", highlight=False)
+            os.environ["PREFECT_API_URL"] = running
+            try:
+                with temporary_settings(updates={PREFECT_API_URL: running}):
+                    return _run_flow(fn, **kwargs)
+            finally:
+                os.environ.pop("PREFECT_API_URL", None)
         try:
             with temporary_server(Path(os.environ["PREFECT_HOME"])) as api:
                 os.environ["PREFECT_API_URL"] = api
@@ -263,7 +272,7 @@ def serve(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesAr
     from flows.serve import local_server, serve as serve_flow
     if start_server:
         home = Path(os.environ["PREFECT_HOME"])
-        with local_server(host, port, home, home.parent / "prefect-server.log") as api:
+        with local_server(host, port, home, home.parent / "prefect-server.log", shared=True) as api:
             os.environ["PREFECT_API_URL"] = api
             console.print(f"Prefect UI: http://{host}:{port}  (API {api}); serving deployment '{name}'")
             serve_flow(str(config), overrides or [], name, cron, interval, allow_override)

@@ -8,6 +8,7 @@ registers a new version, which becomes `champion` only if it is better (`if_bett
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -39,9 +40,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+RUNNING_SERVER = "server.json"  # in the Prefect home: the long-lived server `serve --start-server` runs
+
+
+def running_server(home: Path) -> str | None:
+    """The API URL of a long-lived local server on this Prefect home (same database), if it answers:
+    CLI runs use it instead of starting a temporary server, and their runs stay visible in its UI."""
+    try:
+        api = json.loads((home / RUNNING_SERVER).read_text())["api"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return api if _healthy(api) else None
+
+
 @contextmanager
 def local_server(host: str, port: int, home: Path, log_path: Path, timeout: float = 180,
-                 ui: bool = True) -> Iterator[str]:
+                 ui: bool = True, shared: bool = False) -> Iterator[str]:
     """`prefect server start` on host:port for the duration of the block; yields the API URL.
 
     The server runs in a session of its own, so a Ctrl-C to the terminal's process group reaches
@@ -76,9 +90,14 @@ def local_server(host: str, port: int, home: Path, log_path: Path, timeout: floa
         except BaseException:
             _stop(proc)
             raise
+    marker = home / RUNNING_SERVER
+    if shared:  # announced for other CLI calls on this home; a temporary server dies with its CLI
+        marker.write_text(json.dumps({"api": api, "pid": proc.pid}))
     try:
         yield api
     finally:
+        if shared:
+            marker.unlink(missing_ok=True)
         _stop(proc)
 
 

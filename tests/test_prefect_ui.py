@@ -125,3 +125,20 @@ def test_a_server_on_another_port_serves_a_ui_that_calls_it(tmp_path):
     with local_server("127.0.0.1", port, tmp_path / "home", tmp_path / "server.log", ui=True) as api:
         settings = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/ui-settings", timeout=10).read())
     assert api == f"http://127.0.0.1:{port}/api" and settings["api_url"] == api
+
+
+def test_cli_runs_use_a_running_server_of_their_prefect_home(tmp_path):
+    """`serve --start-server` announces its server in the Prefect home; a CLI call on that home (no
+    PREFECT_API_URL) runs on it instead of starting a temporary server, and the run is in its database."""
+    from flows.serve import RUNNING_SERVER, free_port, local_server
+    cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path))
+    home = tmp_path / ".prefect"  # the home `sftflow(...)` gives the CLI
+    with local_server("127.0.0.1", free_port(), home, tmp_path / "server.log", ui=False, shared=True) as api:
+        assert (home / RUNNING_SERVER).is_file()
+        proc = sftflow("stage", "prepare", "-c", str(cfg_path), cwd=tmp_path, env={"PREFECT_API_URL": None})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs = json.loads(urllib.request.urlopen(urllib.request.Request(
+            f"{api}/flow_runs/filter", data=b"{}", headers={"Content-Type": "application/json"})).read())
+        assert [r["name"].split("-")[0] for r in runs] == ["config"]
+    assert not (home / RUNNING_SERVER).exists()
+    assert not (home / "temporary-server.log").exists(), "no temporary server was started"
