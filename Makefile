@@ -6,7 +6,7 @@ CONFIG  ?= configs/default.yaml
 ARGS    ?=
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: run test test-fast ui serve install clean
+.PHONY: run test test-fast ui serve-model serve install clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,10 +29,24 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
+# The MLflow UI over the default store; prints the experiment's runs page (MLflow 3 opens an
+# experiment on its GenAI overview otherwise).
+MLFLOW_DB  ?= $(CURDIR)/artifacts/mlflow.db
+EXPERIMENT ?= sftflow
+UI_PORT    ?= 5000
 ui: $(STAMP)
-	$(BIN)/mlflow ui --host 127.0.0.1 --port 5000 \
-	  --backend-store-uri sqlite:///$(CURDIR)/artifacts/mlflow.db \
-	  --default-artifact-root $(CURDIR)/artifacts/mlartifacts
+	@$(BIN)/python -m stages.tracking.ui sqlite:///$(MLFLOW_DB) $(EXPERIMENT) http://127.0.0.1:$(UI_PORT)
+	$(BIN)/mlflow ui --host 127.0.0.1 --port $(UI_PORT) \
+	  --backend-store-uri sqlite:///$(MLFLOW_DB) \
+	  --default-artifact-root $(dir $(MLFLOW_DB))mlartifacts
+
+# A registered model over REST on 127.0.0.1:PORT (POST /invocations). MLflow starts uvicorn by
+# name, so the venv's bin goes first on PATH.
+MODEL ?= models:/tiny-chat-sft@champion
+PORT  ?= 5001
+serve-model: $(STAMP)
+	PATH="$(abspath $(BIN)):$$PATH" MLFLOW_TRACKING_URI=sqlite:///$(MLFLOW_DB) \
+	  $(BIN)/mlflow models serve -m $(MODEL) --env-manager local --host 127.0.0.1 --port $(PORT)
 
 # Retrain on a schedule: a local Prefect server (UI at http://127.0.0.1:4200, home under
 # artifacts/) plus a process serving the flow with CRON. Ctrl-C stops both.

@@ -117,8 +117,9 @@ def sft_sweep(config_path: str, args: list[str], metric: str = "accuracy", max_p
         logger.warning(f"mlflow: the sweep's parent run was not recorded ({type(e).__name__}: {e})")
     _publish(trials, results, order, metric, registered, mlflow_note)
     trained = sum(not r["train"]["cached"] for r in results.values())
-    _update_flow_run(tags=[f"trials:{len(trials)}", f"trained:{trained}", f"version:{registered['metrics']['version']}",
-                           f"model:{best.plan.cfg.registry.model_name}"])
+    new = [f"trials:{len(trials)}", f"trained:{trained}", f"version:{registered['metrics']['version']}",
+           f"model:{best.plan.cfg.registry.model_name}"]
+    _update_flow_run(tags=new + [t for t in (flow_run.tags or []) if t not in new])
     return {"trials": [{"index": t.index, "values": t.values, "train": results[t.index]["train"],
                         "evaluate": results[t.index]["evaluate"]} for t in trials],
             "order": order, "best": best.index, "register": registered}

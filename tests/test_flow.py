@@ -136,7 +136,7 @@ def test_one_mlflow_run_holds_the_lineage_and_live_metrics(flow_run, mlflow_serv
     runs = client.search_runs([exp.experiment_id], f"tags.`sftflow.train_fingerprint` = '{stages['train']['fingerprint']}'")
     assert len(runs) == 1  # one run for the one trained model
     run = client.get_run(runs[0].info.run_id)
-    assert run.info.status == "FINISHED" and run.info.run_name == f"sft-{stages['train']['fingerprint']}"
+    assert run.info.status == "FINISHED" and run.info.run_name.endswith(f"-{stages['train']['fingerprint'][:8]}")
     p, tags = run.data.params, run.data.tags
     assert p["actor.optim.lr"] == "0.001" and p["runner.max_steps"] == "4"
     assert p["registry.tracking_uri"] == mlflow_server
@@ -169,7 +169,7 @@ def test_one_mlflow_run_holds_the_lineage_and_live_metrics(flow_run, mlflow_serv
         assert [t.value for t in inputs[name].tags if t.key == "mlflow.data.context"] == [context]
     artifacts = {f.path for d in ("manifests", "eval", "train") for f in client.list_artifacts(run.info.run_id, d)}
     assert {"manifests/prepare", "manifests/train", "manifests/evaluate", "eval/predictions.jsonl",
-            "train/metrics.jsonl"} <= artifacts
+            "eval/predictions.json", "eval/summary.json", "train/metrics.jsonl"} <= artifacts
 
 
 def test_model_is_registered_and_answers_through_pyfunc(flow_run, mlflow_server):

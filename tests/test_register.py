@@ -75,7 +75,9 @@ def test_metric_names_and_points_after_logged_steps():
     rows = [{"step": s, "loss": 1.0 / s, "lr": 0.1, **({"val_loss": 2.0} if s % 2 == 0 else {})} for s in (1, 2, 3, 4)]
     points = new_points(rows, {"train/loss": 2, "val/loss": 2}, times_ms=[10, 20, 30, 40])
     got = sorted((p.key, p.step, p.timestamp) for p in points)
-    assert got == [("train/loss", 3, 30), ("train/loss", 4, 40), ("train/lr", 1, 10), ("train/lr", 2, 20),
+    assert got == [("loss/train", 1, 10), ("loss/train", 2, 20), ("loss/train", 3, 30), ("loss/train", 4, 40),
+                   ("loss/val", 2, 20), ("loss/val", 4, 40),  # both losses in one section of charts too
+                   ("train/loss", 3, 30), ("train/loss", 4, 40), ("train/lr", 1, 10), ("train/lr", 2, 20),
                    ("train/lr", 3, 30), ("train/lr", 4, 40), ("val/loss", 4, 40)]
 
 
@@ -108,7 +110,7 @@ def test_live_metrics_log_each_step_once_across_a_resume(tmp_path, monkeypatch):
         resumed.log(r)
     resumed.close()
     assert resumed.sender.failed is None
-    assert resumed.sender.sent == 2  # step 4's two metrics; steps 1-3 were there
+    assert resumed.sender.sent == 3  # step 4: train/loss, loss/train, train/tokens_per_s; steps 1-3 were there
     for key in ("train/loss", "train/tokens_per_s"):
         assert [m.step for m in client.get_metric_history(run_id, key)] == [1, 2, 3, 4]
     assert sync_rows(client, run_id, rows) == 0  # register's backfill finds nothing missing
@@ -141,3 +143,41 @@ def test_data_digest_is_the_content_and_config_hash_the_resolved_config(tmp_path
     assert data_digest(plan(same).inputs) != data_digest(inputs)
     assert config_hash(cfg) == config_hash(config_from_dict(tiny_config_dict(tmp_path)))
     assert config_hash(cfg) != config_hash(config_from_dict(tiny_config_dict(tmp_path, eval={"max_new_tokens": 9})))
+
+
+def test_only_chart_worthy_eval_numbers_are_metrics_and_all_are_in_the_summary():
+    from stages.register import eval_metric_values, eval_summary
+    m = {"accuracy": 0.5, "correct": 1, "total": 2, "eval_loss": 1.5, "base_accuracy": 0.0, "primary_set": "a",
+         "sets": {"a": {"accuracy": 0.5, "correct": 1, "total": 2, "base_accuracy": 0.0, "delta": 0.5},
+                  "b": {"accuracy": 1.0, "correct": 3, "total": 3, "base_accuracy": 1.0, "delta": 0.0, "max_drop": 0.1,
+                        "guard_ok": True}}}
+    assert eval_metric_values(m) == {"eval/accuracy": 0.5, "eval/loss": 1.5, "eval/base_accuracy": 0.0,
+                                     "eval/a/accuracy": 0.5, "eval/a/base_accuracy": 0.0, "eval/a/delta": 0.5,
+                                     "eval/b/accuracy": 1.0, "eval/b/base_accuracy": 1.0, "eval/b/delta": 0.0}
+    summary = eval_summary(m)
+    assert [r["set"] for r in summary] == ["a", "b"] and summary[1]["total"] == 3
+    assert list(summary[1]) == ["set", "accuracy", "base_accuracy", "delta", "correct", "total", "max_drop"]
+
+
+def test_ui_url_is_the_tracking_server_without_credentials(tmp_path):
+    from stages.core.config import config_from_dict
+    from stages.tracking.run import ui_url
+
+    def url(**registry):
+        return ui_url(config_from_dict(tiny_config_dict(tmp_path, registry=registry)))
+    assert url() == "http://127.0.0.1:5000"
+    assert url(ui_url="http://mlflow.lan:8080/") == "http://mlflow.lan:8080"
+    assert url(tracking_uri="https://bob:secret@mlflow.example.com/") == "https://mlflow.example.com"
+
+
+def test_predictions_table_puts_wrong_answers_first(tmp_path):
+    from conftest import write_jsonl
+    from stages.register import predictions_table
+    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "q3"}]
+    rows = [{"set": s, "source": "f:1", "prompt": q, "reference": "r", "prediction": p, "correct": p == "r",
+             "new_tokens": 1} for s, q, p in (("a", [{"role": "user", "content": "q1"}], "r"),
+                                              ("a", [{"role": "user", "content": "q2"}], "x"), ("b", chat, "y"))]
+    table = predictions_table(write_jsonl(tmp_path / "predictions.jsonl", rows))
+    assert list(table.columns) == ["correct", "set", "prompt", "reference", "prediction"]
+    assert table["prompt"].tolist() == ["q2", "system: s\nuser: q3", "q1"]  # wrong ones first, in file order
+    assert table["correct"].tolist() == [False, False, True]

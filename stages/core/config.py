@@ -217,7 +217,7 @@ class EvalSetConfig(_Section):
 class EvalConfig(_Section):
     max_new_tokens: int = Field(64, ge=1)
     batch_size: int = Field(16, ge=1)
-    max_samples: int = Field(0, description="<= 0: every held-out sample")
+    max_samples: int = Field(0, description="<= 0: every held-out sample; else this many, spread evenly over the set")
     eval_base: bool = Field(True, description="also score the untrained base model (base_accuracy)")
     scorer: str = Field("exact", description="exact | normalized | contains | regex | numeric | 'pkg.module:fn'")
     answer_pattern: str = Field(DEFAULT_ANSWER_PATTERN, description="regex/numeric: the answer is group 1 of the last match")
@@ -278,6 +278,8 @@ class RegistryConfig(_Section):
     promote: Literal["always", "if_better", "never"] = "if_better"
     live_after_seconds: float = unhashed(10, description="rank 0 logs to MLflow live once training looks this long; "
                                                       "< 0: only when the train stage ends")
+    ui_url: str = unhashed("http://127.0.0.1:5000", description="the MLflow UI that registration.json links to "
+                                                             "when the tracking URI is not a server (`make ui`)")
 
 
 class FlowConfig(_Section):

@@ -1,10 +1,13 @@
 """register: eval results, artifacts and the model into the trained model's MLflow run; a
 registered model version and its alias.
 
-The run was opened before training (`tracking.py`: params = the flattened config, tags,
-dataset inputs; step and system metrics logged live by rank 0); register backfills any
-step metric the run lacks from `metrics.jsonl`, then adds eval metrics, the stage manifests,
-predictions and `metrics.jsonl` as artifacts, and the chat model (pyfunc, models-from-code).
+The run was opened before training (`tracking/run.py`: a readable name, a description linking the
+Prefect flow run, params = the flattened config, tags, dataset inputs; step and system metrics
+logged live by rank 0); register backfills any step metric the run lacks from `metrics.jsonl`, then
+adds the eval metrics worth a chart (accuracy, base accuracy, loss; per named set accuracy, base
+accuracy and delta), every eval number as the `eval/summary.json` table, the predictions as the
+`eval/predictions.json` table (and the JSONL), the stage manifests and `metrics.jsonl`, and the chat
+model (pyfunc, models-from-code, named after the registered model, typed, with an input example).
 The version is tagged with fingerprints, data digest, config hash and accuracy;
 `champion` moves per `registry.promote`:
   always     every new version becomes champion
@@ -15,6 +18,7 @@ A set in `eval.sets` with `max_drop` guards promotion under `always` and `if_bet
 whose accuracy on it fell more than that below the base model's becomes `challenger`, never
 `champion`. The decision and its reason are in the stage's manifest and the version's tags.
 Registering a train fingerprint that already has a version reuses that version.
+`registration.json` links the run's and the version's pages in the MLflow UI (`run_url`, `version_url`).
 """
 
 from __future__ import annotations
@@ -25,14 +29,20 @@ from pathlib import Path
 
 from stages.core.artifacts import StageBuild, read_manifest
 from stages.core.config import SFTConfig
-from stages.tracking.live import read_metrics_file, send_values, sync_rows
+from stages.tracking.live import eval_metric_values, read_metrics_file, send_values, sync_rows
 from stages.core.errors import StageError
-from stages.tracking.run import TAG, Lineage, config_hash, data_digest, find_or_create_run, reachable, redact_uri, setup_mlflow
+from stages.tracking.run import (FLOW_RUN_ID, FLOW_RUN_URL, NOTE_TAG, TAG, Lineage, config_hash, data_digest,
+                                 find_or_create_run, reachable, redact_uri, run_note, run_url, setup_mlflow, ui_url,
+                                 version_url)
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 # shipped with the logged model as its code (found, not imported: register never needs torch itself)
 GENERATION_PY = importlib.util.find_spec("stages.runtime.generation").origin
 PIP_REQUIREMENTS = ["torch", "transformers", "tokenizers", "safetensors", "mlflow", "pandas"]
+# What the model page shows and `mlflow models serve` documents: a prompt and a conversation; its
+# params are the signature's defaults (chat_model.MAX_NEW_TOKENS).
+INPUT_EXAMPLE = (["Who are you?", [{"role": "user", "content": "Repeat after me: apple river stone"}]],
+                 {"max_new_tokens": 128})
 
 
 def _existing_version(client, name: str, train_fp: str):
@@ -75,12 +85,49 @@ def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def eval_metric_values(eval_metrics: dict) -> dict[str, float]:
-    """MLflow metric name -> value: `eval/<key>` for the primary set, `eval/<set>/<key>` for every named set."""
-    out = {f"eval/{k}": float(v) for k, v in eval_metrics.items() if _number(v)}
-    for name, m in (eval_metrics.get("sets") or {}).items():
-        out.update({f"eval/{name}/{k}": float(v) for k, v in m.items() if _number(v)})
-    return out
+SUMMARY_FIRST = ("accuracy", "base_accuracy", "delta", "correct", "total", "base_correct", "base_total",
+                 "eval_loss", "base_eval_loss")
+
+
+def eval_summary(eval_metrics: dict) -> list[dict]:
+    """One row per eval set with every number evaluate reported (the `eval/summary.json` table),
+    the ones read first in front."""
+    sets = eval_metrics.get("sets") or {eval_metrics.get("primary_set", "val"): eval_metrics}
+    order = {k: i for i, k in enumerate(SUMMARY_FIRST)}
+    return [{"set": name, **{k: m[k] for k in sorted((k for k, v in m.items() if _number(v)),
+                                                      key=lambda k: (order.get(k, len(order)), k))}}
+            for name, m in sets.items()]
+
+
+def _prompt_text(prompt) -> str:
+    """A one-question prompt as its text, a longer conversation as `role: content` lines."""
+    if isinstance(prompt, str):
+        return prompt
+    if len(prompt) == 1 and prompt[0]["role"] == "user":
+        return prompt[0]["content"]
+    return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
+
+
+def predictions_table(path: Path):
+    """The predictions as a table (the `eval/predictions.json` the UI shows), wrong answers first."""
+    import pandas as pd
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    table = pd.DataFrame(rows, columns=[c for c in ("correct", "set", "prompt", "reference", "prediction")
+                                        if any(c in r for r in rows)])
+    if "prompt" in table:
+        table["prompt"] = [_prompt_text(p) for p in table["prompt"]]
+    return table.sort_values("correct", kind="stable") if "correct" in table else table
+
+
+def _log_run_files(mlflow, dirs: dict[str, str], eval_metrics: dict) -> None:
+    import pandas as pd
+    for stage, folder in dirs.items():
+        mlflow.log_artifact(str(Path(folder) / "manifest.json"), artifact_path=f"manifests/{stage}")
+    predictions = Path(dirs["evaluate"]) / "predictions.jsonl"
+    mlflow.log_artifact(str(predictions), artifact_path="eval")
+    mlflow.log_table(predictions_table(predictions), artifact_file="eval/predictions.json")
+    mlflow.log_table(pd.DataFrame(eval_summary(eval_metrics)), artifact_file="eval/summary.json")
+    mlflow.log_artifact(str(Path(dirs["train"]) / "metrics.jsonl"), artifact_path="train")
 
 
 def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
@@ -108,23 +155,23 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
     else:
         # the run training opened (or a new one when training ran without MLflow)
         tags = {f"{TAG}{s}_fingerprint": f for s, f in fingerprints.items()}
-        flow_run = lineage.tags.get("prefect.flow_run_id")
+        flow_run = lineage.tags.get(FLOW_RUN_ID)
         run_id, _ = find_or_create_run(cfg, lineage, tags)
-        if flow_run and client.get_run(run_id).data.tags.get("prefect.flow_run_id") != flow_run:
+        if flow_run and client.get_run(run_id).data.tags.get(FLOW_RUN_ID) != flow_run:
             client.set_tag(run_id, "prefect.register_flow_run_id", flow_run)
+            if lineage.tags.get(FLOW_RUN_URL):
+                client.set_tag(run_id, "prefect.register_flow_run_url", lineage.tags[FLOW_RUN_URL])
         sync_rows(client, run_id, read_metrics_file(Path(dirs["train"]) / "metrics.jsonl"))  # what live logging missed
         send_values(client, run_id, eval_metric_values(eval_metrics))
         with mlflow.start_run(run_id=run_id):
-            for stage, folder in dirs.items():
-                mlflow.log_artifact(str(Path(folder) / "manifest.json"), artifact_path=f"manifests/{stage}")
-            mlflow.log_artifact(str(Path(dirs["evaluate"]) / "predictions.jsonl"), artifact_path="eval")
-            mlflow.log_artifact(str(Path(dirs["train"]) / "metrics.jsonl"), artifact_path="train")
+            _log_run_files(mlflow, dirs, eval_metrics)
             here = Path(__file__).resolve().parent
             info = mlflow.pyfunc.log_model(
-                name="model", python_model=str(here / "chat_model.py"), artifacts={"hf_model": model_dir},
-                code_paths=[GENERATION_PY], pip_requirements=PIP_REQUIREMENTS,
+                name=name, python_model=str(here / "chat_model.py"), artifacts={"hf_model": model_dir},
+                code_paths=[GENERATION_PY], pip_requirements=PIP_REQUIREMENTS, input_example=INPUT_EXAMPLE,
                 registered_model_name=name)
         version = client.get_model_version(name, str(info.registered_model_version))
+        client.set_tag(run_id, NOTE_TAG, run_note(cfg, client.get_run(run_id).data.tags, (name, version.version)))
         vtags = {"train_fingerprint": fingerprints["train"], "prepare_fingerprint": fingerprints["prepare"],
                  "evaluate_fingerprint": fingerprints.get("evaluate", ""), "config_hash": config_hash(cfg),
                  "data_digest": data_digest(lineage.inputs), "eval_accuracy": str(eval_metrics["accuracy"]),
@@ -142,9 +189,12 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
     aliases = sorted(client.get_model_version(name, version.version).aliases)
     metrics = {"version": int(version.version), "accuracy": eval_metrics["accuracy"], "aliases": aliases,
                "reused_version": existing is not None, "alias_decision": alias, "alias_reason": why}
+    ui = ui_url(cfg)
     (build.partial / "registration.json").write_text(json.dumps(
         {"tracking_uri": uri, "run_id": run_id, "model_name": name,
-         "version": version.version, "model_uri": f"models:/{name}/{version.version}", "aliases": aliases}, indent=2))
+         "version": version.version, "model_uri": f"models:/{name}/{version.version}", "aliases": aliases,
+         "run_url": run_url(ui, client.get_run(run_id).info.experiment_id, run_id),
+         "version_url": version_url(ui, name, version.version)}, indent=2))
     build.commit({"metrics": metrics, "run_id": run_id, "model_name": name, "version": int(version.version),
                   "tracking_uri": uri})
     return metrics

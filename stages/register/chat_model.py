@@ -1,11 +1,14 @@
 """MLflow "models from code" definition of the chat model logged by the register stage.
 
 Loaded by `mlflow.pyfunc.load_model(...)`; the Hugging Face folder travels as the
-`hf_model` artifact. `predict` takes a string, a list of strings, a list of message lists,
-or a DataFrame with a `messages` or `prompt` column, and returns one reply per input.
+`hf_model` artifact. `predict` takes a list whose items are each a prompt (a string) or a
+conversation (a list of `{"role", "content"}` messages), or a DataFrame with a `messages` or
+`prompt` column, and returns one reply per item; `params={"max_new_tokens": N}` bounds a reply.
 """
 
 from __future__ import annotations
+
+import logging
 
 import mlflow
 from mlflow.pyfunc import PythonModel
@@ -15,9 +18,16 @@ try:  # inside the project
 except ImportError:  # inside a logged model: generation.py ships via code_paths
     from generation import generate, load
 
+# A prompt or a conversation per item is what a chat model takes; MLflow records the union as
+# "Any" in the signature and warns about it at every definition and load.
+logging.getLogger("mlflow.types.type_hints").addFilter(lambda r: "Union type hint" not in r.getMessage())
+
+Item = str | list[dict[str, str]]
+MAX_NEW_TOKENS = 128  # the signature's default comes from register's input example: keep them equal
+
 
 def _conversations(model_input) -> list[list[dict]]:
-    if hasattr(model_input, "to_dict"):  # pandas DataFrame
+    if hasattr(model_input, "to_dict"):  # pandas DataFrame (called directly, not through pyfunc)
         col = "messages" if "messages" in model_input.columns else "prompt"
         model_input = list(model_input[col])
     if isinstance(model_input, (str, dict)):
@@ -37,10 +47,10 @@ class ChatModel(PythonModel):
     def load_context(self, context):
         self.model, self.tokenizer = load(context.artifacts["hf_model"])
 
-    def predict(self, context, model_input, params=None):
+    def predict(self, context, model_input: list[Item], params: dict | None = None) -> list[str]:
         params = params or {}
         replies = generate(self.model, self.tokenizer, _conversations(model_input),
-                           max_new_tokens=int(params.get("max_new_tokens", 128)), batch_size=8)
+                           max_new_tokens=int(params.get("max_new_tokens", MAX_NEW_TOKENS)), batch_size=8)
         return [r["text"] for r in replies]
 
 

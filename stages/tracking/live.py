@@ -58,9 +58,35 @@ def metric_name(key: str) -> str:
     return "val/" + key[4:] if key.startswith("val_") else "train/" + key
 
 
+# MLflow draws one chart per metric key and groups the charts of a run into sections by the key's
+# prefix, so `train/loss` and `val/loss` land eight charts apart; the two losses also go out as
+# `loss/train` and `loss/val`, one section holding both curves side by side.
+LOSS_SECTION = {"loss": "loss/train", "val_loss": "loss/val"}
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def row_metrics(row: dict) -> dict[str, float]:
-    return {metric_name(k): float(v) for k, v in row.items()
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    values = {k: float(v) for k, v in row.items() if k != "step" and _number(v)}
+    return {**{metric_name(k): v for k, v in values.items()},
+            **{LOSS_SECTION[k]: v for k, v in values.items() if k in LOSS_SECTION}}
+
+
+# The eval numbers worth a chart; register puts the rest (counts, token-level figures) in a table.
+CHARTED_EVAL = ("accuracy", "base_accuracy", "eval_loss", "delta")
+
+
+def eval_metric_values(eval_metrics: dict) -> dict[str, float]:
+    """MLflow metric name -> value: `eval/<key>` for the primary set, `eval/<set>/<key>` for every
+    named set; only accuracy, base accuracy, loss and (per set) the delta."""
+    def charted(prefix: str, m: dict) -> dict[str, float]:
+        return {f"{prefix}/{k.removeprefix('eval_')}": float(m[k]) for k in CHARTED_EVAL if _number(m.get(k))}
+    out = charted("eval", eval_metrics)
+    for name, m in (eval_metrics.get("sets") or {}).items():
+        out.update(charted(f"eval/{name}", m))
+    return out
 
 
 def last_logged_steps(client, run_id: str) -> dict[str, int]:

@@ -8,9 +8,12 @@ before torchrun starts (rank 0 then logs step and system metrics into it live, s
 A train stage that runs again for the same fingerprint (a retry, a resume, a deleted folder)
 continues that run; a fully cached flow run touches nothing.
 
-Created with: params = the flattened resolved config, tags = stage fingerprints, config hash,
-data digest, git commit and the Prefect flow run id, inputs = every data file as an MLflow
-dataset whose digest is the file's content sha256.
+Created with: a name people can tell apart (`run_name`), a description (`run_note`: what was
+trained, a link to the Prefect flow run, later the registered version), params = the flattened
+resolved config, tags = stage fingerprints, config hash, data digest, git commit and the Prefect
+flow run id and URL, inputs = every data file as an MLflow dataset whose digest is the file's
+content sha256. Also the MLflow UI's pages of a run, a version and an experiment's runs, and the
+SQLite store's creation with every artifact location under the artifacts folder.
 """
 
 from __future__ import annotations
@@ -35,28 +38,43 @@ __fingerprint__ = False
 
 TAG = "sftflow."
 RUN_TAG = TAG + "train_fingerprint"
+NOTE_TAG = "mlflow.note.content"  # the run's description in the UI
+FLOW_RUN_ID, FLOW_RUN_URL = "prefect.flow_run_id", "prefect.flow_run_url"  # set by the flow (lineage.tags)
 DIGEST_CHARS = 32  # MLflow allows at most 36 characters for a dataset digest
 
 
 def setup_mlflow(cfg: SFTConfig):
     """The MLflow module pointed at the config's tracking URI and experiment (created if missing)."""
     import mlflow
+    ensure_experiment(cfg.resolved_tracking_uri, cfg.registry.experiment, cfg.artifacts_path)
+    mlflow.set_experiment(cfg.registry.experiment)
+    return mlflow
+
+
+def ensure_experiment(uri: str, name: str, artifacts_path: Path) -> str:
+    """The id of experiment `name` at `uri`, created if missing. A SQLite store keeps every artifact
+    under `artifacts_path/mlartifacts`, its "Default" experiment's included."""
+    import mlflow
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    uri = cfg.resolved_tracking_uri
     mlflow.set_tracking_uri(uri)
     sqlite = uri.startswith("sqlite:///")
+    location = (artifacts_path / "mlartifacts").as_uri() if sqlite else None
     # Two runs on one artifacts dir would both create (migrate) a new database file at once and race
     # on its tables: the first does it under a lock, the second then finds it ready.
     with FileLock(uri[len("sqlite:///"):] + ".lock") if sqlite else nullcontext():
-        if mlflow.get_experiment_by_name(cfg.registry.experiment) is None:
-            location = (cfg.artifacts_path / "mlartifacts").as_uri() if sqlite else None
+        if sqlite and not Path(uri[len("sqlite:///"):]).exists():
+            # the client's own store would create "Default" at ./mlruns/0 under the working directory
+            from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+            SqlAlchemyStore(uri, location)
+        exp = mlflow.get_experiment_by_name(name)
+        if exp is None:
             try:
-                mlflow.create_experiment(cfg.registry.experiment, artifact_location=location)
+                return mlflow.create_experiment(name, artifact_location=location)
             except Exception:  # a server: created meanwhile by another process
-                if mlflow.get_experiment_by_name(cfg.registry.experiment) is None:
+                exp = mlflow.get_experiment_by_name(name)
+                if exp is None:
                     raise
-    mlflow.set_experiment(cfg.registry.experiment)
-    return mlflow
+    return exp.experiment_id
 
 
 def config_hash(cfg: SFTConfig) -> str:
@@ -113,6 +131,70 @@ def redact_uri(uri: str) -> str:
     return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
 
 
+def ui_url(cfg: SFTConfig) -> str:
+    """Where the MLflow UI of the config's tracking store is: the tracking server itself (without
+    credentials), else `registry.ui_url` (what `make ui` serves over the SQLite store)."""
+    from urllib.parse import urlsplit, urlunsplit
+    parts = urlsplit(cfg.resolved_tracking_uri)
+    if parts.scheme not in ("http", "https"):
+        return cfg.registry.ui_url.rstrip("/")
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1])).rstrip("/")
+
+
+def runs_url(ui: str, experiment_id: str) -> str:
+    """The experiment's runs list (MLflow 3 otherwise opens an experiment on its GenAI overview)."""
+    return f"{ui}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+
+
+def run_url(ui: str, experiment_id: str, run_id: str) -> str:
+    return f"{ui}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
+
+
+def version_url(ui: str, name: str, version: str | int) -> str:
+    return f"{ui}/{_version_page(name, version)}"
+
+
+def _version_page(name: str, version: str | int) -> str:
+    from urllib.parse import quote
+    return f"#/models/{quote(name, safe='')}/versions/{version}"
+
+
+def run_name(cfg: SFTConfig, train_fp: str) -> str:
+    """`<model name>-lr<lr>-<epochs or steps>[-lora<r>]-<train fingerprint[:8]>`: tells runs apart in a list."""
+    r, a = cfg.runner, cfg.actor
+    length = f"{r.max_steps}steps" if r.max_steps > 0 else f"{r.max_epochs}ep"
+    lora = f"-lora{a.lora.r}" if a.lora.r else ""
+    return f"{cfg.registry.model_name}-lr{a.optim.lr:g}-{length}{lora}-{train_fp[:8]}"
+
+
+def _flow_run_link(tags: dict[str, str], prefix: str) -> str | None:
+    run_id, url = tags.get(f"{prefix}_id"), tags.get(f"{prefix}_url")
+    if url:
+        return f"[{run_id or url}]({url})"
+    return f"`{run_id}`" if run_id else None
+
+
+def run_note(cfg: SFTConfig, tags: dict[str, str], version: tuple[str, str] | None = None) -> str:
+    """The run's description (`mlflow.note.content`, markdown): what was trained, by which Prefect
+    flow run, and the registered version (`version`: (name, number)) once there is one."""
+    a, r = cfg.actor, cfg.runner
+    length = f"{r.max_steps} steps" if r.max_steps > 0 else f"{r.max_epochs} epoch(s)"
+    method = f"LoRA r={a.lora.r}" if a.lora.r else "full fine-tuning"
+    lines = [f"Supervised fine-tuning of `{a.model.model_path}` ({method}): lr {a.optim.lr:g}, {length}, "
+             f"global batch {a.global_batch_size}.", ""]
+    trained = _flow_run_link(tags, "prefect.flow_run")
+    if trained:
+        lines.append(f"- Prefect flow run: {trained}")
+    registered = _flow_run_link(tags, "prefect.register_flow_run")
+    if registered:
+        lines.append(f"- Registered by Prefect flow run: {registered}")
+    if version:
+        name, number = version
+        lines.append(f"- Model version: [{name} v{number}]({_version_page(name, number)})")
+    lines.append(f"- Train fingerprint: `{tags.get(RUN_TAG, '')}`")
+    return "\n".join(lines)
+
+
 def reachable(uri: str) -> None:
     """Fail in seconds, not after minutes of client retries, when a tracking server is down."""
     if uri.startswith(("http://", "https://")):
@@ -148,8 +230,11 @@ def find_or_create_run(cfg: SFTConfig, lineage: Lineage, extra_tags: dict[str, s
     mark_abandoned_runs(client, exp.experiment_id)
     run = find_run(client, exp.experiment_id, fingerprints["train"])
     if run is not None:
-        # keep the record of the flow run that created it; add what is new (e.g. evaluate's fingerprint)
-        new = {k: v for k, v in extra.items() if k not in run.data.tags}
+        # keep the record of the flow run that created it; add what is new (e.g. evaluate's fingerprint),
+        # but not another flow run's Prefect tags (register records those as prefect.register_flow_run_*)
+        have = run.data.tags
+        other_flow = have.get(FLOW_RUN_ID, extra.get(FLOW_RUN_ID)) != extra.get(FLOW_RUN_ID)
+        new = {k: v for k, v in extra.items() if k not in have and not (other_flow and k.startswith("prefect."))}
         if new:
             client.log_batch(run.info.run_id, tags=[RunTag(k, v) for k, v in new.items()])
         return run.info.run_id, False
@@ -157,7 +242,9 @@ def find_or_create_run(cfg: SFTConfig, lineage: Lineage, extra_tags: dict[str, s
             TAG + "config_hash": config_hash(cfg), TAG + "data_digest": data_digest(inputs), **extra}
     if extra.get(TAG + "git_commit"):
         tags.setdefault("mlflow.source.git.commit", extra[TAG + "git_commit"])
-    run = client.create_run(exp.experiment_id, run_name=f"sft-{fingerprints['train']}", tags=tags)
+    tags.update({"mlflow.source.type": "JOB", "mlflow.source.name": "sftflow train stage"})
+    tags[NOTE_TAG] = run_note(cfg, tags)
+    run = client.create_run(exp.experiment_id, run_name=run_name(cfg, fingerprints["train"]), tags=tags)
     run_id = run.info.run_id
     params = [Param(k, v[:6000]) for k, v in run_params(cfg).items()]
     for i in range(0, len(params), 100):

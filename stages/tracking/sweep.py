@@ -13,22 +13,12 @@ import hashlib
 from stages.core.artifacts import canonical_json
 from stages.core.config import SFTConfig
 
-from .live import send_values
+from .live import eval_metric_values, send_values
 from .run import RUN_TAG, TAG, setup_mlflow
 
 __fingerprint__ = False
 
 SWEEP_TAG = TAG + "sweep_id"
-
-
-def eval_values(eval_metrics: dict) -> dict[str, float]:
-    """The metrics a trial is compared by: `eval/<key>` of the primary set, `eval/<set>/<key>` per set."""
-    def numbers(m: dict) -> dict[str, float]:
-        return {k: float(m[k]) for k in ("accuracy", "base_accuracy", "eval_loss") if isinstance(m.get(k), (int, float))}
-    out = {f"eval/{k}": v for k, v in numbers(eval_metrics).items()}
-    for name, m in (eval_metrics.get("sets") or {}).items():
-        out.update({f"eval/{name}/{k}": v for k, v in numbers(m).items()})
-    return out
 
 
 def record_sweep(cfg: SFTConfig, name: str, axes: dict[str, list[str]], metric: str,
@@ -60,7 +50,7 @@ def record_sweep(cfg: SFTConfig, name: str, axes: dict[str, list[str]], metric: 
         run_id = runs[0].info.run_id
         best_run = run_id if fp == best_fp else best_run
         if "eval/accuracy" not in runs[0].data.metrics:  # else register logged them (the best trial), or a re-run
-            send_values(client, run_id, eval_values(eval_metrics))
+            send_values(client, run_id, eval_metric_values(eval_metrics))
         client.set_tag(run_id, "mlflow.parentRunId", parent)
         client.set_tag(run_id, TAG + "sweep_trial", " ".join(f"{k}={v}" for k, v in values.items()))
     if best_run:
