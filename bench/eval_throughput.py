@@ -2,10 +2,12 @@
 
     .venv/bin/python bench/eval_throughput.py                       # builtin tiny model, 64 prompts (~1 minute)
     .venv/bin/python bench/eval_throughput.py --model smollm2 --prompts 32 --max-new-tokens 48
-                                                                    # the real model of the second quickstart
+                                                                    # the real model of the second quickstart,
+                                                                    # on its retention questions
 
-Both score the same held-out prompts (the demo's eval prompts, cycled to `--prompts`) with the
-same model and greedy decoding:
+Both score the same held-out prompts (`--prompts-file`, cycled to `--prompts`: the demo's eval
+prompts, or for `--model smollm2` the quickstart's retention questions, which the base model
+answers right) with the same model, greedy decoding and the `contains` scorer:
 
   * naive loop               one prompt at a time: `apply_chat_template` + `model.generate`
                              (KV cache, batch of 1), stopping at the same stop tokens.
@@ -37,8 +39,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def write_prompts(path: Path, n: int) -> Path:
-    rows = [json.loads(line) for line in (ROOT / "data" / "demo" / "eval.jsonl").read_text(encoding="utf-8").splitlines()]
+def write_prompts(path: Path, n: int, source: Path) -> Path:
+    rows = [json.loads(line) for line in source.read_text(encoding="utf-8").splitlines() if line.strip()]
     with open(path, "w", encoding="utf-8") as f:
         for row in itertools.islice(itertools.cycle(rows), n):
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -54,7 +56,7 @@ def config(tmp: Path, args, nproc: int):
         model = {"model_path": quick["model_path"], "model_sha256": quick["model_sha256"]}
     elif args.model:
         model = {"model_path": args.model}
-    prompts = write_prompts(tmp / "eval.jsonl", args.prompts)
+    prompts = write_prompts(tmp / "eval.jsonl", args.prompts, args.prompts_file)
     return config_from_dict({
         "artifacts_dir": str(args.artifacts or tmp / "artifacts"),
         "actor": {"nproc_per_node": nproc, "model": model},
@@ -116,7 +118,12 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16, help="eval.batch_size of the stage")
     ap.add_argument("--model", default=None, help="smollm2 (the real-model quickstart's) or any actor.model.model_path")
     ap.add_argument("--artifacts", type=Path, default=None, help="keep the fetched/converted model here between runs")
+    ap.add_argument("--prompts-file", type=Path, default=None, help="chat rows whose last assistant turn is the "
+                    "reference (default: data/demo/eval.jsonl; for smollm2 its retention_eval.jsonl)")
     args = ap.parse_args()
+    if args.prompts_file is None:
+        args.prompts_file = ROOT / "data" / ("smollm2-identity/retention_eval.jsonl" if args.model == "smollm2"
+                                             else "demo/eval.jsonl")
     with tempfile.TemporaryDirectory(prefix="sftflow-bench-eval-") as tmp:
         work = Path(tmp)
         results = {"naive loop (per prompt)": run_naive(work, args),
