@@ -298,6 +298,9 @@ def sweep(config: Path = ConfigOpt,
         _fail(str(e))
     if trials[0].plan.cfg.eval.model is not None:
         _fail("eval.model is for `sftflow stage evaluate --model`: a sweep registers a model it trains")
+    sets = trials[0].plan.cfg.eval.set_names
+    if "/" in metric and metric.split("/", 1)[0] not in sets:
+        _fail(f"--metric {metric}: no eval set '{metric.split('/', 1)[0]}'; sets: {', '.join(sets)}")
     console.print(f"sweep: {len(trials)} trials over {', '.join(axes)}")
     _prefect_home(trials[0].plan.cfg)
     from flows.sweep import sft_sweep

@@ -50,6 +50,7 @@ def test_the_best_trial_is_ranked_by_its_metric():
     m = {"accuracy": 0.5, "sets": {"retention": {"accuracy": 0.75}}}
     assert metric_of(m, "accuracy") == 0.5 and metric_of(m, "retention/accuracy") == 0.75
     assert metric_of(m, "nosuch") is None
+    assert metric_of({"accuracy": 0.25}, "val/accuracy") == 0.25
 
 
 @pytest.mark.slow
