@@ -8,7 +8,7 @@
                                              # fetches it); --lora R: LoRA on every side, else full fine-tuning
 
 The same model (the builtin tiny Qwen2) is trained on the same global batches (same sample
-indices per step, from `GlobalBatchSampler` with the same seed) in up to four ways:
+indices per step, from `GlobalBatchSampler` with the same seed) in up to five ways:
 
   * sftflow worker (packed)  `SFTWorker` under torchrun with `actor.packing: true`: FSDP2,
                              token-balanced ranks, gradient accumulation, clipping, LR schedule.
@@ -17,6 +17,9 @@ indices per step, from `GlobalBatchSampler` with the same seed) in up to four wa
                              concatenated by `collate_packed`, summed cross-entropy / trainable
                              tokens of the step, AdamW.
   * bare loop (padded)       the same with `collate_padded` (right padding + attention_mask).
+  * TRL SFTTrainer (padded)  the peer users would otherwise pick, when `trl` is installed: the
+                             same tokenized rows and masks in the same micro-batches, the same
+                             optimizer, schedule and clipping, TRL's own collator and loop.
 
 Throughput is real (non-pad) tokens per second: the tokens of the timed steps divided by the
 wall time of their data fetch + collate + forward + backward + optimizer step, after
@@ -225,6 +228,75 @@ def run_bare(cfg, model_path: str, ds, pad_id: int, args, packed: bool) -> dict:
     return {"tokens": tokens, "seconds": seconds, "losses": losses, "threads": torch.get_num_threads(), "world": 1}
 
 
+def run_trl(cfg, model_path: str, ds, pad_id: int, args) -> dict:
+    """TRL's SFTTrainer, what users would otherwise pick: the same rows, already tokenized with the
+    same masks (`completion_mask`), fed in the same micro-batches (a sequential sampler over the
+    rows in the bare padded loop's order), with the same AdamW, LR schedule and clipping (handed to
+    the trainer), padded by TRL's own collator. Steps are timed by a callback."""
+    from datasets import Dataset
+    from torch.utils.data import SequentialSampler
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+    from stages.runtime.schedule import lr_lambda
+
+    total = args.warmup + args.steps
+    sampler = GlobalBatchSampler(ds.lengths, args.global_batch, args.micro_batch, 1, cfg.runner.seed, interleave=False)
+    pos, order, step_tokens = DataPosition(), [], []
+    for _ in range(total):
+        batch_idx = sampler.global_batch(pos)
+        pos = sampler.advance(pos, len(batch_idx))
+        micro = sampler.rank_micro_batches(batch_idx, 0)
+        if len(micro) != args.global_batch // args.micro_batch or any(len(m) != args.micro_batch for m in micro):
+            raise SystemExit("TRL: the global batch does not split into equal micro-batches; pick sizes that divide")
+        order += [int(i) for m in micro for i in m]
+        step_tokens.append(int(ds.lengths[batch_idx].sum()))
+    rows = Dataset.from_list([{"input_ids": ds[i]["input_ids"].tolist(), "completion_mask": ds[i]["loss_mask"].tolist()}
+                              for i in order])
+
+    class InOrder(SFTTrainer):
+        def _get_train_sampler(self, *a, **k):
+            return SequentialSampler(self.train_dataset)
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.seconds, self.t0 = [], 0.0
+
+        def on_step_begin(self, *a, **k):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            self.seconds.append(time.perf_counter() - self.t0)
+
+    torch.manual_seed(cfg.runner.seed)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if cfg.actor.lora.r > 0:  # wrapped as the bare loop does (the trainer then leaves the model as it is)
+        from peft import LoraConfig, get_peft_model
+        lo = cfg.actor.lora
+        model = get_peft_model(model, LoraConfig(r=lo.r, lora_alpha=lo.alpha, target_modules=lo.target_modules,
+                                                 task_type="CAUSAL_LM"))
+    o = cfg.actor.optim
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total, o.warmup, o.scheduler, o.min_lr_ratio))
+    clock = Clock()
+    with tempfile.TemporaryDirectory(prefix="sftflow-bench-trl-") as out:
+        trainer = InOrder(
+            model=model, train_dataset=rows, optimizers=(optimizer, scheduler), callbacks=[clock],
+            args=SFTConfig(output_dir=out, per_device_train_batch_size=args.micro_batch,
+                           gradient_accumulation_steps=args.global_batch // args.micro_batch, max_steps=total,
+                           max_grad_norm=o.clip_grad if o.clip_grad > 0 else 1e9, logging_steps=1, report_to=[],
+                           save_strategy="no", dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(),
+                           completion_only_loss=True, packing=False, padding_free=False, max_length=None,
+                           remove_unused_columns=False,
+                           seed=cfg.runner.seed, disable_tqdm=True))
+        trainer.data_collator.pad_token_id = pad_id
+        trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    timed = clock.seconds[args.warmup:]
+    return {"tokens": sum(step_tokens[args.warmup:]), "seconds": sum(timed), "losses": losses,
+            "threads": torch.get_num_threads(), "world": 1}
+
+
 def pad_waste(ds, args, seed: int, sort: bool) -> float:
     """Share of padded micro-batch slots that are padding over the timed steps: micro-batches
     as the sampler cuts them (longest first), or cut in sampling order (a naive loader)."""
@@ -349,6 +421,11 @@ def main() -> None:
         }
         if not args.no_worker_padded:
             methods["sftflow worker (padded)"] = lambda: run_worker(cfg, model_path, shards, tmp, args, False, env)
+        try:
+            import trl  # noqa: F401 - the peer, when installed (not a dependency of sftflow)
+            methods["TRL SFTTrainer (padded)"] = lambda: run_trl(cfg, model_path, ds, pad_id, args)
+        except ImportError:
+            print("TRL is not installed: `.venv/bin/pip install trl` adds TRL's SFTTrainer to the comparison")
         results: dict[str, dict] = {}
         # Rounds interleave the methods and each keeps its fastest round: another process
         # on the machine only ever slows a method down, so the best round is the least disturbed.
