@@ -47,10 +47,22 @@ def running_server(home: Path) -> str | None:
     """The API URL of a long-lived local server on this Prefect home (same database), if it answers:
     CLI runs use it instead of starting a temporary server, and their runs stay visible in its UI."""
     try:
-        api = json.loads((home / RUNNING_SERVER).read_text())["api"]
+        found = json.loads((home / RUNNING_SERVER).read_text())
+        api, pid = found["api"], int(found["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return api if _healthy(api) else None
+    # a marker left by a killed serve: its server died with it, and the port may serve another home now
+    return api if _alive(pid) and _healthy(api) else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @contextmanager
