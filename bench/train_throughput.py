@@ -180,16 +180,15 @@ def worker_mode(job_path: str, out_path: str) -> None:
 # --------------------------------------------------------------------------- bare PyTorch loop
 
 
-def run_bare(cfg, model_path: str, ds, pad_id: int, args, packed: bool) -> dict:
-    """The ceiling: no FSDP, no collectives, no hooks. Same micro-batches (the sampler's
-    longest-first order, world size 1), same loss normalization, clipping and LR schedule as
-    the worker, so the losses must match it step for step."""
+def reference_model(cfg, model_path: str, total_steps: int):
+    """(model, trainable params, AdamW, LR schedule) as a plain PyTorch user builds them (peft's own
+    wrapping for LoRA), seeded like the worker: the bare loops and TRL start from the same state."""
     from transformers import AutoModelForCausalLM
     from stages.runtime.schedule import lr_lambda
 
     torch.manual_seed(cfg.runner.seed)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).train()
-    if cfg.actor.lora.r > 0:  # peft's own wrapping, as a user of peft would write it
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if cfg.actor.lora.r > 0:
         from peft import LoraConfig, get_peft_model
         lo = cfg.actor.lora
         model = get_peft_model(model, LoraConfig(r=lo.r, lora_alpha=lo.alpha, target_modules=lo.target_modules,
@@ -197,8 +196,18 @@ def run_bare(cfg, model_path: str, ds, pad_id: int, args, packed: bool) -> dict:
     o = cfg.actor.optim
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, o.warmup, o.scheduler, o.min_lr_ratio))
+    return model, trainable, optimizer, scheduler
+
+
+def run_bare(cfg, model_path: str, ds, pad_id: int, args, packed: bool) -> dict:
+    """The ceiling: no FSDP, no collectives, no hooks. Same micro-batches (the sampler's
+    longest-first order, world size 1), same loss normalization, clipping and LR schedule as
+    the worker, so the losses must match it step for step."""
     total = args.warmup + args.steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total, o.warmup, o.scheduler, o.min_lr_ratio))
+    model, trainable, optimizer, scheduler = reference_model(cfg, model_path, total)
+    model.train()
+    o = cfg.actor.optim
     # the worker's micro-batch grouping: interleaved when packed, contiguous (least padding) when padded
     sampler = GlobalBatchSampler(ds.lengths, args.global_batch, args.micro_batch, 1, cfg.runner.seed, interleave=packed)
     pos, tokens, seconds, losses = DataPosition(), 0, 0.0, []
@@ -235,9 +244,8 @@ def run_trl(cfg, model_path: str, ds, pad_id: int, args) -> dict:
     the trainer), padded by TRL's own collator. Steps are timed by a callback."""
     from datasets import Dataset
     from torch.utils.data import SequentialSampler
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
-    from stages.runtime.schedule import lr_lambda
 
     total = args.warmup + args.steps
     sampler = GlobalBatchSampler(ds.lengths, args.global_batch, args.micro_batch, 1, cfg.runner.seed, interleave=False)
@@ -267,17 +275,8 @@ def run_trl(cfg, model_path: str, ds, pad_id: int, args) -> dict:
         def on_step_end(self, *a, **k):
             self.seconds.append(time.perf_counter() - self.t0)
 
-    torch.manual_seed(cfg.runner.seed)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    if cfg.actor.lora.r > 0:  # wrapped as the bare loop does (the trainer then leaves the model as it is)
-        from peft import LoraConfig, get_peft_model
-        lo = cfg.actor.lora
-        model = get_peft_model(model, LoraConfig(r=lo.r, lora_alpha=lo.alpha, target_modules=lo.target_modules,
-                                                 task_type="CAUSAL_LM"))
+    model, _, optimizer, scheduler = reference_model(cfg, model_path, total)  # as the bare loop's
     o = cfg.actor.optim
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total, o.warmup, o.scheduler, o.min_lr_ratio))
     clock = Clock()
     with tempfile.TemporaryDirectory(prefix="sftflow-bench-trl-") as out:
         trainer = InOrder(

@@ -156,9 +156,9 @@ def configured_task(stage: str, p: Plan, force: bool, label: str | None = None):
                                   **({"task_run_name": f"{stage} [{label}]"} if label else {}))
     kwargs: dict[str, Any] = dict(p=p, force=force)
     if stage in ("train", "register"):  # tags of the MLflow run (opened by train, finished by register)
-        kwargs["tags"] = {"sftflow.git_commit": _git_commit(), "prefect.flow_run_id": str(flow_run.id or "")}
-        if flow_run_url():
-            kwargs["tags"]["prefect.flow_run_url"] = flow_run_url()
+        url = flow_run_url()
+        kwargs["tags"] = {"sftflow.git_commit": _git_commit(), "prefect.flow_run_id": str(flow_run.id or ""),
+                          **({"prefect.flow_run_url": url} if url else {})}
     return t, kwargs
 
 
