@@ -233,7 +233,8 @@ def test_property_real_templates_train_exactly_the_replies(tokenizer, messages, 
     tok = family_tokenizer(tokenizer, name)
     t = tokenize_or_reason(tok, messages, loss_on)
     if isinstance(t, str):
-        assert t == "template_error", t
+        reserved = any("\ue000" in m["content"] for m in messages)  # the span finder's placeholder character
+        assert t == "template_error" or (t == "reply_not_in_template" and reserved), t
         return
     replies = [m for m in messages if m["role"] == "assistant"]
     want = expected_runs(name, replies if loss_on == "assistant" else replies[-1:], tok)

@@ -21,6 +21,11 @@ reply, so header text is never trained and the space before the reply still is. 
 inside its span (a template that drops or rewrites earlier replies) is a bad row
 (`reply_not_in_template`), never a wrong mask.
 
+That is the per-row path (`exact_spans`), and the definition of the spans. Rows of a template
+proven to treat content as opaque text skip it: `shapes.py` runs the same algorithm once per
+conversation shape on placeholders and builds each row's text and spans by concatenation, with
+no template render per row (`tests/test_shapes.py` holds the two paths equal).
+
 Characters map to tokens through the fast tokenizer's offsets. Boundary rule: a token is
 trainable iff its first character lies inside a reply span. A BPE token that starts in the
 prompt and reaches into the reply stays a prompt token, because at inference the prompt is
@@ -39,6 +44,10 @@ import numpy as np
 
 from stages.chatdata.readers import RowError
 
+from .shapes import build, common_prefix_len, opaque_reason, plan_for, shape_key
+
+MAX_SHAPES = 10_000  # distinct conversation shapes planned per process; rarer ones take the per-row path
+
 
 @dataclass
 class Tokenized:
@@ -48,9 +57,9 @@ class Tokenized:
 class Renderer:
     """A chat template, rendered exactly as `apply_chat_template(tokenize=False)` renders it.
 
-    Prepare renders every conversation 2x per assistant turn, so it calls transformers' compiled
-    template directly, skipping the per-call conversion of inputs to plain data (ours are plain
-    JSON already). Tests compare the result with `apply_chat_template` on every template. Built
+    The per-row path renders a conversation 2x per assistant turn, so it calls transformers'
+    compiled template directly, skipping the per-call conversion of inputs to plain data (ours
+    are plain JSON already); `shaped` answers from a per-shape plan instead when it can. Tests compare the result with `apply_chat_template` on every template. Built
     from the template text and special tokens alone, so tokenizing workers never import the
     heavy tokenizer classes (or torch)."""
 
@@ -63,6 +72,9 @@ class Renderer:
             if tokenizer is None:
                 raise
             self._compiled = None
+        self.opaque_reason = (opaque_reason(self._compiled.environment, template) if self._compiled is not None
+                              else "rendered through apply_chat_template")
+        self._plans: dict = {}
 
     @classmethod
     def of(cls, tokenizer) -> "Renderer":
@@ -74,6 +86,25 @@ class Renderer:
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["template"], state["kwargs"])
 
+    def shaped(self, messages: list[dict], loss_on: str) -> tuple[str, list[tuple[int, int]]] | None:
+        """Text and spans from the cached plan of this row's shape (see shapes.py); None when the
+        row takes the per-row path."""
+        if self.opaque_reason is not None:
+            return None
+        key = shape_key(messages)
+        if key is None:
+            return None
+        key = (key, loss_on)
+        if key not in self._plans:
+            if len(self._plans) >= MAX_SHAPES:
+                return None
+            try:
+                self._plans[key] = plan_for(self, messages, loss_on)
+            except RowError:  # the per-row path raises it with the row's own text
+                self._plans[key] = None
+        plan = self._plans[key]
+        return None if plan is None else build([m["content"] for m in messages], plan)
+
     def __call__(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         try:
             if self._compiled is None:
@@ -84,19 +115,6 @@ class Renderer:
         except Exception as e:  # jinja's raise_exception, an undefined variable, ...
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise RowError("template_error", msg) from None
-
-
-def common_prefix_len(a: str, b: str) -> int:
-    if b.startswith(a):
-        return len(a)
-    lo, hi = 0, min(len(a), len(b))  # largest k with a[:k] == b[:k]; C-speed probes, O(log n) of them
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if b.startswith(a[:mid]):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 PLACEHOLDER = "\ue000sftflow-reply-{}\ue001"  # private-use characters: no template or reply has them
@@ -144,6 +162,14 @@ def _turn_end(renderer: Renderer, messages: list[dict], i: int, text: str) -> in
 
 def assistant_spans(renderer: Renderer, messages: list[dict], loss_on: str = "assistant") -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans to train on, in order."""
+    shaped = renderer.shaped(messages, loss_on)
+    if shaped is not None:
+        return shaped
+    return exact_spans(renderer, messages, loss_on)
+
+
+def exact_spans(renderer: Renderer, messages: list[dict], loss_on: str = "assistant") -> tuple[str, list[tuple[int, int]]]:
+    """`assistant_spans` the per-row way: renders this row (twice, plus once per earlier reply)."""
     text = renderer(messages)
     if loss_on == "all":
         return text, [(0, len(text))]
