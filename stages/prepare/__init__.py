@@ -2,8 +2,8 @@
 
 Data path: sources (files, `datasets` folders, hub names) are read as raw records in the main
 process, in order, `CHUNK_RECORDS` at a time; each chunk is parsed, converted to
-conversations, rendered through the chat template, masked and tokenized by a worker
-(`data.num_proc` processes, or in-process); results come back in submission order and stream
+conversations, rendered through the chat template, masked and tokenized in-process or by one
+of `data.num_proc - 1` spawned workers; results come back in submission order and stream
 into shard writers. Memory stays bounded by the chunks in flight plus one Arrow batch per
 split, and the output is identical for any `num_proc`.
 
@@ -144,18 +144,42 @@ def process_chunk(chunk: list[tuple[str, str, str, int, Any]]) -> list[Item]:
     return items
 
 
+class _Done:
+    """A chunk the calling process worked itself, queued in order among the workers' results."""
+
+    def __init__(self, items: list[Item]):
+        self.items = items
+
+    def ready(self) -> bool:
+        return True
+
+    def get(self) -> list[Item]:
+        return self.items
+
+
 def _ordered_results(chunks: Iterator[list], opts: Options, num_proc: int, tokenizer) -> Iterator[list[Item]]:
+    """Items per chunk, in submission order. With num_proc > 1 the calling process is one of the
+    num_proc workers: it hands chunks to num_proc - 1 spawned processes while they have work
+    queued and works the rest itself, so no core idles while they start (about a second) or
+    while it waits on them."""
     state = (opts, tokenizer.backend_tokenizer, Renderer.of(tokenizer))
+    _init_worker(*state)
     if num_proc <= 1:
-        _init_worker(*state)
         yield from map(process_chunk, chunks)
         return
+    workers = num_proc - 1
     # spawn, not fork: the caller may be a Prefect worker thread pool, and fork copies held locks
-    with mp.get_context("spawn").Pool(num_proc, initializer=_init_worker, initargs=state) as pool:
+    with mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=state) as pool:
         in_flight: deque = deque()
         for chunk in chunks:
-            in_flight.append(pool.apply_async(process_chunk, (chunk,)))
-            if len(in_flight) >= 2 * num_proc:  # bounded: never read far ahead of the writers
+            queued = sum(not r.ready() for r in in_flight)
+            if queued <= workers:  # each worker has its next chunk waiting
+                in_flight.append(pool.apply_async(process_chunk, (chunk,)))
+            else:
+                in_flight.append(_Done(process_chunk(chunk)))
+            while in_flight and in_flight[0].ready():
+                yield in_flight.popleft().get()
+            if len(in_flight) >= 8 * num_proc:  # bounded: never read far ahead of the writers
                 yield in_flight.popleft().get()
         while in_flight:
             yield in_flight.popleft().get()

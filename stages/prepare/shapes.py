@@ -295,9 +295,12 @@ def shape_key(messages: list[dict]) -> tuple | None:
         c = m.get("content")
         if not isinstance(c, str) or _MARK in c or (c and not c.strip()):
             return None
+        if len(m) == 2 and isinstance(m.get("role"), str):  # the common case, without json's cost
+            key.append((bool(c), "role", m["role"]))
+            continue
         rest = {k: v for k, v in m.items() if k != "content"}
         try:
-            key.append((bool(c), json.dumps(rest, sort_keys=True, ensure_ascii=False)))
+            key.append((bool(c), "json", json.dumps(rest, sort_keys=True, ensure_ascii=False)))
         except (TypeError, ValueError):
             return None
     return tuple(key)
