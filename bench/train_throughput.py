@@ -13,6 +13,9 @@ indices per step, from `GlobalBatchSampler` with the same seed) in up to five wa
   * sftflow worker (packed)  `SFTWorker` under torchrun with `actor.packing: true`: FSDP2,
                              token-balanced ranks, gradient accumulation, clipping, LR schedule.
   * sftflow worker (padded)  the same with `actor.packing: false` (skip with --no-worker-padded).
+  * ..., reshard_after_forward   with --nproc > 1: the packed worker with FSDP2 freeing each
+                             layer's gathered weights after forward (GPU's default) instead of
+                             keeping them through the step (CPU's default).
   * bare loop (packed)       the ceiling: a plain `AutoModelForCausalLM`, no FSDP, micro-batches
                              concatenated by `collate_packed`, summed cross-entropy / trainable
                              tokens of the step, AdamW.
@@ -126,12 +129,14 @@ def prepare(tmp: Path, args) -> tuple:
 # --------------------------------------------------------------------------- sftflow worker (torchrun)
 
 
-def run_worker(cfg, model_path: str, shards: Path, tmp: Path, args, packing: bool, env: dict) -> dict:
+def run_worker(cfg, model_path: str, shards: Path, tmp: Path, args, packing: bool, env: dict,
+               reshard_after_forward: bool | None = None) -> dict:
     from stages.runtime.launcher import kill_group
 
     cfg = cfg.model_copy(deep=True)
     cfg.actor.packing = packing
-    name = "packed" if packing else "padded"
+    cfg.actor.reshard_after_forward = reshard_after_forward
+    name = ("packed" if packing else "padded") + ("-freed" if reshard_after_forward else "")
     job = {"warmup": args.warmup, "steps": args.steps,
            "spec": {"config": cfg.model_dump(mode="json"), "model_path": model_path, "out_dir": str(tmp / f"worker-{name}"),
                     "train_dir": str(shards), "val_dir": None}}
@@ -418,6 +423,9 @@ def main() -> None:
             BARE: lambda: run_bare(cfg, model_path, ds, pad_id, args, True),
             "bare loop (padded)": lambda: run_bare(cfg, model_path, ds, pad_id, args, False),
         }
+        if args.nproc > 1:  # FSDP2's other setting: weights freed after each forward, gathered again for backward
+            methods["sftflow worker (packed), reshard_after_forward"] = \
+                lambda: run_worker(cfg, model_path, shards, tmp, args, True, env, reshard_after_forward=True)
         if not args.no_worker_padded:
             methods["sftflow worker (padded)"] = lambda: run_worker(cfg, model_path, shards, tmp, args, False, env)
         try:

@@ -216,6 +216,26 @@ def test_resume_on_another_world_size(tmp_path, first, then):
 
 
 @pytest.mark.slow
+def test_weights_kept_gathered_between_forward_and_backward_train_like_one_process(tmp_path):
+    """On CPU FSDP2 keeps gathered weights through a step's micro-batches; validation after every
+    step (no-grad forwards, no backward to free them) must not leave a stale copy for the next step.
+    Reference: one plain process (no FSDP) on the same samples."""
+    every_step = dict(runner={"max_steps": 4, "val_check_interval": 1, "save_interval": 4})
+    two = train(make_cfg(subdir(tmp_path, "two"), **every_step))
+    one = train(make_cfg(subdir(tmp_path, "one"), **every_step, actor=ONE_PROC))
+    freed = train(make_cfg(subdir(tmp_path, "freed"), **every_step, actor={"reshard_after_forward": True}))
+
+    def logged(run) -> list[dict]:
+        return [json.loads(line) for line in (Path(run.path) / "metrics.jsonl").read_text().splitlines()]
+    for run in (two, freed):
+        rows, ref = logged(run), logged(one)
+        assert [r["step"] for r in rows] == [1, 2, 3, 4] and all("val_loss" in r for r in rows)
+        for key in ("loss", "val_loss"):
+            assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref], abs=1e-5), key
+        assert_same_weights(weights(run.path), weights(one.path), atol=1e-4)
+
+
+@pytest.mark.slow
 def test_two_agents_rendezvous_like_one_agent_with_two_processes(tmp_path):
     one = train(make_cfg(subdir(tmp_path, "one")))
     port = free_port()

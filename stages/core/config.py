@@ -125,6 +125,10 @@ class ActorConfig(_Section):
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     activation_checkpointing: bool = unhashed(False)
     compile: bool = unhashed(False)
+    reshard_after_forward: bool | None = unhashed(
+        None, description="FSDP2: free gathered weights after each forward (least memory) or keep them "
+                          "through backward and the step's micro-batches (least communication); "
+                          "default: keep on CPU (gloo), free on GPU")
     worker: str | None = Field(None, description="'pkg.module:Class' subclass of stages.runtime.worker.SFTWorker")
     model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig()

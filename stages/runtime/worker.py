@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from stages.core.config import SFTConfig
 from stages.core.errors import ConfigError
@@ -131,13 +131,18 @@ class SFTWorker:
         # One fp32 process has nothing to shard, reduce or cast: FSDP would only add per-layer hooks.
         # DCP checkpoints stay interchangeable with sharded runs (they reshard on load).
         self.fsdp = self.world > 1 or self.precision == "bf16"
+        self.keep_gathered = False
         if not self.fsdp:
             return model
         mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if self.precision == "bf16" else MixedPrecisionPolicy())
+        # gloo on a few cores is bound by collectives, not memory: gathering each layer once per
+        # step instead of twice per micro-batch is most of what FSDP costs there
+        reshard = actor.reshard_after_forward
+        self.keep_gathered = not (reshard if reshard is not None else self.device.type != "cpu")
         for unit in units:
-            fully_shard(unit, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+            fully_shard(unit, mp_policy=mp, reshard_after_forward=not self.keep_gathered)
+        fully_shard(model, mp_policy=mp, reshard_after_forward=not self.keep_gathered)
         return model
 
     def build_dataset(self, data_paths: str, eval_dataset: bool = False):
@@ -171,8 +176,18 @@ class SFTWorker:
                                 use_cache=False).logits[0].float()
             single = self.model(input_ids=torch.as_tensor(b["input_ids"], device=self.device)[None].long(),
                                 use_cache=False).logits[0].float()
+        self.reshard()
         tol = 1e-2 if self.precision == "bf16" else 1e-4
         return bool(torch.allclose(packed[len(ids):], single, atol=tol, rtol=tol))
+
+    def reshard(self) -> None:
+        """Weights kept gathered (`reshard_after_forward` off) stay gathered after a no-grad
+        forward, where no backward frees them; the optimizer step and state dicts need them
+        sharded, and a later forward would reuse the stale gathered copy."""
+        if self.fsdp and self.keep_gathered:
+            for m in self.model.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
 
     # ------------------------------------------------------------------ model outputs
     def collate(self, samples: list[dict]) -> dict[str, torch.Tensor]:
@@ -238,6 +253,7 @@ class SFTWorker:
         keys = ["loss_sum", "n_tokens", "correct", "total"]
         keys += sorted(k for k in sums if k not in keys)
         stats = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64, device=self.device)
+        self.reshard()
         dist.all_reduce(stats)
         self.model.train()
         total = dict(zip(keys, stats.tolist()))
@@ -334,6 +350,8 @@ class SFTWorker:
             batch, real = self.micro_batch(idx)
             if self.fsdp:
                 self.model.set_requires_gradient_sync(k == len(micro) - 1)
+                if self.keep_gathered:
+                    self.model.set_reshard_after_backward(k == len(micro) - 1)
             ls, n = self.as_loss_sum(self.get_train_model_output(batch), float(self.trainable[idx].sum()) if real else 0.0)
             if not real:
                 ls, n = ls * 0.0, 0.0
