@@ -5,11 +5,12 @@ Config problems are reported as one line on stderr with exit code 2, before anyt
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -99,34 +100,39 @@ def _summary(results: list[dict], scored: str = "tuned") -> None:
                       + (f": {escape(m['alias_reason'])}" if m.get("alias_reason") else ""))
 
 
-def _run_flow(fn, **kwargs) -> list[dict]:
-    """Runs a flow (on PREFECT_API_URL, else on a temporary local server); its failure ends as one
-    line (Prefect's log above has the details)."""
-    if not os.environ.get("PREFECT_API_URL"):
-        from prefect.settings import PREFECT_API_URL, temporary_settings
+def _flow(module: str, name: str) -> Callable[[], Callable]:
+    return lambda: getattr(importlib.import_module(module), name)
 
-        from flows.serve import ServerDidNotStart, running_server, temporary_server
-        from flows.sft import TEMPORARY_SERVER_ENV
+
+def _run_flow(load_flow: Callable[[], Callable], **kwargs) -> list[dict]:
+    """Runs a flow (on PREFECT_API_URL, else on a temporary local server); its failure ends as one
+    line (Prefect's log above has the details). `load_flow` imports the flow: importing Prefect
+    takes seconds, spent while a temporary server starts rather than before it."""
+    if not os.environ.get("PREFECT_API_URL"):
+        from flows.serve import TEMPORARY_SERVER_ENV, ServerDidNotStart, running_server, temporary_server
         running = running_server(Path(os.environ["PREFECT_HOME"]))
         if running:  # `make serve` on this home: no temporary server to start (seconds saved)
+            from prefect.settings import PREFECT_API_URL, temporary_settings
             err.print(f"using the running Prefect server at {running}", highlight=False)
             os.environ["PREFECT_API_URL"] = running
             try:
                 with temporary_settings(updates={PREFECT_API_URL: running}):
-                    return _run_flow(fn, **kwargs)
+                    return _run_flow(load_flow, **kwargs)
             finally:
                 os.environ.pop("PREFECT_API_URL", None)
         try:
-            with temporary_server(Path(os.environ["PREFECT_HOME"])) as api:
+            with temporary_server(Path(os.environ["PREFECT_HOME"]), meanwhile=load_flow) as api:
+                from prefect.settings import PREFECT_API_URL, temporary_settings
                 os.environ["PREFECT_API_URL"] = api
                 os.environ[TEMPORARY_SERVER_ENV] = "1"
                 with temporary_settings(updates={PREFECT_API_URL: api}):
-                    return _run_flow(fn, **kwargs)
+                    return _run_flow(load_flow, **kwargs)
         except ServerDidNotStart as e:
             _fail(str(e), code=1)
         finally:
             os.environ.pop("PREFECT_API_URL", None)
             os.environ.pop(TEMPORARY_SERVER_ENV, None)
+    fn = load_flow()
     try:
         return fn(**kwargs)
     except ConfigError as e:
@@ -148,8 +154,7 @@ def run(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
     if p.cfg.eval.model is not None:
         _fail("eval.model is for `sftflow stage evaluate --model`: the flow registers the model it trains")
     _prefect_home(p.cfg)
-    from flows.sft import sft_pipeline
-    _summary(_run_flow(sft_pipeline, config_path=str(config), overrides=overrides or [], force=force,
+    _summary(_run_flow(_flow("flows.sft", "sft_pipeline"), config_path=str(config), overrides=overrides or [], force=force,
                        planned=p.to_dict()))
 
 
@@ -178,8 +183,7 @@ def stage(name: str = typer.Argument(..., help="prepare | train | evaluate | reg
         except ConfigError as e:
             _fail(str(e))
     _prefect_home(p.cfg)
-    from flows.sft import sft_stage
-    _summary(_run_flow(sft_stage, stage=name, config_path=str(config), overrides=overrides or [], force=force,
+    _summary(_run_flow(_flow("flows.sft", "sft_stage"), stage=name, config_path=str(config), overrides=overrides or [], force=force,
                        with_upstream=with_upstream, planned=p.to_dict()), scored=model or "tuned")
 
 
@@ -303,12 +307,14 @@ def sweep(config: Path = ConfigOpt,
         _fail(f"--metric {metric}: no eval set '{metric.split('/', 1)[0]}'; sets: {', '.join(sets)}")
     console.print(f"sweep: {len(trials)} trials over {', '.join(axes)}")
     _prefect_home(trials[0].plan.cfg)
-    from flows.sweep import sft_sweep
-    flow_fn = sft_sweep
-    if max_parallel > 1:
+
+    def sweep_flow():
+        from flows.sweep import sft_sweep
+        if max_parallel == 1:
+            return sft_sweep
         from prefect.task_runners import ThreadPoolTaskRunner
-        flow_fn = sft_sweep.with_options(task_runner=ThreadPoolTaskRunner(max_workers=max_parallel))
-    out = _run_flow(flow_fn, config_path=str(config), args=grid, metric=metric, max_parallel=max_parallel,
+        return sft_sweep.with_options(task_runner=ThreadPoolTaskRunner(max_workers=max_parallel))
+    out = _run_flow(sweep_flow, config_path=str(config), args=grid, metric=metric, max_parallel=max_parallel,
                     planned=[{"index": t.index, "values": t.values, "plan": t.plan.to_dict()} for t in trials])
     _sweep_summary(out, metric)
 

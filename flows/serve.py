@@ -17,7 +17,7 @@ import time
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from filelock import FileLock
 
@@ -40,6 +40,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+# Set by the CLI around its temporary Prefect server: it has no UI and is gone after the run, so
+# links to its pages would be dead.
+TEMPORARY_SERVER_ENV = "SFTFLOW_TEMPORARY_PREFECT"
 RUNNING_SERVER = "server.json"  # in the Prefect home: the long-lived server `serve --start-server` runs
 
 
@@ -67,8 +70,9 @@ def _alive(pid: int) -> bool:
 
 @contextmanager
 def local_server(host: str, port: int, home: Path, log_path: Path, timeout: float = 180,
-                 ui: bool = True, shared: bool = False) -> Iterator[str]:
+                 ui: bool = True, shared: bool = False, meanwhile: Callable[[], object] | None = None) -> Iterator[str]:
     """`prefect server start` on host:port for the duration of the block; yields the API URL.
+    `meanwhile` runs while the server starts (the caller's own imports take seconds too).
 
     The server runs in a session of its own, so a Ctrl-C to the terminal's process group reaches
     the CLI (which then stops cleanly, reporting to this server) and not the server; and it asks
@@ -77,6 +81,8 @@ def local_server(host: str, port: int, home: Path, log_path: Path, timeout: floa
     database, and two migrations at once fail."""
     api = f"http://{host}:{port}/api"
     if _healthy(api):  # already running (e.g. a second `make serve`): share it
+        if meanwhile is not None:
+            meanwhile()
         yield api
         return
     home.mkdir(parents=True, exist_ok=True)
@@ -94,6 +100,8 @@ def local_server(host: str, port: int, home: Path, log_path: Path, timeout: floa
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                     cwd=str(Path(__file__).resolve().parents[1]))
         try:
+            if meanwhile is not None:
+                meanwhile()
             deadline = time.time() + timeout
             while not _healthy(api):
                 if proc.poll() is not None or time.time() > deadline:
@@ -123,10 +131,11 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @contextmanager
-def temporary_server(home: Path) -> Iterator[str]:
+def temporary_server(home: Path, meanwhile: Callable[[], object] | None = None) -> Iterator[str]:
     """A Prefect server for one CLI call when no PREFECT_API_URL is set (what Prefect's own
     temporary server does, but surviving a Ctrl-C to the terminal and dying with the CLI)."""
-    with local_server("127.0.0.1", free_port(), home, home / "temporary-server.log", ui=False) as api:
+    with local_server("127.0.0.1", free_port(), home, home / "temporary-server.log", ui=False,
+                      meanwhile=meanwhile) as api:
         try:
             yield api
         finally:

@@ -23,6 +23,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from prefect.states import Completed
 
+from flows.serve import TEMPORARY_SERVER_ENV
 from stages.core.config import check_overrides_allowed, load_config
 from stages.core.errors import ConfigError
 from stages.evaluate.report import fmt, set_rows
@@ -32,9 +33,6 @@ STEP_LINE = re.compile(r"^step (\d+)/(\d+)\b")
 # MLflow's own logging ("2026/12/01 06:45:02 INFO mlflow.system_metrics...: ..."), timestamped by
 # itself: it stays in train.log, out of the task log that a person reads for the training lines.
 MLFLOW_LOG_LINE = re.compile(r"^\d{4}/\d{2}/\d{2} \d{2}:\d{2}:\d{2} [A-Z]+ mlflow[\w.]*:")
-# Set by the CLI around its temporary Prefect server: it has no UI and is gone after the run, so
-# links to its pages would be dead.
-TEMPORARY_SERVER_ENV = "SFTFLOW_TEMPORARY_PREFECT"
 
 
 class _UsageErrorsWithoutTraceback(logging.Filter):

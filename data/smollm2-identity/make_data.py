@@ -490,6 +490,62 @@ DISTILL = [
 ]
 
 
+# More replay questions in the retention categories (none of them a candidate above): many
+# small sums and products, because arithmetic is what an identity fine-tune loses first, plus
+# counts, capitals, languages, currencies and opposites. Like the candidates, a row is kept only
+# when the base model's own answer is right; that answer, cut to whole sentences, is the target.
+def extra_replay() -> list[tuple[str, str]]:
+    rng = random.Random(1)
+    arith: dict[str, str] = {}
+    forms = [("What is {a} + {b}?", lambda a, b: a + b), ("What is {a} plus {b}?", lambda a, b: a + b),
+             ("What is {a} times {b}?", lambda a, b: a * b), ("What is {a} minus {b}?", lambda a, b: a - b),
+             ("What is {p} divided by {b}?", None)]
+    while len(arith) < 90:
+        form, fn = rng.choice(forms)
+        a, b = rng.randint(2, 12), rng.randint(2, 12)
+        if fn is None:
+            arith[form.format(p=a * b, b=b)] = str(a)
+        elif fn(a, b) > 0:
+            arith[form.format(a=a, b=b)] = str(fn(a, b))
+    facts = [
+        ("How many sides does a square have?", "4"), ("How many sides does a pentagon have?", "5"),
+        ("How many sides does an octagon have?", "8"), ("How many legs does a cat have?", "4"),
+        ("How many wheels does a bicycle have?", "2"), ("How many wheels does a car have?", "4"),
+        ("How many fingers are on one hand?", "5"), ("How many eyes does a person have?", "2"),
+        ("How many strings does a standard guitar have?", "6"), ("How many hours are in two days?", "48"),
+        ("How many days are in two weeks?", "14"), ("How many minutes are in half an hour?", "30"),
+        ("What is the capital of Switzerland?", "Bern"), ("What is the capital of Romania?", "Bucharest"),
+        ("What is the capital of Bulgaria?", "Sofia"), ("What is the capital of Serbia?", "Belgrade"),
+        ("What is the capital of Croatia?", "Zagreb"), ("What is the capital of Afghanistan?", "Kabul"),
+        ("What is the capital of Bangladesh?", "Dhaka"), ("What is the capital of New Zealand?", "Wellington"),
+        ("What is the capital of Ghana?", "Accra"), ("What is the capital of Syria?", "Damascus"),
+        ("What is the capital of Lebanon?", "Beirut"), ("What is the capital of Jordan?", "Amman"),
+        ("What is the capital of Qatar?", "Doha"), ("What is the capital of Iceland?", "Reykjavik"),
+        ("What is the capital of Morocco?", "Rabat"), ("What is the capital of Ethiopia?", "Addis Ababa"),
+        ("What is the capital of Scotland?", "Edinburgh"), ("What is the capital of Mongolia?", "Ulaanbaatar"),
+        ("What language is spoken in Italy?", "Italian"), ("What language is spoken in Spain?", "Spanish"),
+        ("What language is spoken in Japan?", "Japanese"), ("What language is spoken in Russia?", "Russian"),
+        ("What language is spoken in China?", "Chinese"), ("What is the currency of China?", "yuan"),
+        ("What is the currency of India?", "rupee"), ("What is the currency of Mexico?", "peso"),
+        ("What is the currency of Russia?", "ruble"), ("What is the currency of Germany?", "euro"),
+        ("What is the opposite of cold?", "hot"), ("What is the opposite of left?", "right"),
+        ("What is the opposite of old?", "young"), ("What is the opposite of happy?", "sad"),
+        ("What is the opposite of light?", "dark"), ("What is the opposite of open?", "closed"),
+        ("In which direction does the sun set?", "west"), ("In which country is the Colosseum?", "Italy"),
+        ("In which country is the Taj Mahal?", "India"), ("On which continent is Kenya?", "Africa"),
+        ("On which continent is Japan?", "Asia"), ("On which continent is Canada?", "North America"),
+        ("What is the chemical symbol for oxygen?", "O"), ("What is the chemical symbol for carbon?", "C"),
+        ("What is the chemical symbol for hydrogen?", "H"), ("Which planet do we call the Blue Planet?", "Earth"),
+        ("Which animal is known for its black and white fur and eats bamboo?", "panda"),
+        ("What is a baby cow called?", "calf"), ("What is a baby sheep called?", "lamb"),
+        ("What do cows eat?", "grass"), ("Which animal lays eggs and says cluck?", "chicken"),
+        ("Who painted The Starry Night?", "Van Gogh"), ("Who wrote Pride and Prejudice?", "Austen"),
+        ("Which season comes after summer?", "autumn"), ("What is the first month of the year?", "January"),
+        ("What is the last month of the year?", "December"), ("What day comes after Monday?", "Tuesday"),
+    ]
+    return list(arith.items()) + facts
+
+
 def normalize(text: str) -> str:
     """As `normalize` in stages/evaluate/scorers.py: lower case, punctuation -> space, spaces collapsed."""
     text = "".join(" " if (ch in string.punctuation or unicodedata.category(ch).startswith("P")) else ch
@@ -641,6 +697,15 @@ def main() -> None:
         if cut is not None and passes(cut, ref):
             replay.append(conv(q, cut))
 
+    known = {normalize(q) for _, q, _ in CANDIDATES} | {normalize(q) for q, _ in DISTILL}
+    extra = [(q, ref) for q, ref in extra_replay() if normalize(q) not in known]
+    assert len({normalize(q) for q, _ in extra}) == len(extra)
+    extra_answers = base.answers([q for q, _ in extra], MAX_NEW_TOKENS)
+    for (q, ref), a in zip(extra, extra_answers):
+        cut = first_sentences(a, 2) if passes(a, ref) else None
+        if cut is not None and passes(cut, ref):
+            replay.append(conv(q, cut))
+
     train = id_train + distill + replay
     random.Random(0).shuffle(train)
     write("train.jsonl", train)
@@ -664,6 +729,8 @@ def main() -> None:
                                      "alone": alone.get(q), "passed": passes(batched[q], r),
                                      "rejected": REVIEW_REJECT.get(q), "in_eval": q in eval_qs}
                                     for c, q, r in CANDIDATES],
+           "extra_replay": [{"question": q, "reference": r, "answer": a, "passed": passes(a, r)}
+                            for (q, r), a in zip(extra, extra_answers)],
            "identity_eval_base_answers": dict(zip([r["messages"][0]["content"] for r in ident], base_ident))}
     if args.log:
         Path(args.log).write_text(json.dumps(log, ensure_ascii=False, indent=1), encoding="utf-8")
