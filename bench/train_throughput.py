@@ -8,7 +8,7 @@
                                              # fetches it); --lora R: LoRA on every side, else full fine-tuning
 
 The same model (the builtin tiny Qwen2) is trained on the same global batches (same sample
-indices per step, from `GlobalBatchSampler` with the same seed) in up to five ways:
+indices per step, from `GlobalBatchSampler` with the same seed) in up to six ways:
 
   * sftflow worker (packed)  `SFTWorker` under torchrun with `actor.packing: true`: FSDP2,
                              token-balanced ranks, gradient accumulation, clipping, LR schedule.
