@@ -72,7 +72,7 @@ def _alive(pid: int) -> bool:
 def local_server(host: str, port: int, home: Path, log_path: Path, timeout: float = 180,
                  ui: bool = True, shared: bool = False, meanwhile: Callable[[], object] | None = None) -> Iterator[str]:
     """`prefect server start` on host:port for the duration of the block; yields the API URL.
-    `meanwhile` runs while the server starts (the caller's own imports take seconds too).
+    `meanwhile` runs while a server it starts comes up (the caller's own imports take seconds too).
 
     The server runs in a session of its own, so a Ctrl-C to the terminal's process group reaches
     the CLI (which then stops cleanly, reporting to this server) and not the server; and it asks
@@ -81,8 +81,6 @@ def local_server(host: str, port: int, home: Path, log_path: Path, timeout: floa
     database, and two migrations at once fail."""
     api = f"http://{host}:{port}/api"
     if _healthy(api):  # already running (e.g. a second `make serve`): share it
-        if meanwhile is not None:
-            meanwhile()
         yield api
         return
     home.mkdir(parents=True, exist_ok=True)

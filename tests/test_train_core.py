@@ -217,9 +217,9 @@ def test_resume_on_another_world_size(tmp_path, first, then):
 
 @pytest.mark.slow
 def test_weights_kept_gathered_between_forward_and_backward_train_like_one_process(tmp_path):
-    """On CPU FSDP2 keeps gathered weights through a step's micro-batches; validation after every
-    step (no-grad forwards, no backward to free them) must not leave a stale copy for the next step.
-    Reference: one plain process (no FSDP) on the same samples."""
+    """FSDP2 over 2 processes, with each block's weights kept gathered through a step (CPU's
+    default) and freed after each forward, and no-grad validation forwards between the steps,
+    trains like one plain process (no FSDP) on the same samples: losses, val losses, weights."""
     every_step = dict(runner={"max_steps": 4, "val_check_interval": 1, "save_interval": 4})
     two = train(make_cfg(subdir(tmp_path, "two"), **every_step))
     one = train(make_cfg(subdir(tmp_path, "one"), **every_step, actor=ONE_PROC))

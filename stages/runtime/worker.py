@@ -176,15 +176,14 @@ class SFTWorker:
                                 use_cache=False).logits[0].float()
             single = self.model(input_ids=torch.as_tensor(b["input_ids"], device=self.device)[None].long(),
                                 use_cache=False).logits[0].float()
-        self.reshard()
         tol = 1e-2 if self.precision == "bf16" else 1e-4
         return bool(torch.allclose(packed[len(ids):], single, atol=tol, rtol=tol))
 
     def reshard(self) -> None:
-        """Weights kept gathered (`reshard_after_forward` off) stay gathered after a no-grad
-        forward, where no backward frees them; the optimizer step and state dicts need them
-        sharded, and a later forward would reuse the stale gathered copy."""
-        if self.fsdp and self.keep_gathered:
+        """After a no-grad forward no backward frees gathered weights: the root's always stay
+        gathered, and every block's too when they are kept (`reshard_after_forward` off). Resharding
+        them makes checkpoint loads, state dicts and the optimizer meet sharded parameters only."""
+        if self.fsdp:
             for m in self.model.modules():
                 if isinstance(m, FSDPModule):
                     m.reshard()
@@ -317,8 +316,7 @@ class SFTWorker:
         self.packing = False
         if actor.packing:
             self.packing = self.supports_packing()
-            if self.fsdp:
-                self.model.reshard()
+            self.reshard()
             if not self.packing:
                 log(f"packing: {type(self.model).__name__} can't be packed (packed logits differ from unpacked or "
                     "no position_ids); using padded micro-batches")
