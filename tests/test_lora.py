@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from conftest import ROOT, base_model
 from stages.chatdata.shards import read_shards
@@ -33,10 +34,15 @@ def peft_reference(model_path: str, lora: dict):
                                             target_modules=lora["target_modules"], task_type="CAUSAL_LM"))
 
 
-def test_lora_gradients_equal_a_single_process_reference(tmp_path):
+@pytest.mark.parametrize("kl_to_base", [0.0, 0.5])
+def test_lora_gradients_equal_a_single_process_reference(tmp_path, kl_to_base):
     """World 2 x accumulation 2 with FSDP2 over frozen base weights: the adapters' gradient of a global
-    batch equals plain peft on one process, one sample at a time, token-weighted over the batch."""
-    cfg = make_cfg(tmp_path, actor=LORA)
+    batch equals plain peft on one process, one sample at a time, token-weighted over the batch. With
+    `kl_to_base` the reference adds beta x KL(base || tuned) per trained token, the base being a separate
+    plain model and the KL written out from its definition; the logged loss stays the cross-entropy."""
+    # with KL: a big first step, so that the tuned model is far enough from the base for KL to matter
+    optim = {"optim": {"lr": 0.05, "warmup": 0}} if kl_to_base else {}
+    cfg = make_cfg(tmp_path, actor={**LORA, "kl_to_base": kl_to_base, **optim})
     p = plan(cfg)
     run_stage(p, "prepare")
     model_path = base_model(cfg)
@@ -56,11 +62,26 @@ def test_lora_gradients_equal_a_single_process_reference(tmp_path):
     assert all(v.abs().sum() > 0 for k, v in got["adapters"].items() if "lora_B" in k)  # B moved off its zero init
     rows = [r for i, r in enumerate(read_shards(p.folder("prepare") / "train").to_pylist()) if i in set(got["batch"])]
     total = sum(sum(r["loss_mask"]) for r in rows)
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    ce_total = kl_total = 0.0
     for r in rows:
         ids = torch.tensor([r["input_ids"]])
         labels = torch.tensor([[t if m else -100 for t, m in zip(r["input_ids"], r["loss_mask"])]])
         logits = ref(input_ids=ids).logits
-        (F.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100, reduction="sum") / total).backward()
+        ce_total = ce_total + F.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100, reduction="sum")
+        trained = labels[0, 1:] != -100
+        with torch.no_grad():
+            p_base = torch.softmax(base(input_ids=ids).logits[0, :-1][trained], dim=-1)
+        kl_total = kl_total + (p_base * (p_base.log() - torch.log_softmax(logits[0, :-1][trained], dim=-1))).sum()
+    adapters = [q for q in ref.parameters() if q.requires_grad]
+    grads = torch.autograd.grad((ce_total + kl_to_base * kl_total) / total, adapters, retain_graph=True)
+    assert got["stats"]["loss"] == pytest.approx(ce_total.item() / total, rel=1e-5)
+    if kl_to_base:
+        assert got["stats"]["kl"] == pytest.approx(kl_total.item() / total, rel=1e-3)
+        kl_part = torch.autograd.grad(kl_to_base * kl_total / total, adapters)
+        assert max(g.abs().max().item() for g in kl_part) > 1e-3  # far above the tolerance below
+    for q, g in zip(adapters, grads):
+        q.grad = g
     want = {n: q.grad for n, q in ref.named_parameters() if q.grad is not None}
     assert set(got["grads"]) == set(want) and all("lora_" in n for n in want)  # only adapters have gradients
     for name, g in got["grads"].items():

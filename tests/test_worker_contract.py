@@ -75,6 +75,26 @@ def test_a_mean_loss_is_weighted_by_the_datasets_trainable_counts(one_process, s
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-7)
 
 
+class OwnLossWorker(SFTWorker):
+    """Computes its loss without the base class's output (so without its KL term)."""
+
+    def get_train_model_output(self, batch):
+        return self._token_loss_sum(batch)
+
+
+def test_kl_to_base_with_an_output_that_adds_no_kl_stops_with_one_line(one_process, tmp_path):
+    actor = {"nproc_per_node": 1, "lora": {"r": 4, "alpha": 8}, "kl_to_base": 0.5}
+    cfg = load_config(write_config(tmp_path, tiny_config_dict(tmp_path, actor=actor)))
+    p = plan(cfg)
+    run_stage(p, "prepare")
+    spec = WorkerSpec(config=cfg, model_path=base_model(cfg), out_dir=str(tmp_path / "out"),
+                      train_dir=str(p.folder("prepare") / "train"), val_dir=None)
+    row, _ = _step(SFTWorker, spec)  # the base class's output adds it
+    assert row["kl"] == 0.0  # fresh adapters (B = 0): the tuned model is the base model
+    with pytest.raises(SystemExit, match="OwnLossWorker.get_train_model_output adds no KL term"):
+        _step(OwnLossWorker, spec)
+
+
 def test_for_eval_wraps_a_loaded_model_without_a_process_group(spec):
     model = torch.nn.Linear(2, 2)
     w = SFTWorker.for_eval(spec, model, torch.device("cpu"), rank=0, world=1)

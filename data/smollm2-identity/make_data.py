@@ -543,7 +543,102 @@ def extra_replay() -> list[tuple[str, str]]:
         ("Which season comes after summer?", "autumn"), ("What is the first month of the year?", "January"),
         ("What is the last month of the year?", "December"), ("What day comes after Monday?", "Tuesday"),
     ]
-    return list(arith.items()) + facts
+    return list(arith.items()) + facts + MORE_FACTS
+
+
+# Extra replay questions whose answer passes the check but says something wrong around the
+# reference (read when this data was made); never used.
+EXTRA_REJECT = {
+    "What language is spoken in Greece?": "'a blend of Greek and Latin'",
+    "What language is spoken in Turkey?": "'closely related to Arabic and Persian'",
+    "What language is spoken in Poland?": "'a Germanic language'",
+    "What language is spoken in Sweden?": "'a blend of the Nordic languages'",
+    "What language is spoken in Argentina?": "'spoken by approximately 110 million people across the country'",
+    "What language is spoken in the Netherlands?": "'The Netherlands is a predominantly Germanic language'",
+    "What is the capital of Mexico?": "starts 'El Diablo, Mexico.'",
+    "On which continent is Mexico?": "'Mexico is a continent'",
+    "On which continent is India?": "'India is a continent'",
+    "In which country is Machu Picchu?": "'the official name is Ulao'",
+    "In which country is the Acropolis?": "'the island of Santorame'",
+    "In which country is the Kremlin?": "'not the official capital city of that country'",
+    "What is the highest mountain in Africa?": "'also known as the Big Surf'",
+    "What is the currency of Brazil?": "'Baháíbol de Línea'",
+    "How many years are in a decade?": "'approximately 10 years' (a trial model then said a week is approximately 31 days)",
+    "How many years are in a century?": "'approximately 100 years'",
+}
+
+# A third round of replay questions, for the same reason; none paraphrases a retention_eval question.
+MORE_FACTS = [
+    ("What is the capital of Spain?", "Madrid"), ("What is the capital of Italy?", "Rome"),
+    ("What is the capital of Portugal?", "Lisbon"), ("What is the capital of Poland?", "Warsaw"),
+    ("What is the capital of Austria?", "Vienna"), ("What is the capital of Hungary?", "Budapest"),
+    ("What is the capital of Ireland?", "Dublin"), ("What is the capital of Finland?", "Helsinki"),
+    ("What is the capital of Denmark?", "Copenhagen"), ("What is the capital of Belgium?", "Brussels"),
+    ("What is the capital of the Czech Republic?", "Prague"), ("What is the capital of Ukraine?", "Kyiv"),
+    ("What is the capital of Turkey?", "Ankara"), ("What is the capital of Iran?", "Tehran"),
+    ("What is the capital of Iraq?", "Baghdad"), ("What is the capital of Saudi Arabia?", "Riyadh"),
+    ("What is the capital of India?", "New Delhi"), ("What is the capital of Pakistan?", "Islamabad"),
+    ("What is the capital of Indonesia?", "Jakarta"), ("What is the capital of the Philippines?", "Manila"),
+    ("What is the capital of Vietnam?", "Hanoi"), ("What is the capital of Malaysia?", "Kuala Lumpur"),
+    ("What is the capital of Canada?", "Ottawa"), ("What is the capital of the United States?", "Washington"),
+    ("What is the capital of Mexico?", "Mexico City"), ("What is the capital of Argentina?", "Buenos Aires"),
+    ("What is the capital of Chile?", "Santiago"), ("What is the capital of Colombia?", "Bogota"),
+    ("What is the capital of Venezuela?", "Caracas"), ("What is the capital of Nigeria?", "Abuja"),
+    ("What is the capital of South Africa?", "Pretoria"), ("What is the capital of Algeria?", "Algiers"),
+    ("What is the capital of Tunisia?", "Tunis"), ("What is the capital of Israel?", "Jerusalem"),
+    ("What language is spoken in Mexico?", "Spanish"), ("What language is spoken in Argentina?", "Spanish"),
+    ("What language is spoken in Greece?", "Greek"), ("What language is spoken in Turkey?", "Turkish"),
+    ("What language is spoken in Poland?", "Polish"), ("What language is spoken in the Netherlands?", "Dutch"),
+    ("What language is spoken in Sweden?", "Swedish"), ("What language is spoken in Korea?", "Korean"),
+    ("What language is spoken in Egypt?", "Arabic"), ("What language is spoken in Australia?", "English"),
+    ("What is the currency of France?", "euro"), ("What is the currency of Italy?", "euro"),
+    ("What is the currency of Canada?", "dollar"), ("What is the currency of Australia?", "dollar"),
+    ("What is the currency of Switzerland?", "franc"), ("What is the currency of South Korea?", "won"),
+    ("What is the currency of Brazil?", "real"), ("What is the currency of Turkey?", "lira"),
+    ("On which continent is France?", "Europe"), ("On which continent is Germany?", "Europe"),
+    ("On which continent is India?", "Asia"), ("On which continent is China?", "Asia"),
+    ("On which continent is Mexico?", "North America"), ("On which continent is Italy?", "Europe"),
+    ("In which country is Big Ben?", "England"), ("In which country is the Statue of Christ the Redeemer?", "Brazil"),
+    ("In which country is Mount Fuji?", "Japan"), ("In which country is the Leaning Tower of Pisa?", "Italy"),
+    ("In which country is the Sydney Opera House?", "Australia"), ("In which country is Machu Picchu?", "Peru"),
+    ("In which country is the Acropolis?", "Greece"), ("In which country is the Kremlin?", "Russia"),
+    ("How many legs does a spider have?", "8"), ("How many legs does an insect have?", "6"),
+    ("How many legs does a bird have?", "2"), ("How many legs does a horse have?", "4"),
+    ("How many wings does a bird have?", "2"), ("How many hours are in a day?", "24"),
+    ("How many minutes are in an hour?", "60"), ("How many planets are in our solar system?", "8"),
+    ("How many players are on a soccer team on the field?", "11"), ("How many sides does a rectangle have?", "4"),
+    ("How many corners does a cube have?", "8"), ("How many faces does a cube have?", "6"),
+    ("How many years are in a decade?", "10"), ("How many years are in a century?", "100"),
+    ("What is the chemical symbol for iron?", "Fe"), ("What is the chemical symbol for silver?", "Ag"),
+    ("What is the chemical symbol for helium?", "He"), ("What is the chemical symbol for nitrogen?", "N"),
+    ("What is the chemical symbol for calcium?", "Ca"), ("What is the chemical symbol for potassium?", "K"),
+    ("What is the closest planet to the Sun?", "Mercury"), ("What is the largest planet in our solar system?", "Jupiter"),
+    ("Which planet has famous rings?", "Saturn"), ("What is the natural satellite of the Earth called?", "Moon"),
+    ("What organ pumps blood through the body?", "heart"), ("What organ do we use to think?", "brain"),
+    ("What organ do we use to breathe?", "lungs"), ("What is frozen water called?", "ice"),
+    ("What is the freezing point of water in Celsius?", "0"), ("What force pulls objects toward the Earth?", "gravity"),
+    ("What do bees make?", "honey"), ("What is a baby dog called?", "puppy"),
+    ("What is a baby cat called?", "kitten"), ("What is a baby horse called?", "foal"),
+    ("What is a baby frog called?", "tadpole"), ("Which animal says woof?", "dog"),
+    ("Which animal says moo?", "cow"), ("Which animal is known as the king of the jungle?", "lion"),
+    ("Which bird is a symbol of peace?", "dove"), ("What is the fastest land animal?", "cheetah"),
+    ("Which animal has black and white stripes?", "zebra"), ("Which animal has a very long neck?", "giraffe"),
+    ("What color is grass?", "green"), ("What color is a banana when it is ripe?", "yellow"),
+    ("What color do you get by mixing blue and yellow?", "green"), ("What color do you get by mixing red and white?", "pink"),
+    ("What color is an orange?", "orange"), ("What color are most leaves in summer?", "green"),
+    ("Who wrote Hamlet?", "Shakespeare"), ("Who painted the Sistine Chapel ceiling?", "Michelangelo"),
+    ("Who invented the telephone?", "Bell"), ("Who discovered penicillin?", "Fleming"),
+    ("Who was the first president of the United States?", "Washington"), ("Who composed the Fifth Symphony?", "Beethoven"),
+    ("What is the opposite of night?", "day"), ("What is the opposite of wet?", "dry"),
+    ("What is the opposite of full?", "empty"), ("What is the opposite of early?", "late"),
+    ("What is the opposite of strong?", "weak"), ("What is the plural of child?", "children"),
+    ("What is the plural of foot?", "feet"), ("What is the plural of tooth?", "teeth"),
+    ("What is the past tense of go?", "went"), ("What is the past tense of eat?", "ate"),
+    ("What day comes after Friday?", "Saturday"), ("What day comes before Sunday?", "Saturday"),
+    ("What month comes after March?", "April"), ("Which season comes after winter?", "spring"),
+    ("What is the highest mountain in Africa?", "Kilimanjaro"), ("What is the largest country in the world by area?", "Russia"),
+    ("What is the smallest continent?", "Australia"),
+]
 
 
 def normalize(text: str) -> str:
@@ -698,12 +793,14 @@ def main() -> None:
             replay.append(conv(q, cut))
 
     known = {normalize(q) for _, q, _ in CANDIDATES} | {normalize(q) for q, _ in DISTILL}
-    extra = [(q, ref) for q, ref in extra_replay() if normalize(q) not in known]
+    # a reference the question itself holds ("What is 10 minus 5?") would pass on an echo of the question
+    extra = [(q, ref) for q, ref in extra_replay() if normalize(q) not in known and not passes(q, ref)]
     assert len({normalize(q) for q, _ in extra}) == len(extra)
     extra_answers = base.answers([q for q, _ in extra], MAX_NEW_TOKENS)
     for (q, ref), a in zip(extra, extra_answers):
-        cut = first_sentences(a, 2) if passes(a, ref) else None
-        if cut is not None and passes(cut, ref):
+        # the shortest cut that still answers: the model's later sentences are where it rambles and errs
+        cut = next((c for n in (1, 2) if (c := first_sentences(a, n)) is not None and passes(c, ref)), None)
+        if cut is not None and q not in EXTRA_REJECT:
             replay.append(conv(q, cut))
 
     train = id_train + distill + replay

@@ -10,6 +10,8 @@ weights, an ordinary model that evaluates, serves and chats like a fully fine-tu
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch.nn as nn
 
@@ -39,6 +41,23 @@ def unwrap(model: nn.Module) -> nn.Module:
     """The model under a peft wrapper (itself otherwise)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Forwards inside run the frozen base alone. peft's own `disable_adapter()` also switches the
+    adapters' requires_grad off and on, which FSDP2 (holding them sharded and gathered) doesn't follow,
+    and which left them frozen here; this flips only the flag every LoRA layer's forward reads."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    before = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, was in zip(layers, before):
+            m._disable_adapters = was
 
 
 def trainable_names(model: nn.Module) -> set[str]:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from stages.core.config import SFTConfig
@@ -37,8 +38,8 @@ from stages.tracking.live import RankZeroMetrics, read_metrics_file
 from . import checkpoint as ckpt
 from .batches import DataPosition, GlobalBatchSampler, SFTDataset, collate_packed, collate_padded
 from .distributed import choose_precision, local_device, log
-from .lora import apply_lora, load_adapters_checked, lora_enabled, unwrap
-from .loss import token_loss_sum
+from .lora import adapters_off, apply_lora, load_adapters_checked, lora_enabled, unwrap
+from .loss import kl_sum, token_loss_sum
 from .model_types import UnknownModelType, fsdp_units, get_model_builder, load_state_checked
 from .proctree import descendants, die_with_parent
 from .schedule import lr_lambda
@@ -89,6 +90,7 @@ class SFTWorker:
         self.ckpt_dir = self.out / "checkpoints"
         self.tokenizer = None
         self.pad_id = 0
+        self.last_kl = None  # set by get_train_model_output under actor.kl_to_base
 
     @classmethod
     def for_eval(cls, spec: WorkerSpec, model: torch.nn.Module, device: torch.device, rank: int, world: int) -> "SFTWorker":
@@ -140,10 +142,23 @@ class SFTWorker:
         # step instead of twice per micro-batch is most of what FSDP costs there
         reshard = actor.reshard_after_forward
         self.keep_gathered = not (reshard if reshard is not None else self.device.type != "cpu")
+        mesh = self.fsdp_mesh()
         for unit in units:
-            fully_shard(unit, mp_policy=mp, reshard_after_forward=not self.keep_gathered)
-        fully_shard(model, mp_policy=mp, reshard_after_forward=not self.keep_gathered)
+            fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=not self.keep_gathered)
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=not self.keep_gathered)
         return model
+
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """None shards every weight over all ranks; a (replicate, shard) mesh is HSDP: each weight is
+        sharded within groups of `actor.fsdp_shard_size` ranks and replicated across the groups."""
+        size = self.cfg.actor.fsdp_shard_size
+        if size is None:
+            size = 1 if self.device.type == "cpu" else self.world
+        if size == self.world:
+            return None
+        if size > self.world or self.world % size:
+            raise SystemExit(f"actor.fsdp_shard_size={size} must divide the world size {self.world}")
+        return init_device_mesh(self.device.type, (self.world // size, size), mesh_dim_names=("replicate", "shard"))
 
     def build_dataset(self, data_paths: str, eval_dataset: bool = False):
         """A dataset with len(), ds[i], and int arrays `lengths` (tokens per sample, for balancing)
@@ -200,8 +215,19 @@ class SFTWorker:
     def get_train_model_output(self, batch: dict):
         """The micro-batch's loss: `(loss_sum, n_tokens)`, the loop divides by the global step's
         summed `n_tokens`; or a mean loss (a tensor, or a list/tuple of tensors that are summed),
-        weighted by the micro-batch's `trainable` count from the dataset."""
-        return self._token_loss_sum(batch)
+        weighted by the micro-batch's `trainable` count from the dataset. With `actor.kl_to_base`
+        the loss sum includes beta x KL(base || tuned) and `self.last_kl` holds the KL sum."""
+        beta = self.cfg.actor.kl_to_base
+        if not beta:
+            return self._token_loss_sum(batch)
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        with torch.no_grad(), adapters_off(self.model):
+            base_logits = self.model(**inputs, use_cache=False).logits
+        logits = self.model(**inputs, use_cache=False).logits
+        loss_sum, n = token_loss_sum(logits, batch["labels"])
+        kl = kl_sum(logits, base_logits, batch["labels"])
+        self.last_kl = kl.detach()
+        return loss_sum + beta * kl, n
 
     def get_eval_model_output(self, batch: dict):
         """`(loss_sum, n_tokens)` or a dict of summable numbers (`loss_sum`, `n_tokens`, `correct`, `total`, ...)."""
@@ -343,16 +369,23 @@ class SFTWorker:
         dist.all_reduce(n_micro, op=dist.ReduceOp.MAX)
         micro += [np.zeros(0, dtype=np.int64)] * (int(n_micro.item()) - len(micro))
         expected = max(counts[0].item(), 1.0)
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, tokens the outputs counted
+        # loss sum, tokens the outputs counted, KL sum (actor.kl_to_base; the loss sum includes it x beta)
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)
         for k, idx in enumerate(micro):
             batch, real = self.micro_batch(idx)
             if self.fsdp:
                 self.model.set_requires_gradient_sync(k == len(micro) - 1)
                 if self.keep_gathered:
                     self.model.set_reshard_after_backward(k == len(micro) - 1)
+            self.last_kl = None
             ls, n = self.as_loss_sum(self.get_train_model_output(batch), float(self.trainable[idx].sum()) if real else 0.0)
             if not real:
                 ls, n = ls * 0.0, 0.0
+            elif self.last_kl is not None:
+                sums[2] += self.last_kl.double()
+            elif self.cfg.actor.kl_to_base:  # a subclass's own output: the term asked for would be missing
+                raise SystemExit(f"actor.kl_to_base: {type(self).__name__}.get_train_model_output adds no KL "
+                                 "term (the base class's does); remove the setting or add the term")
             (ls * self.world / expected).backward()
             sums[0] += ls.detach().double()
             sums[1] += n
@@ -362,8 +395,13 @@ class SFTWorker:
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.mul_(expected / counted)
-        return {"loss": sums[0].item() / counted, "trainable_tokens": int(sums[1].item()),
-                "tokens": int(counts[1].item()), "micro_batches": len(micro)}
+        out = {"loss": sums[0].item() / counted, "trainable_tokens": int(sums[1].item()),
+               "tokens": int(counts[1].item()), "micro_batches": len(micro)}
+        beta = self.cfg.actor.kl_to_base
+        if beta:  # the logged loss stays the cross-entropy, comparable with val_loss and other runs
+            out["kl"] = sums[2].item() / counted
+            out["loss"] -= beta * out["kl"]
+        return out
 
     def optimizer_step(self) -> tuple[float, float]:
         grad_norm = self._clip()
@@ -436,7 +474,8 @@ class SFTWorker:
             bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
             return
         if step % self.cfg.runner.log_interval == 0 or step == self.total_steps:
-            extra = f" val_loss {row['val_loss']:.4f}" if "val_loss" in row else ""
+            extra = (f" kl {row['kl']:.4f}" if "kl" in row else "") + (
+                f" val_loss {row['val_loss']:.4f}" if "val_loss" in row else "")
             log(f"step {step}/{self.total_steps} epoch {row['epoch']:.2f} loss {row['loss']:.4f} "
                 f"grad_norm {row['grad_norm']:.3f} lr {row['lr']:.2e} tok/s {row['tokens_per_s']:.0f}{extra}")
 
