@@ -8,16 +8,14 @@
                                              # fetches it); --lora R: LoRA on every side, else full fine-tuning
 
 The same model (the builtin tiny Qwen2) is trained on the same global batches (same sample
-indices per step, from `GlobalBatchSampler` with the same seed) in up to seven ways:
+indices per step, from `GlobalBatchSampler` with the same seed) in up to six ways:
 
   * sftflow worker (packed)  `SFTWorker` under torchrun with `actor.packing: true`: FSDP2,
                              token-balanced ranks, gradient accumulation, clipping, LR schedule.
   * sftflow worker (padded)  the same with `actor.packing: false` (skip with --no-worker-padded).
-  * ..., fsdp_shard_size=all  with --nproc > 1: the packed worker with every weight sharded over
-                             all ranks (GPU's default) instead of replicated (CPU's default:
-                             HSDP with shards of one rank), kept gathered through the step ...
-  * ..., reshard_after_forward   ... or freed after each forward and gathered again for
-                             backward (GPU's default).
+  * ..., reshard_after_forward   with --nproc > 1: the packed worker with FSDP2 freeing each
+                             layer's gathered weights after forward (GPU's default) instead of
+                             keeping them through the step (CPU's default).
   * bare loop (packed)       the ceiling: a plain `AutoModelForCausalLM`, no FSDP, micro-batches
                              concatenated by `collate_packed`, summed cross-entropy / trainable
                              tokens of the step, AdamW.
@@ -132,15 +130,13 @@ def prepare(tmp: Path, args) -> tuple:
 
 
 def run_worker(cfg, model_path: str, shards: Path, tmp: Path, args, packing: bool, env: dict,
-               reshard_after_forward: bool | None = None, shard_size: int | None = None) -> dict:
+               reshard_after_forward: bool | None = None) -> dict:
     from stages.runtime.launcher import kill_group
 
     cfg = cfg.model_copy(deep=True)
     cfg.actor.packing = packing
     cfg.actor.reshard_after_forward = reshard_after_forward
-    cfg.actor.fsdp_shard_size = shard_size
-    name = ("packed" if packing else "padded") + (f"-shard{shard_size}" if shard_size else "") + (
-        "-freed" if reshard_after_forward else "")
+    name = ("packed" if packing else "padded") + ("-freed" if reshard_after_forward else "")
     job = {"warmup": args.warmup, "steps": args.steps,
            "spec": {"config": cfg.model_dump(mode="json"), "model_path": model_path, "out_dir": str(tmp / f"worker-{name}"),
                     "train_dir": str(shards), "val_dir": None}}
@@ -427,11 +423,9 @@ def main() -> None:
             BARE: lambda: run_bare(cfg, model_path, ds, pad_id, args, True),
             "bare loop (padded)": lambda: run_bare(cfg, model_path, ds, pad_id, args, False),
         }
-        if args.nproc > 1:  # FSDP2's other layouts: weights sharded over every rank, kept gathered or freed
-            methods["sftflow worker (packed), fsdp_shard_size=all"] = \
-                lambda: run_worker(cfg, model_path, shards, tmp, args, True, env, shard_size=args.nproc)
-            methods["sftflow worker (packed), fsdp_shard_size=all, reshard_after_forward"] = \
-                lambda: run_worker(cfg, model_path, shards, tmp, args, True, env, True, shard_size=args.nproc)
+        if args.nproc > 1:  # FSDP2's other setting: weights freed after each forward, gathered again for backward
+            methods["sftflow worker (packed), reshard_after_forward"] = \
+                lambda: run_worker(cfg, model_path, shards, tmp, args, True, env, reshard_after_forward=True)
         if not args.no_worker_padded:
             methods["sftflow worker (padded)"] = lambda: run_worker(cfg, model_path, shards, tmp, args, False, env)
         try:

@@ -216,21 +216,18 @@ def test_resume_on_another_world_size(tmp_path, first, then):
 
 
 @pytest.mark.slow
-def test_every_fsdp_layout_trains_like_one_process(tmp_path):
-    """FSDP2 over 2 processes: replicated (HSDP with shards of one rank, CPU's default), sharded over
-    both with each block's weights kept gathered through a step, and sharded with them freed after
-    each forward; with no-grad validation forwards between the steps, each trains like one plain
-    process (no FSDP) on the same samples: losses, val losses, weights."""
+def test_weights_kept_gathered_between_forward_and_backward_train_like_one_process(tmp_path):
+    """FSDP2 over 2 processes, with each block's weights kept gathered through a step (CPU's
+    default) and freed after each forward, and no-grad validation forwards between the steps,
+    trains like one plain process (no FSDP) on the same samples: losses, val losses, weights."""
     every_step = dict(runner={"max_steps": 4, "val_check_interval": 1, "save_interval": 4})
     two = train(make_cfg(subdir(tmp_path, "two"), **every_step))
     one = train(make_cfg(subdir(tmp_path, "one"), **every_step, actor=ONE_PROC))
-    sharded = train(make_cfg(subdir(tmp_path, "sharded"), **every_step, actor={"fsdp_shard_size": 2}))
-    freed = train(make_cfg(subdir(tmp_path, "freed"), **every_step,
-                           actor={"fsdp_shard_size": 2, "reshard_after_forward": True}))
+    freed = train(make_cfg(subdir(tmp_path, "freed"), **every_step, actor={"reshard_after_forward": True}))
 
     def logged(run) -> list[dict]:
         return [json.loads(line) for line in (Path(run.path) / "metrics.jsonl").read_text().splitlines()]
-    for run in (two, sharded, freed):
+    for run in (two, freed):
         rows, ref = logged(run), logged(one)
         assert [r["step"] for r in rows] == [1, 2, 3, 4] and all("val_loss" in r for r in rows)
         for key in ("loss", "val_loss"):

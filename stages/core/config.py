@@ -129,10 +129,6 @@ class ActorConfig(_Section):
         None, description="FSDP2: free gathered weights after each forward (least memory) or keep them "
                           "through backward and the step's micro-batches (least communication); "
                           "default: keep on CPU (gloo), free on GPU")
-    fsdp_shard_size: int | None = unhashed(
-        None, ge=1, description="FSDP2: ranks that shard each weight; the rest hold replicas (HSDP, gradients "
-                                "all-reduced between them). null: 1 on CPU (gloo: gathering costs more than the "
-                                "memory it saves), every rank on GPU")
     kl_to_base: float = Field(0.0, ge=0, description="LoRA: adds this weight x KL(base || tuned) over the trained "
                                                       "tokens to the loss, the base being the model with its adapters "
                                                       "off; keeps its answers near the base model's")
@@ -153,9 +149,6 @@ class ActorConfig(_Section):
             raise ValueError(f"actor.node_rank={self.node_rank} must be < actor.nnodes={self.nnodes}")
         if self.worker and not is_import_path(self.worker):
             raise ValueError(f"actor.worker='{self.worker}' must look like 'pkg.module:ClassName'")
-        if self.fsdp_shard_size and self.world_size % self.fsdp_shard_size:
-            raise ValueError(f"actor.fsdp_shard_size={self.fsdp_shard_size} must divide the world size "
-                             f"(nproc_per_node x nnodes = {self.world_size})")
         if self.kl_to_base > 0 and self.lora.r == 0:
             raise ValueError("actor.kl_to_base needs LoRA (actor.lora.r > 0): the base model it compares with is "
                              "the LoRA model with its adapters off")

@@ -27,7 +27,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from stages.core.config import SFTConfig
@@ -142,23 +141,10 @@ class SFTWorker:
         # step instead of twice per micro-batch is most of what FSDP costs there
         reshard = actor.reshard_after_forward
         self.keep_gathered = not (reshard if reshard is not None else self.device.type != "cpu")
-        mesh = self.fsdp_mesh()
         for unit in units:
-            fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=not self.keep_gathered)
-        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=not self.keep_gathered)
+            fully_shard(unit, mp_policy=mp, reshard_after_forward=not self.keep_gathered)
+        fully_shard(model, mp_policy=mp, reshard_after_forward=not self.keep_gathered)
         return model
-
-    def fsdp_mesh(self) -> DeviceMesh | None:
-        """None shards every weight over all ranks; a (replicate, shard) mesh is HSDP: each weight is
-        sharded within groups of `actor.fsdp_shard_size` ranks and replicated across the groups."""
-        size = self.cfg.actor.fsdp_shard_size
-        if size is None:
-            size = 1 if self.device.type == "cpu" else self.world
-        if size == self.world:
-            return None
-        if size > self.world or self.world % size:
-            raise SystemExit(f"actor.fsdp_shard_size={size} must divide the world size {self.world}")
-        return init_device_mesh(self.device.type, (self.world // size, size), mesh_dim_names=("replicate", "shard"))
 
     def build_dataset(self, data_paths: str, eval_dataset: bool = False):
         """A dataset with len(), ds[i], and int arrays `lengths` (tokens per sample, for balancing)
