@@ -122,12 +122,10 @@ def _run_flow(load_flow: Callable[[], Callable], **kwargs) -> list[dict]:
                 os.environ.pop("PREFECT_API_URL", None)
         try:
             with temporary_server(Path(os.environ["PREFECT_HOME"]), meanwhile=load_flow) as api:
-                from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+                from prefect.settings import PREFECT_API_URL, temporary_settings
                 os.environ["PREFECT_API_URL"] = api
                 os.environ[TEMPORARY_SERVER_ENV] = "1"
-                # heartbeats tell a server a run has crashed; this one dies with the run, so none would
-                # be read, and stopping their thread costs up to a second at the flow's end
-                with temporary_settings(updates={PREFECT_API_URL: api, PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+                with temporary_settings(updates={PREFECT_API_URL: api}):
                     return _run_flow(load_flow, **kwargs)
         except ServerDidNotStart as e:
             _fail(str(e), code=1)

@@ -8,7 +8,6 @@ none depends on another having run: tests that change what is registered use a m
 
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -248,20 +247,6 @@ def test_second_run_is_fully_cached_and_registers_nothing_new(flow_run, mlflow_s
     assert run_and_see(tmp, cfg_path) == dict.fromkeys(STAGES, "reused")
     assert len(client.search_model_versions("name='test-model'")) == versions
     assert len(client.search_runs([exp])) == runs  # no empty run
-
-
-def test_runs_on_a_temporary_server_send_it_no_heartbeats(flow_run):
-    """Heartbeats let a long-lived server notice a crashed run; the CLI's temporary server dies with
-    the run, so the CLI sends none (their thread cost up to a second at every flow's end)."""
-    tmp, cfg_path, _ = flow_run
-    proc = sftflow("run", "-c", str(cfg_path), cwd=tmp, env={"PREFECT_API_URL": None})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    with sqlite3.connect(tmp / ".prefect" / "prefect.db") as db:
-        (run_id,) = db.execute("SELECT id FROM flow_run ORDER BY created DESC LIMIT 1").fetchone()
-        events = {e for (e,) in db.execute("SELECT event FROM events WHERE resource_id = ?",
-                                           (f"prefect.flow-run.{run_id}",))}
-    assert "prefect.flow-run.Completed" in events  # the server did record this run's events
-    assert "prefect.flow-run.heartbeat" not in events
 
 
 def test_a_flow_run_validates_and_plans_once(flow_run, monkeypatch):
