@@ -104,7 +104,7 @@ def local_server(host: str, port: int, home: Path, log_path: Path, timeout: floa
             while not _healthy(api):
                 if proc.poll() is not None or time.time() > deadline:
                     raise ServerDidNotStart(f"prefect server did not start; see {log_path}")
-                time.sleep(0.05)
+                time.sleep(0.3)
         except BaseException:
             _stop(proc)
             raise
