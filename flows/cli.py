@@ -32,6 +32,7 @@ from stages.models.base import resolve_model  # noqa: E402
 from stages.models.refs import resolve_model_ref  # noqa: E402
 from stages.evaluate.report import fmt, set_rows  # noqa: E402
 from stages.pipeline import KEY_METRIC, STAGES, Plan, plan, require_upstream  # noqa: E402
+from stages.runtime.launcher import request_stop, stop_requested  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console()
@@ -365,19 +366,27 @@ def deploy(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesA
                   f"`prefect worker start --pool {pool}`, run it with `prefect deployment run '{deployment}'`")
 
 
-def _terminate(signum, frame) -> None:
-    # SIGTERM unwinds like Ctrl-C, so the launcher's cleanup kills the torchrun tree.
+def _stop(signum, frame) -> None:
+    # Ctrl-C and SIGTERM unwind alike, so the launcher's cleanup kills the torchrun tree. The
+    # exception can be lost (raised inside a finalizer), so torchrun is told directly as well.
+    request_stop()
     raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main() -> None:
     import signal
-    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
     try:
         app()
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
+    except SystemExit as e:
+        if stop_requested() and e.code != 130:  # the KeyboardInterrupt was lost; the run stopped anyway
+            err.print("interrupted")
+            sys.exit(130)
+        raise
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -86,18 +87,43 @@ def failure_reason(lines: list[str]) -> str:
     return "see the log"
 
 
+# A stop request (Ctrl-C, SIGTERM) must reach torchrun even when the KeyboardInterrupt that the
+# signal handler raises is lost: Python reports an exception raised while a finalizer (`__del__`, a
+# weakref callback) runs as "Exception ignored in ..." and carries on, and then the CLI would keep
+# waiting on a training that nobody stops (seen in CI). So the handler also calls `request_stop`.
+_stop_requested = threading.Event()
+_running: set[subprocess.Popen] = set()
+
+
+def request_stop() -> None:
+    """Safe to call from a signal handler: every torchrun tree running now gets SIGTERM, and
+    `run_torchrun` raises KeyboardInterrupt when its tree has stopped (or at once, if none runs)."""
+    _stop_requested.set()
+    for proc in list(_running):
+        signal_tree(proc.pid, signal.SIGTERM, [])
+
+
+def stop_requested() -> bool:
+    return _stop_requested.is_set()
+
+
 def run_torchrun(cmd: list[str], log_path: Path, error: type[StageError], what: str,
                  on_line: Callable[[str], None] = print, nproc_per_node: int = 1,
                  env: dict[str, str] | None = None) -> None:
     """`env` is added to the workers' environment (e.g. MLFLOW_RUN_ID for live metrics); a failure
     raises `error` with "<what> failed (...): <root cause>"."""
+    if stop_requested():
+        raise KeyboardInterrupt("stop requested")
     with open(log_path, "a", encoding="utf-8") as logf:
         # its own session (one killpg stops the tree); through orphan_guard it dies with us
         guarded = [cmd[0], "-m", "stages.runtime.orphan_guard", *cmd[1:]] if cmd[0] == sys.executable else cmd
         proc = subprocess.Popen(guarded, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                 env={**worker_env(nproc_per_node), **(env or {})}, start_new_session=True)
         lines: list[str] = []
+        _running.add(proc)
         try:
+            if stop_requested():  # the request came between the check above and Popen
+                raise KeyboardInterrupt("stop requested")
             assert proc.stdout is not None
             for line in proc.stdout:
                 line = line.rstrip("\n")
@@ -105,9 +131,13 @@ def run_torchrun(cmd: list[str], log_path: Path, error: type[StageError], what: 
                 lines.append(line)
                 on_line(line)
             rc = proc.wait()
+            if stop_requested():
+                raise KeyboardInterrupt("stop requested")
         except BaseException:  # cancelled, timed out, Ctrl-C: no orphaned workers
             kill_group(proc)
             raise
+        finally:
+            _running.discard(proc)
     if rc != 0:
         how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"torchrun exit {rc}"
         raise error(f"{what} failed ({how}): {failure_reason(lines)}; full log: {log_path}")
