@@ -350,7 +350,9 @@ def report(results: dict[str, dict], waste_sorted: float, waste_naive: float) ->
     worker = results.get("sftflow worker (packed)")
     if worker:
         ratio = tokens_per_s(worker) / ceiling
-        lines.append(f"sftflow worker / bare packed loop: {ratio:.2f}x (goal >= 0.90x: {'met' if ratio >= 0.9 else 'NOT met'})")
+        goal = 0.95 if worker["world"] == 1 else 1.0  # the performance issue's: one process, FSDP2 over several
+        lines.append(f"sftflow worker / bare packed loop: {ratio:.2f}x (goal >= {goal:.2f}x: "
+                     f"{'met' if ratio >= goal else 'NOT met'})")
     lines.append(f"packing gain, bare loop: {ceiling / tokens_per_s(results['bare loop (padded)']):.2f}x packed vs padded")
     if worker and "sftflow worker (padded)" in results:
         lines.append(f"packing gain, sftflow worker: {tokens_per_s(worker) / tokens_per_s(results['sftflow worker (padded)']):.2f}x")

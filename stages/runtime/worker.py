@@ -322,7 +322,9 @@ class SFTWorker:
         # Before any forward: FSDP2 keeps the root unsharded after a no-grad forward, and the
         # optimizer must hold the sharded parameters.
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
-        self.optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        # foreach: one op over all parameters instead of one per parameter. CPU's default is the
+        # per-parameter loop, whose DTensor dispatch under FSDP2 cost ~5% of a 2-process step.
+        self.optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, foreach=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(self.total_steps, o.warmup, o.scheduler, o.min_lr_ratio))
         self.packing = False
@@ -468,7 +470,7 @@ class SFTWorker:
     def _clip(self) -> float:
         max_norm = self.cfg.actor.optim.clip_grad
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         return float(norm)
 
