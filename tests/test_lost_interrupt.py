@@ -55,3 +55,13 @@ def test_a_lost_keyboard_interrupt_still_stops_torchrun(tmp_path):
     assert tree, out
     _, alive = psutil.wait_procs([psutil.Process(p) for p in tree if psutil.pid_exists(p)], timeout=10)
     assert alive == []
+
+
+def test_a_command_that_finishes_after_a_lost_interrupt_still_exits_130():
+    """No training running when the interrupt is lost: the command runs on to its end, but the
+    shell still hears that it was interrupted (exit 130), not success."""
+    code = ("import sys; from stages.runtime.launcher import request_stop; request_stop(); "
+            "sys.argv = ['sftflow', 'show', '-c', 'configs/default.yaml']; from flows.cli import main; main()")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 130, proc.stdout + proc.stderr
+    assert "interrupted" in proc.stderr

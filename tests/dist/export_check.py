@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from stages.runtime.batches import DataPosition
+from stages.runtime.distributed import exit_skipping_finalization
 from stages.runtime.worker import SFTWorker
 
 spec = json.loads(open(sys.argv[1]).read())
@@ -27,3 +28,4 @@ if dist.get_rank() == 0:
     torch.save({"input_ids": ids, "logits": logits}, sys.argv[2])
 dist.barrier()
 dist.destroy_process_group()
+exit_skipping_finalization()  # as the stage entry points do

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from stages.runtime.distributed import exit_skipping_finalization
 from stages.runtime.worker import SFTWorker
 
 spec_path, out_path = sys.argv[1], sys.argv[2]
@@ -22,3 +23,4 @@ if dist.get_rank() == 0:
     torch.save({"grads": grads, "stats": stats, "batch": batch_idx.tolist()}, out_path)
 dist.barrier()
 dist.destroy_process_group()
+exit_skipping_finalization()  # as the stage entry points do

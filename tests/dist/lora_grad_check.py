@@ -6,6 +6,8 @@ import sys
 
 import torch
 import torch.distributed as dist
+
+from stages.runtime.distributed import exit_skipping_finalization
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from stages.runtime.batches import DataPosition
@@ -29,3 +31,4 @@ if dist.get_rank() == 0:
     torch.save({"adapters": adapters, "grads": grads, "stats": stats, "batch": batch.tolist()}, out_path)
 dist.barrier()
 dist.destroy_process_group()
+exit_skipping_finalization()  # as the stage entry points do
