@@ -53,7 +53,13 @@ def test_a_lost_keyboard_interrupt_still_stops_torchrun(tmp_path):
     assert proc.returncode == 130, out
     tree = [int(pid) for pid in next(x for x in proc.stdout.splitlines() if x.startswith("tree")).split()[1:]]
     assert tree, out
-    _, alive = psutil.wait_procs([psutil.Process(p) for p in tree if psutil.pid_exists(p)], timeout=10)
+    alive = []
+    for pid in tree:
+        try:
+            alive.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(alive, timeout=10)
     assert alive == []
 
 

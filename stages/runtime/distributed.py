@@ -1,8 +1,9 @@
-"""Rank-0 logging, device and precision choice, and exact cross-rank sums."""
+"""Rank-0 logging, device and precision choice, exact cross-rank sums, and a worker's clean exit."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -59,7 +60,6 @@ def exit_skipping_finalization(code: int = 0) -> None:
     without Python's interpreter finalization: gloo's C++ threads can abort the process there
     (SIGABRT, "terminate called without an active exception"; seen after complete trainings),
     and torchrun would report finished work as a failed stage."""
-    import sys
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

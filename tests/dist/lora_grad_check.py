@@ -6,11 +6,10 @@ import sys
 
 import torch
 import torch.distributed as dist
-
-from stages.runtime.distributed import exit_skipping_finalization
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from stages.runtime.batches import DataPosition
+from stages.runtime.distributed import exit_skipping_finalization
 from stages.runtime.worker import SFTWorker
 
 spec_path, out_path = sys.argv[1], sys.argv[2]
