@@ -9,6 +9,7 @@ import importlib
 import json
 import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -106,33 +107,39 @@ def _flow(module: str, name: str) -> Callable[[], Callable]:
 
 
 def _run_flow(load_flow: Callable[[], Callable], **kwargs) -> list[dict]:
-    """Runs a flow (on PREFECT_API_URL, else on a temporary local server); its failure ends as one
-    line (Prefect's log above has the details). `load_flow` imports the flow: importing Prefect
-    takes seconds, spent while a temporary server starts rather than before it."""
+    """Runs a flow (on PREFECT_API_URL, else on a local server: `flows/prefect_server.py`); its
+    failure ends as one line (Prefect's log above has the details). `load_flow` imports the flow:
+    importing Prefect takes seconds, spent while a server starts rather than before it."""
     if not os.environ.get("PREFECT_API_URL"):
-        from flows.serve import TEMPORARY_SERVER_ENV, ServerDidNotStart, running_server, temporary_server
-        running = running_server(Path(os.environ["PREFECT_HOME"]))
-        if running:  # `make serve` on this home: no temporary server to start (seconds saved)
-            from prefect.settings import PREFECT_API_URL, temporary_settings
-            err.print(f"using the running Prefect server at {running}", highlight=False)
-            os.environ["PREFECT_API_URL"] = running
+        from flows import prefect_server as ps
+        home = Path(os.environ["PREFECT_HOME"])
+        try:
+            keep_s = ps.keep_seconds()
+        except ValueError as e:
+            _fail(str(e))
+        with ps.lease(home):  # a kept server stays up while this call runs
             try:
-                with temporary_settings(updates={PREFECT_API_URL: running}):
-                    return _run_flow(load_flow, **kwargs)
+                api = ps.running_server(home)
+                ui = api is not None and ps.serves_ui(home)
+                if api:
+                    err.print(f"using the running Prefect server at {api}", highlight=False)
+                elif keep_s > 0:
+                    api = ps.start_kept_server(home, keep_s, meanwhile=load_flow)
+                    err.print(f"started a Prefect server at {api} for this and later runs; it stops after "
+                              f"{keep_s:g} s unused ({ps.KEEP_ENV}=0: a temporary server per call)", highlight=False)
+                server = nullcontext(api) if api else ps.temporary_server(home, meanwhile=load_flow)
+                with server as api:
+                    from prefect.settings import PREFECT_API_URL, temporary_settings
+                    os.environ["PREFECT_API_URL"] = api
+                    if not ui:  # no links to print to pages nobody serves
+                        os.environ[ps.TEMPORARY_SERVER_ENV] = "1"
+                    with temporary_settings(updates={PREFECT_API_URL: api}):
+                        return _run_flow(load_flow, **kwargs)
+            except ps.ServerDidNotStart as e:
+                _fail(str(e), code=1)
             finally:
                 os.environ.pop("PREFECT_API_URL", None)
-        try:
-            with temporary_server(Path(os.environ["PREFECT_HOME"]), meanwhile=load_flow) as api:
-                from prefect.settings import PREFECT_API_URL, temporary_settings
-                os.environ["PREFECT_API_URL"] = api
-                os.environ[TEMPORARY_SERVER_ENV] = "1"
-                with temporary_settings(updates={PREFECT_API_URL: api}):
-                    return _run_flow(load_flow, **kwargs)
-        except ServerDidNotStart as e:
-            _fail(str(e), code=1)
-        finally:
-            os.environ.pop("PREFECT_API_URL", None)
-            os.environ.pop(TEMPORARY_SERVER_ENV, None)
+                os.environ.pop(ps.TEMPORARY_SERVER_ENV, None)
     fn = load_flow()
     try:
         return fn(**kwargs)
@@ -274,7 +281,8 @@ def serve(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesAr
         if key not in SERVE_PROTECTED:
             _fail(f"--allow-override {key}: not a protected key; protected: {', '.join(SERVE_PROTECTED)}")
     _prefect_home(cfg)
-    from flows.serve import local_server, serve as serve_flow
+    from flows.prefect_server import local_server
+    from flows.serve import serve as serve_flow
     if start_server:
         home = Path(os.environ["PREFECT_HOME"])
         with local_server(host, port, home, home.parent / "prefect-server.log", shared=True) as api:

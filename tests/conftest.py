@@ -17,6 +17,9 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A CLI call without PREFECT_API_URL gets a temporary server that dies with it, not one kept for
+# minutes in the background (tests/test_kept_server.py covers that path).
+os.environ["SFTFLOW_KEEP_SERVER"] = "0"
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -109,7 +112,7 @@ def tiny_config(tmp_path) -> Path:
     return write_config(tmp_path, tiny_config_dict(tmp_path))
 
 
-from flows.serve import free_port  # noqa: E402,F401  (tests use the CLI's own)
+from flows.prefect_server import free_port  # noqa: E402,F401  (tests use the CLI's own)
 
 
 def live_processes_mentioning(text: str) -> list[str]:

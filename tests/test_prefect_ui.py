@@ -120,7 +120,7 @@ def test_the_train_task_log_holds_training_lines_not_mlflow_logging(ui_runs):
 
 
 def test_a_server_on_another_port_serves_a_ui_that_calls_it(tmp_path):
-    from flows.serve import free_port, local_server
+    from flows.prefect_server import free_port, local_server
     port = free_port()
     with local_server("127.0.0.1", port, tmp_path / "home", tmp_path / "server.log", ui=True) as api:
         settings = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/ui-settings", timeout=10).read())
@@ -130,7 +130,7 @@ def test_a_server_on_another_port_serves_a_ui_that_calls_it(tmp_path):
 def test_cli_runs_use_a_running_server_of_their_prefect_home(tmp_path):
     """`serve --start-server` announces its server in the Prefect home; a CLI call on that home (no
     PREFECT_API_URL) runs on it instead of starting a temporary server, and the run is in its database."""
-    from flows.serve import RUNNING_SERVER, free_port, local_server
+    from flows.prefect_server import RUNNING_SERVER, free_port, local_server
     cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path))
     home = tmp_path / ".prefect"  # the home `sftflow(...)` gives the CLI
     with local_server("127.0.0.1", free_port(), home, tmp_path / "server.log", ui=False, shared=True) as api:

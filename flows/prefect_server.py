@@ -1,0 +1,309 @@
+"""The Prefect server a CLI call runs its flow on, when no PREFECT_API_URL names one.
+
+In order of preference (`server_for_run`):
+
+  * a server already running on the same Prefect home: `serve --start-server` (`make serve`),
+    or one kept from an earlier call;
+  * a kept server: started in the background for this call and for the calls that follow it,
+    stopping by itself after `SFTFLOW_KEEP_SERVER` seconds (default 600) in which no CLI call
+    used it. Starting a server is most of a cached run's wall time (~4 s of ~8 s), so the
+    second and later calls of a session of work skip it;
+  * with `SFTFLOW_KEEP_SERVER=0`: a temporary server that lives exactly as long as the call.
+
+A kept server is told apart from a user's by its marker (`server.json` in the Prefect home,
+`"kind": "kept"`). Every CLI call holds a shared lock on `server.lease` while it runs; the
+keeper (`python -m flows.prefect_server keep`, the server's parent) stops the server once it
+has been able to take that lock exclusively for the idle time, after removing the marker, so a
+call that comes after finds no marker and starts a server of its own. The keeper also stops
+when the Prefect home is deleted, and its server dies with it (parent-death signal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from importlib.metadata import version
+from pathlib import Path
+from typing import Callable, Iterator
+
+from filelock import FileLock
+
+KEEP_ENV = "SFTFLOW_KEEP_SERVER"
+DEFAULT_KEEP_S = 600.0
+# Set by the CLI around a server that has no UI (temporary or kept): links to its pages would be dead.
+TEMPORARY_SERVER_ENV = "SFTFLOW_TEMPORARY_PREFECT"
+RUNNING_SERVER = "server.json"  # in the Prefect home: a long-lived server (`serve --start-server`, kept)
+LEASE = "server.lease"          # in the Prefect home: shared-locked by every CLI call while it runs
+KEPT_LOG = "kept-server.log"
+
+
+class ServerDidNotStart(RuntimeError):
+    """`prefect server start` exited or never answered its health check; its log says why."""
+
+
+def _healthy(api_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{api_url}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _marker(home: Path) -> dict | None:
+    try:
+        found = json.loads((home / RUNNING_SERVER).read_text())
+        return found if isinstance(found, dict) and {"api", "pid"} <= found.keys() else None
+    except (OSError, ValueError):
+        return None
+
+
+def running_server(home: Path) -> str | None:
+    """The API URL of a long-lived local server on this Prefect home (same database), if it answers:
+    CLI runs use it instead of starting one, and their runs stay visible in its UI. A kept server
+    of another Prefect version (an upgrade since it started) is not used."""
+    found = _marker(home)
+    if found is None or found.get("prefect", version("prefect")) != version("prefect"):
+        return None
+    # a marker left by a killed serve: its server died with it, and the port may serve another home now
+    return found["api"] if _alive(int(found["pid"])) and _healthy(found["api"]) else None
+
+
+def serves_ui(home: Path) -> bool:
+    """Whether the long-lived server on this home serves the UI (a kept server does not)."""
+    found = _marker(home)
+    return found is not None and found.get("kind") != "kept"
+
+
+def keep_seconds() -> float:
+    raw = os.environ.get(KEEP_ENV, "").strip()
+    try:
+        return float(raw) if raw else DEFAULT_KEEP_S
+    except ValueError:
+        raise ValueError(f"{KEEP_ENV}={raw!r}: expected seconds (0: a temporary server per call)") from None
+
+
+def _server_command(host: str, port: int, home: Path, ui: bool) -> tuple[list[str], dict]:
+    """`prefect server start` through the orphan guard (it dies with the process that starts it)."""
+    api = f"http://{host}:{port}/api"
+    # the UI calls the API it was served with, not 4200 (its default): on another port it would
+    # show "can't connect", or another server's runs
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_UI_ENABLED": "true" if ui else "false", "PREFECT_UI_API_URL": api,
+           "PREFECT_SERVER_API_HOST": host, "PREFECT_SERVER_API_PORT": str(port)}
+    env.pop("PREFECT_API_URL", None)
+    prefect = Path(sys.executable).with_name("prefect")
+    return [sys.executable, "-m", "stages.runtime.orphan_guard", str(prefect), "server", "start",
+            "--host", host, "--port", str(port)], env
+
+
+def _wait_healthy(api: str, proc: subprocess.Popen, deadline: float, log_path: Path) -> None:
+    while not _healthy(api):
+        if proc.poll() is not None or time.time() > deadline:
+            raise ServerDidNotStart(f"prefect server did not start; see {log_path}")
+        time.sleep(0.3)
+
+
+@contextmanager
+def local_server(host: str, port: int, home: Path, log_path: Path, timeout: float = 180,
+                 ui: bool = True, shared: bool = False, meanwhile: Callable[[], object] | None = None) -> Iterator[str]:
+    """`prefect server start` on host:port for the duration of the block; yields the API URL.
+    `meanwhile` runs while a server it starts comes up (the caller's own imports take seconds too).
+
+    The server runs in a session of its own, so a Ctrl-C to the terminal's process group reaches
+    the CLI (which then stops cleanly, reporting to this server) and not the server; and it asks
+    for a parent-death signal (`stages.runtime.orphan_guard`), so a SIGKILLed CLI leaves no server
+    behind. Servers sharing one Prefect home start one at a time: the first one migrates the
+    database, and two migrations at once fail."""
+    api = f"http://{host}:{port}/api"
+    if _healthy(api):  # already running (e.g. a second `make serve`): share it
+        yield api
+        return
+    home.mkdir(parents=True, exist_ok=True)
+    cmd, env = _server_command(host, port, home, ui)
+    with FileLock(str(home / "server-start.lock")):
+        with open(log_path, "a") as log:
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    cwd=str(Path(__file__).resolve().parents[1]))
+        try:
+            if meanwhile is not None:
+                meanwhile()
+            _wait_healthy(api, proc, time.time() + timeout, log_path)
+        except BaseException:
+            _stop(proc)
+            raise
+    marker = home / RUNNING_SERVER
+    if shared:  # announced for other CLI calls on this home; a temporary server dies with its CLI
+        marker.write_text(json.dumps({"api": api, "pid": proc.pid}))
+    try:
+        yield api
+    finally:
+        if shared:
+            marker.unlink(missing_ok=True)
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextmanager
+def temporary_server(home: Path, meanwhile: Callable[[], object] | None = None) -> Iterator[str]:
+    """A Prefect server for one CLI call (what Prefect's own temporary server does, but surviving a
+    Ctrl-C to the terminal and dying with the CLI)."""
+    with local_server("127.0.0.1", free_port(), home, home / "temporary-server.log", ui=False,
+                      meanwhile=meanwhile) as api:
+        try:
+            yield api
+        finally:
+            _drain_prefect_clients()
+
+
+def _drain_prefect_clients(timeout: float = 15) -> None:
+    """Send the logs and events Prefect still queues while their server is up: after it stops, the
+    client would retry them for minutes before the process could exit."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    for service in (APILogWorker, EventsWorker):
+        try:
+            service.drain_all(timeout=timeout)
+        except Exception:  # noqa: BLE001 - best effort: the run's outcome is already decided
+            pass
+
+
+# --------------------------------------------------------------------------- the kept server
+
+
+@contextmanager
+def lease(home: Path) -> Iterator[None]:
+    """Held (shared) for a whole CLI call: a kept server does not stop while any call holds it.
+    Blocks for the moment a keeper that is stopping holds it exclusively."""
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / LEASE, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def start_kept_server(home: Path, keep_s: float, meanwhile: Callable[[], object] | None = None,
+                      timeout: float = 180) -> str:
+    """Starts a keeper (detached, in a session of its own: it outlives this process) and waits for
+    its server; returns the API URL. Call it holding the `lease`, else the server may be gone
+    before it is used. Another call on this home may have started one meanwhile: that one is used."""
+    home.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(home / "server-start.lock")):
+        api = running_server(home)
+        if api:
+            return api
+        log_path = home / KEPT_LOG
+        with open(log_path, "a") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "flows.prefect_server", "keep", "--home", str(home),
+                                     "--port", str(free_port()), "--idle", str(keep_s)],
+                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True, cwd=str(Path(__file__).resolve().parents[1]))
+        if meanwhile is not None:
+            meanwhile()
+        deadline = time.time() + timeout
+        while True:
+            found = _marker(home)
+            if found is not None and int(found["pid"]) == proc.pid and _healthy(found["api"]):
+                return found["api"]
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                raise ServerDidNotStart(f"prefect server did not start; see {log_path}")
+            time.sleep(0.2)
+
+
+def keep(home: Path, port: int, idle_s: float) -> int:
+    """The keeper: runs a server until nobody has held the lease for `idle_s` seconds, the Prefect
+    home is gone, or it is told to stop (SIGTERM/SIGINT)."""
+    stopping = []
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stopping.append(True))
+    api = f"http://127.0.0.1:{port}/api"
+    cmd, env = _server_command("127.0.0.1", port, home, ui=False)
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+    marker = home / RUNNING_SERVER
+    ours = {"api": api, "pid": os.getpid(), "kind": "kept", "prefect": version("prefect"), "idle_s": idle_s}
+    try:
+        _wait_healthy(api, proc, time.time() + 180, home / KEPT_LOG)
+        tmp = home / f".{RUNNING_SERVER}.{os.getpid()}"
+        tmp.write_text(json.dumps(ours))
+        tmp.replace(marker)
+        print(f"kept server {api} up; stops after {idle_s:g} s without a CLI call", flush=True)
+        last_used = time.monotonic()
+        with open(home / LEASE, "a+") as f:
+            while not stopping and proc.poll() is None and home.is_dir():
+                time.sleep(1)
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:  # a CLI call is running on it
+                    last_used = time.monotonic()
+                    continue
+                try:
+                    if time.monotonic() - last_used >= idle_s:
+                        _forget(marker, ours)  # under the lock: a call that comes next starts its own
+                        print(f"idle for {idle_s:g} s: stopping", flush=True)
+                        break
+                finally:
+                    fcntl.flock(f, fcntl.LOCK_UN)
+    except ServerDidNotStart as e:
+        print(e, flush=True)
+        return 1
+    finally:
+        _forget(marker, ours)
+        if proc.poll() is None:
+            _stop(proc)
+    return 0
+
+
+def _forget(marker: Path, ours: dict) -> None:
+    """Removes the marker if it still names this keeper (a `serve --start-server` may own it now)."""
+    if _marker(marker.parent) == ours:
+        marker.unlink(missing_ok=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m flows.prefect_server", description="internal: the kept server's keeper")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    k = sub.add_parser("keep")
+    k.add_argument("--home", type=Path, required=True)
+    k.add_argument("--port", type=int, required=True)
+    k.add_argument("--idle", type=float, required=True)
+    args = ap.parse_args()
+    return keep(args.home, args.port, args.idle)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
