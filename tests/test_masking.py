@@ -289,3 +289,75 @@ def test_a_token_holding_header_and_reply_text_quarantines_the_row():
     assert mask_from_offsets(offsets, [(4, 9)], text).tolist() == [0, 0, 1, 1]
     with pytest.raises(RowError):  # and at the end: a token reaching past the end-of-turn text
         mask_from_offsets(offsets, [(4, 8)], text)
+
+
+def _byte_fallback_tokenizer():
+    """A SentencePiece-style BPE (Metaspace, byte fallback): characters outside its vocabulary
+    become several byte tokens with the same offsets, the case `mask_from_encoding` widens over."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {f"<0x{i:02X}>": i for i in range(256)}
+    for w in ["▁", "a", "b", "h", "i", "e", "\n", "▁h", "▁hi", "<", ">"]:
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.BPE(vocab, [("▁", "h"), ("▁h", "i")], byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    return tok
+
+
+@st.composite
+def text_and_spans(draw):
+    text = draw(content.filter(len))
+    cuts = sorted(draw(st.lists(st.integers(0, len(text)), min_size=2, max_size=6, unique=True)))
+    return text, [(a, b) for a, b in zip(cuts[::2], cuts[1::2])]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=text_and_spans())
+def test_mask_from_the_encoding_equals_the_per_token_definition(tokenizer, case):
+    """The fast mask (by character, at the spans' ends) against `mask_from_offsets` over every
+    token's offsets: the same mask, or the same reason to quarantine, for byte-level BPE (the
+    builtin tokenizer) and SentencePiece-style byte fallback alike."""
+    import numpy as np
+    from stages.prepare.masking import mask_from_encoding, mask_from_offsets
+    text, spans = case
+    for backend in (tokenizer.backend_tokenizer, _byte_fallback_tokenizer()):
+        enc = backend.encode(text, add_special_tokens=False)
+
+        def outcome(fn):
+            try:
+                return fn().tolist()
+            except RowError as e:
+                return e.reason
+        ref = outcome(lambda: mask_from_offsets(np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2), spans, text))
+        assert outcome(lambda: mask_from_encoding(enc, spans, text)) == ref, (text, spans, enc.tokens, enc.offsets)
+
+
+class _Encoding:
+    """Offsets behind the `tokenizers.Encoding` methods `mask_from_encoding` calls, for token
+    layouts no bundled tokenizer produces."""
+
+    def __init__(self, offsets):
+        self.offsets, self.ids = offsets, list(range(len(offsets)))
+
+    def char_to_token(self, pos):
+        return next((k for k, (s, e) in enumerate(self.offsets) if s <= pos < e), None)
+
+    def token_to_chars(self, k):
+        return self.offsets[k]
+
+
+@pytest.mark.parametrize("offsets, spans, mask", [
+    ([(0, 2), (3, 3), (3, 5)], [(2, 5)], [0, 1, 1]),   # a zero-width token before the first one that covers the reply
+    ([(0, 2), (2, 4), (4, 4)], [(1, 5)], "reply_boundary"),
+    ([(0, 1), (2, 2), (3, 4)], [(1, 3)], [0, 1, 0]),   # no character of the reply covered: the per-token road
+])
+def test_mask_from_the_encoding_on_zero_width_tokens(offsets, spans, mask):
+    import numpy as np
+    from stages.prepare.masking import mask_from_encoding, mask_from_offsets
+    text = "ab cd"
+    for fn, arg in ((mask_from_encoding, _Encoding(offsets)), (mask_from_offsets, np.array(offsets).reshape(-1, 2))):
+        if isinstance(mask, str):
+            with pytest.raises(RowError) as e:
+                fn(arg, spans, text)
+            assert e.value.reason == mask
+        else:
+            assert fn(arg, spans, text).tolist() == mask

@@ -32,7 +32,7 @@ from stages.core.artifacts import StageBuild, is_complete
 from stages.core.config import SFTConfig, eval_split
 from stages.core.errors import DataError, StageError
 
-from .masking import Renderer, assistant_spans, encode_texts, finish, mask_from_offsets
+from .masking import Renderer, assistant_spans, encode_texts, finish, mask_from_encoding
 
 PREVIEW_SAMPLES = 3
 CHUNK_RECORDS = 256
@@ -135,10 +135,10 @@ def process_chunk(chunk: list[tuple[str, str, str, int, Any]]) -> list[Item]:
                 continue
             texts.append(text)
             pending.append((item, spans, record))
-    for (item, spans, record), text, (ids, offsets) in zip(pending, texts, encode_texts(_WORKER["backend"], texts)):
+    for (item, spans, record), text, (ids, enc) in zip(pending, texts, encode_texts(_WORKER["backend"], texts)):
         item.truncated = len(ids) > opts.max_length
         try:
-            item.ids, item.mask = finish(ids, mask_from_offsets(offsets, spans, text), opts.max_length, opts.truncation)
+            item.ids, item.mask = finish(ids, mask_from_encoding(enc, spans, text), opts.max_length, opts.truncation)
         except RowError as e:
             item.reason, item.detail, item.raw = e.reason, e.detail, _raw_text(record)
     return items
