@@ -228,7 +228,7 @@ def _preview(cfg: SFTConfig, p, n: int) -> None:
     """What the model is trained on, as a careful user checks it by hand: from the prepared shards
     when prepare has run, else prepared on the fly from the first rows (nothing is written)."""
     from rich.text import Text
-    from stages.prepare import preview_samples  # tokenizers: only for --preview
+    from stages.prepare.stage import preview_samples  # tokenizers: only for --preview
     try:
         samples = preview_samples(cfg, p.folder("prepare"), resolve_model(cfg, p.fingerprints["models"]), n)
     except (StageError, ConfigError) as e:

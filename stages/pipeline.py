@@ -162,7 +162,7 @@ def run_stage(p: Plan, stage: str, force: bool = False, on_line: Callable[[str],
         if hit is not None and not force:
             return hit
         if stage == "prepare":
-            from .prepare import run_prepare
+            from .prepare.stage import run_prepare
             _check_inputs_unchanged(p)
             metrics = run_prepare(cfg, fp, resolve_model(cfg, p.fingerprints["models"], on_line))
         elif stage == "train":

@@ -1,0 +1,184 @@
+"""prepare: chat data -> tokenized, masked Arrow shards.
+
+Data path: sources (files, `datasets` folders, hub names) are read as raw records in the main
+process, in order, `CHUNK_RECORDS` at a time; each chunk is parsed, converted to
+conversations, rendered through the chat template, masked and tokenized in-process or by one
+of `data.num_proc - 1` spawned workers; results come back in submission order and stream
+into shard writers. Memory stays bounded by the chunks in flight plus one Arrow batch per
+split, and the output is identical for any `num_proc`.
+
+Output folder:
+    train/shard-*.arrow, val/shard-*.arrow   prepared rows (see stages/chatdata/shards.py); val only when
+                                             data.val_data_paths or data.val_fraction asks for it
+    eval/<set>/shard-*.arrow                 each named eval set (eval.sets), rows as in val
+    quarantine.jsonl                         every row not kept: file, line, split, reason, detail, raw
+    preview.txt                              the first samples, trainable spans in [[...]]
+    manifest.json                            sources, counts by split and reason, tokens, trainable tokens
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from stages.chatdata.readers import file_format, iter_records
+from stages.chatdata.shards import ShardWriter, read_shards
+from stages.core.artifacts import StageBuild, is_complete
+from stages.core.config import SFTConfig, eval_split
+from stages.core.errors import DataError, StageError
+
+from .rows import Options, _ordered_results
+
+PREVIEW_SAMPLES = 3
+CHUNK_RECORDS = 256
+
+
+def load_tokenizer(model_path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    if not tok.is_fast:
+        raise StageError(f"{model_path}: sftflow needs a fast tokenizer (character offsets) for assistant masks")
+    if not tok.chat_template:
+        raise StageError(f"{model_path}: tokenizer has no chat_template; set one in tokenizer_config.json")
+    return tok
+
+
+# --------------------------------------------------------------------------- sources and the stage
+
+
+@dataclass(frozen=True)
+class Source:
+    ref: str      # a file or folder path, or hf:NAME
+    split: str    # train | val | auto (held-out by content hash)
+    format: str
+
+
+def splits_of(cfg: SFTConfig) -> list[str]:
+    """The splits prepare writes: train; val when asked for; one per named eval set."""
+    d = cfg.data
+    val = ["val"] if d.val_data_paths or d.val_fraction > 0 else []
+    return ["train", *val, *(eval_split(name) for name in cfg.eval.sets)]
+
+
+def plan_sources(cfg: SFTConfig) -> list[Source]:
+    d = cfg.data
+    out = []
+    for key, paths in cfg.inputs().items():
+        split = "auto" if key == "train" and not d.val_data_paths and d.val_fraction > 0 else key
+        for p in paths:
+            out.append(Source(str(p), split, file_format(p, d.format, d.columns, "train" if key == "train" else "val")))
+    return out
+
+
+def _chunks(sources: list[Source]) -> Iterator[list]:
+    buf: list = []
+    for src in sources:
+        for n, rec in iter_records(src.ref if src.ref.startswith("hf:") else Path(src.ref),
+                                   "train" if src.split in ("train", "auto") else "val"):
+            buf.append((src.split, src.format, src.ref, n, rec))
+            if len(buf) >= CHUNK_RECORDS:
+                yield buf
+                buf = []
+    if buf:
+        yield buf
+
+
+def segments(tokenizer, ids, mask) -> list[tuple[str, bool]]:
+    """Decoded runs of one sample: (text, trainable)."""
+    out, run, cur = [], [], None
+    for tid, m in zip(list(ids), list(mask)):
+        m = bool(m)
+        if m != cur and run:
+            out.append((tokenizer.decode(run), cur))
+            run = []
+        cur = m
+        run.append(int(tid))
+    if run:
+        out.append((tokenizer.decode(run), cur))
+    return out
+
+
+def render_preview(tokenizer, ids, mask) -> str:
+    """Decoded sample with trainable runs wrapped in [[ ]]."""
+    return "".join(f"[[{text}]]" if on else text for text, on in segments(tokenizer, ids, mask))
+
+
+@dataclass
+class SplitStats:
+    rows_read: int = 0
+    rows_kept: int = 0
+    tokens: int = 0
+    trainable_tokens: int = 0
+    truncated: int = 0
+    dropped: Counter = field(default_factory=Counter)
+
+    def to_dict(self) -> dict:
+        return {**{k: v for k, v in self.__dict__.items() if k != "dropped"}, "dropped": dict(sorted(self.dropped.items()))}
+
+
+def run_prepare(cfg: SFTConfig, fp: str, model_path: str) -> dict:
+    """Writes the prepare folder for fingerprint `fp`; returns its manifest metrics."""
+    d = cfg.data
+    tokenizer = load_tokenizer(model_path, cfg.actor.model.trust_remote_code)
+    sources = plan_sources(cfg)  # format detection fails here, before any output exists
+    build = StageBuild(cfg.artifacts_path, "prepare", fp)
+    writers = {s: ShardWriter(build.partial / s, d.shard_rows) for s in splits_of(cfg)}
+    stats = {s: SplitStats() for s in writers}
+    preview: list[str] = []
+    opts = Options.from_config(cfg)
+    with open(build.partial / "quarantine.jsonl", "w", encoding="utf-8") as quarantine:
+        for items in _ordered_results(_chunks(sources), opts, d.num_proc, tokenizer):
+            for it in items:
+                st = stats[it.split]
+                st.rows_read += it.first
+                if it.reason is not None:
+                    if d.strict:
+                        raise DataError(f"{it.source}: {it.reason}" + (f": {it.detail}" if it.detail else "")
+                                         + " (data.strict=true; set it to false to quarantine bad rows instead)")
+                    st.dropped[it.reason] += 1
+                    quarantine.write(json.dumps({"file": it.file, "line": it.line, "index": it.index, "source": it.source,
+                                                 "split": it.split, "reason": it.reason, "detail": it.detail,
+                                                 "raw": it.raw}, ensure_ascii=False) + "\n")
+                    continue
+                writers[it.split].add({"input_ids": it.ids, "loss_mask": it.mask, "source": it.source,
+                                       "messages": json.dumps(it.messages, ensure_ascii=False) if it.messages else None})
+                st.rows_kept += 1
+                st.tokens += len(it.ids)
+                st.trainable_tokens += int(it.mask.sum())
+                st.truncated += it.truncated
+                if it.split == "train" and len(preview) < PREVIEW_SAMPLES:
+                    preview.append(f"--- {it.source}\n{render_preview(tokenizer, it.ids, it.mask)}\n")
+    shards = {s: w.close() for s, w in writers.items()}
+    (build.partial / "preview.txt").write_text("".join(preview), encoding="utf-8")
+    for split, st in stats.items():
+        if st.rows_kept == 0:
+            raise StageError(f"prepare: no usable rows in the {split} split; see {build.partial / 'quarantine.jsonl'} "
+                             f"(dropped: {dict(st.dropped)})")
+    splits = {s: {**st.to_dict(), "shards": shards[s]} for s, st in stats.items()}
+    metrics = {f"{s}_{k}": v for s, st in splits.items() for k, v in st.items()
+               if isinstance(v, int) and s in ("train", "val")}  # named eval sets: in `splits`
+    build.commit({"metrics": metrics, "splits": splits, "model_path": model_path,
+                  "sources": [s.__dict__ for s in sources],
+                  "inputs": {s: [x.ref for x in sources if x.split == s or (x.split == "auto" and s in ("train", "val"))]
+                             for s in splits}})
+    return metrics
+
+
+def preview_samples(cfg: SFTConfig, prepare_dir: Path | None, model_path: str, n: int) -> list[tuple[str, list[tuple[str, bool]]]]:
+    """(source, segments) of the first n training samples: from the prepared shards when they
+    exist, else prepared on the fly from the first records (nothing is written)."""
+    tokenizer = load_tokenizer(model_path, cfg.actor.model.trust_remote_code)
+    if prepare_dir is not None and is_complete(prepare_dir):
+        table = read_shards(Path(prepare_dir) / "train", ["input_ids", "loss_mask", "source"]).slice(0, n).to_pylist()
+        return [(r["source"], segments(tokenizer, r["input_ids"], r["loss_mask"])) for r in table]
+    out: list = []
+    for items in _ordered_results(_chunks(plan_sources(cfg)), Options.from_config(cfg), 1, tokenizer):
+        for it in items:
+            if it.reason is None and it.split == "train":
+                out.append((it.source, segments(tokenizer, it.ids, it.mask)))
+                if len(out) >= n:
+                    return out
+    return out
