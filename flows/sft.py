@@ -160,7 +160,7 @@ def configured_task(stage: str, p: Plan, force: bool, label: str | None = None):
     return t, kwargs
 
 
-def _run_one(stage: str, p: Plan, force: bool, states: dict, label: str | None = None) -> dict:
+def run_stage_task(stage: str, p: Plan, force: bool, states: dict, label: str | None = None) -> dict:
     """Runs `stage` after the upstream stages of this flow run (`states`: stage -> its final state),
     which become its inputs in Prefect, so the run graph draws the pipeline's edges."""
     t, kwargs = configured_task(stage, p, force, label)
@@ -172,7 +172,7 @@ def _run_one(stage: str, p: Plan, force: bool, states: dict, label: str | None =
     return result
 
 
-def _update_flow_run(**fields) -> None:
+def update_flow_run(**fields) -> None:
     """Renames or tags this flow run; the run itself never fails over how it is labelled."""
     if flow_run.id is None:
         return
@@ -201,7 +201,7 @@ def _initial_name() -> str:
 def _name_flow_run(p: Plan, config_path: str | None, stage: str | None = None) -> None:
     name = run_name(config_path, p.fingerprints, stage)
     if flow_run.name != name:
-        _update_flow_run(name=name)
+        update_flow_run(name=name)
 
 
 def run_tags(results: list[dict]) -> list[str]:
@@ -220,7 +220,7 @@ def run_tags(results: list[dict]) -> list[str]:
 
 def _tag_flow_run(p: Plan, results: list[dict]) -> None:
     new = run_tags(results) + [f"model:{p.cfg.registry.model_name}"]
-    _update_flow_run(tags=new + [t for t in (flow_run.tags or []) if t not in new])
+    update_flow_run(tags=new + [t for t in (flow_run.tags or []) if t not in new])
 
 
 PROTECTED_ENV, SERVED_CONFIG_ENV = "SFTFLOW_PROTECTED_KEYS", "SFTFLOW_SERVED_CONFIG"
@@ -242,7 +242,8 @@ def _the_plan(config_path: str | None, overrides: list[str] | None, planned: dic
     return plan(load_config(config_path, overrides or []))
 
 
-def _value(v) -> str:
+def shown(v) -> str:
+    """A metric as the flow's summaries print it (also the sweep's)."""
     if isinstance(v, float):
         return f"{v:.3f}" if abs(v) < 100 else f"{v:.4g}"
     return "n/a" if v is None else str(v)
@@ -277,12 +278,12 @@ def _publish_summary(results: list[dict]) -> None:
     for r in results:
         key, label = KEY_METRIC[r["stage"]]
         lines.append(f"| {r['stage']} | `{r['fingerprint']}` | {'yes' if r['cached'] else 'no'} | "
-                     f"{r['seconds']:.1f} | {label} {_value(r['metrics'].get(key))} |")
+                     f"{r['seconds']:.1f} | {label} {shown(r['metrics'].get(key))} |")
     by_stage = {r["stage"]: r for r in results}
     if "evaluate" in by_stage:
         m = by_stage["evaluate"]["metrics"]
-        lines += ["", f"**Held-out accuracy**: base {_value(m.get('base_accuracy'))} → tuned {_value(m['accuracy'])} "
-                      f"({m['correct']}/{m['total']}), eval loss {_value(m.get('eval_loss'))}"]
+        lines += ["", f"**Held-out accuracy**: base {shown(m.get('base_accuracy'))} → tuned {shown(m['accuracy'])} "
+                      f"({m['correct']}/{m['total']}), eval loss {shown(m.get('eval_loss'))}"]
         if m.get("sets"):
             lines += ["", "| eval set | samples | base | tuned | change | guard |", "|---|---|---|---|---|---|"]
             lines += [f"| {r['set']} | {r['n']} | {fmt(r['base'])} | {fmt(r['tuned'])} | {fmt(r['delta'], signed=True)} | "
@@ -321,7 +322,7 @@ def sft_pipeline(config_path: str | None = None, overrides: list[str] | None = N
     for stage in STAGES:
         # forcing a stage changes nothing upstream but redoes everything downstream of it
         redo = stage in forced or any(u in forced for u in UPSTREAM[stage])
-        results.append(_run_one(stage, p, redo, states))
+        results.append(run_stage_task(stage, p, redo, states))
         if redo:
             forced.add(stage)
     _publish_summary(results)
@@ -340,8 +341,8 @@ def sft_stage(stage: str, config_path: str | None = None, overrides: list[str] |
     if with_upstream:
         needed = upstream(p.cfg, stage)  # evaluate --model needs prepare only: nothing is trained for it
         for up in (s for s in STAGES if s in needed):
-            results.append(_run_one(up, p, False, states))
-    results.append(_run_one(stage, p, force, states))
+            results.append(run_stage_task(up, p, False, states))
+    results.append(run_stage_task(stage, p, force, states))
     _publish_summary(results)
     _tag_flow_run(p, results)
     return results

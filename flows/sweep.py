@@ -21,7 +21,7 @@ from stages.core.errors import ConfigError
 from stages.sweep import Trial, lower_is_better, metric_of, parse_grid, plan_trials, ranked
 from stages.pipeline import Plan
 
-from flows.sft import _run_one, _update_flow_run, _value, configured_task, flow_run_url
+from flows.sft import run_stage_task, update_flow_run, shown, configured_task, flow_run_url
 
 
 def _sweep_name() -> str:
@@ -43,8 +43,8 @@ def _train_and_evaluate(trials: list[Trial], prepared: dict[str, Any], max_paral
     if max_parallel <= 1:
         for t in trials:
             states = {"prepare": prepared[t.plan.fingerprints["prepare"]]}
-            out[t.index]["train"] = _run_one("train", t.plan, False, states, t.label)
-            out[t.index]["evaluate"] = _run_one("evaluate", t.plan, False, states, t.label)
+            out[t.index]["train"] = run_stage_task("train", t.plan, False, states, t.label)
+            out[t.index]["evaluate"] = run_stage_task("evaluate", t.plan, False, states, t.label)
         return out
     futures: dict[tuple[int, str], Any] = {}
     for stage in ("train", "evaluate"):
@@ -69,8 +69,8 @@ def _publish(trials: list[Trial], results: dict[int, dict], order: list[int], me
     for rank, i in enumerate(order, 1):
         t, r = by_index[i], results[i]
         m = r["evaluate"]["metrics"]
-        lines.append(f"| {rank} | " + " | ".join(t.values[k] for k in keys) + f" | {_value(metric_of(m, metric))} | "
-                     f"{_value(m.get('accuracy'))} | {_value(m.get('eval_loss'))} | "
+        lines.append(f"| {rank} | " + " | ".join(t.values[k] for k in keys) + f" | {shown(metric_of(m, metric))} | "
+                     f"{shown(m.get('accuracy'))} | {shown(m.get('eval_loss'))} | "
                      f"{'cached' if r['train']['cached'] else 'yes'} | `{r['train']['fingerprint']}` |")
     if registered:
         m = registered["metrics"]
@@ -95,16 +95,16 @@ def sft_sweep(config_path: str, args: list[str], metric: str = "accuracy", max_p
         fp = t.plan.fingerprints["prepare"]
         if fp not in prepared:
             states: dict = {}
-            _run_one("prepare", t.plan, False, states)
+            run_stage_task("prepare", t.plan, False, states)
             prepared[fp] = states["prepare"]
     results = _train_and_evaluate(trials, prepared, max_parallel)
     order = ranked([(i, metric_of(r["evaluate"]["metrics"], metric)) for i, r in results.items()], metric)
     if metric_of(results[order[0]]["evaluate"]["metrics"], metric) is None:
         raise ConfigError(f"--metric {metric}: no trial's evaluation has it (e.g. accuracy, eval_loss, <set>/accuracy)")
     best = next(t for t in trials if t.index == order[0])
-    logger.info(f"best trial: {best.label} ({metric} {_value(metric_of(results[best.index]['evaluate']['metrics'], metric))})")
+    logger.info(f"best trial: {best.label} ({metric} {shown(metric_of(results[best.index]['evaluate']['metrics'], metric))})")
     states = {"prepare": prepared[best.plan.fingerprints["prepare"]]}
-    registered = _run_one("register", best.plan, False, states, best.label)
+    registered = run_stage_task("register", best.plan, False, states, best.label)
     mlflow_note = ""
     try:
         from stages.tracking.sweep import record_sweep
@@ -119,7 +119,7 @@ def sft_sweep(config_path: str, args: list[str], metric: str = "accuracy", max_p
     trained = sum(not r["train"]["cached"] for r in results.values())
     new = [f"trials:{len(trials)}", f"trained:{trained}", f"version:{registered['metrics']['version']}",
            f"model:{best.plan.cfg.registry.model_name}"]
-    _update_flow_run(tags=new + [t for t in (flow_run.tags or []) if t not in new])
+    update_flow_run(tags=new + [t for t in (flow_run.tags or []) if t not in new])
     return {"trials": [{"index": t.index, "values": t.values, "train": results[t.index]["train"],
                         "evaluate": results[t.index]["evaluate"]} for t in trials],
             "order": order, "best": best.index, "register": registered}
