@@ -126,7 +126,7 @@ class _Done:
         return self.items
 
 
-def _ordered_results(chunks: Iterator[list], opts: Options, num_proc: int, tokenizer) -> Iterator[list[Item]]:
+def ordered_results(chunks: Iterator[list], opts: Options, num_proc: int, tokenizer) -> Iterator[list[Item]]:
     """Items per chunk, in submission order. With num_proc > 1 the calling process is one of the
     num_proc workers: it hands chunks to num_proc - 1 spawned processes while they have work
     queued and works the rest itself, so no core idles while they start (about a second) or

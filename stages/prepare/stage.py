@@ -30,7 +30,7 @@ from stages.core.artifacts import StageBuild, is_complete
 from stages.core.config import SFTConfig, eval_split
 from stages.core.errors import DataError, StageError
 
-from .rows import Options, _ordered_results
+from .rows import Options, ordered_results
 
 PREVIEW_SAMPLES = 3
 CHUNK_RECORDS = 256
@@ -130,7 +130,7 @@ def run_prepare(cfg: SFTConfig, fp: str, model_path: str) -> dict:
     preview: list[str] = []
     opts = Options.from_config(cfg)
     with open(build.partial / "quarantine.jsonl", "w", encoding="utf-8") as quarantine:
-        for items in _ordered_results(_chunks(sources), opts, d.num_proc, tokenizer):
+        for items in ordered_results(_chunks(sources), opts, d.num_proc, tokenizer):
             for it in items:
                 st = stats[it.split]
                 st.rows_read += it.first
@@ -175,7 +175,7 @@ def preview_samples(cfg: SFTConfig, prepare_dir: Path | None, model_path: str, n
         table = read_shards(Path(prepare_dir) / "train", ["input_ids", "loss_mask", "source"]).slice(0, n).to_pylist()
         return [(r["source"], segments(tokenizer, r["input_ids"], r["loss_mask"])) for r in table]
     out: list = []
-    for items in _ordered_results(_chunks(plan_sources(cfg)), Options.from_config(cfg), 1, tokenizer):
+    for items in ordered_results(_chunks(plan_sources(cfg)), Options.from_config(cfg), 1, tokenizer):
         for it in items:
             if it.reason is None and it.split == "train":
                 out.append((it.source, segments(tokenizer, it.ids, it.mask)))
