@@ -374,6 +374,19 @@ def deploy(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesA
                   f"`prefect worker start --pool {pool}`, run it with `prefect deployment run '{deployment}'`")
 
 
+@app.command("stop-server")
+def stop_server(config: Path = ConfigOpt) -> None:
+    """Stop the Prefect server kept from earlier runs on this config's artifacts dir now, instead
+    of after SFTFLOW_KEEP_SERVER seconds unused."""
+    _prefect_home(_load(config, []))
+    from flows.prefect_server import stop_kept_server
+    try:
+        api = stop_kept_server(Path(os.environ["PREFECT_HOME"]))
+    except RuntimeError as e:
+        _fail(str(e), code=1)
+    console.print(f"stopped the kept Prefect server at {api}" if api else "no kept Prefect server is running")
+
+
 def _stop(signum, frame) -> None:
     # Ctrl-C and SIGTERM unwind alike, so the launcher's cleanup kills the torchrun tree. The
     # exception can be lost (raised inside a finalizer), so torchrun is told directly as well.

@@ -35,6 +35,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Callable, Iterator
 
+import psutil
 from filelock import FileLock
 
 KEEP_ENV = "SFTFLOW_KEEP_SERVER"
@@ -65,13 +66,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _alive(pid: int) -> bool:
+    """Running (a zombie is not: a keeper this process started stays one until it is waited for)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _marker(home: Path) -> dict | None:
@@ -243,6 +242,23 @@ def start_kept_server(home: Path, keep_s: float, meanwhile: Callable[[], object]
                 proc.kill()
                 raise ServerDidNotStart(f"prefect server did not start; see {log_path}")
             time.sleep(0.2)
+
+
+def stop_kept_server(home: Path, timeout: float = 60) -> str | None:
+    """Stops the kept server on this home now (SIGTERM to its keeper, which stops the server and
+    removes its marker); returns its API URL, or None when none runs. A `serve --start-server`
+    server is not a kept one and is left alone."""
+    found = _marker(home)
+    if found is None or found.get("kind") != "kept" or not _alive(int(found["pid"])):
+        return None
+    pid = int(found["pid"])
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.time() + timeout
+    while _alive(pid) and time.time() < deadline:
+        time.sleep(0.2)
+    if _alive(pid):
+        raise RuntimeError(f"the kept server's keeper (pid {pid}) did not stop within {timeout:g} s")
+    return found["api"]
 
 
 def keep(home: Path, port: int, idle_s: float) -> int:

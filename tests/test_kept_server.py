@@ -106,3 +106,17 @@ def test_two_calls_started_together_share_one_kept_server(tmp_path):
     assert len(_flow_runs(kept["api"])) == 2
     assert (home / "kept-server.log").read_text().count("kept server http") == 1, "one server started, not two"
     assert _gone_within(_tree(kept["pid"]), 8 + 30)
+
+
+def test_stop_server_stops_the_kept_server_now(tmp_path):
+    cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path))
+    home = tmp_path / ".prefect"
+    start_kept_server(home, keep_s=300)
+    kept = _marker(home)
+    tree = _tree(kept["pid"])
+    proc = sftflow("stop-server", "-c", str(cfg_path), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _gone_within(tree, 5), "the keeper and its server are gone when the command returns"
+    assert not (home / RUNNING_SERVER).exists() and not _healthy(kept["api"])
+    again = sftflow("stop-server", "-c", str(cfg_path), cwd=tmp_path)
+    assert again.returncode == 0 and "no kept Prefect server" in again.stdout
