@@ -119,8 +119,9 @@ def _run_flow(load_flow: Callable[[], Callable], **kwargs) -> list[dict]:
             _fail(str(e))
         with ps.lease(home):  # a kept server stays up while this call runs
             try:
-                api = ps.running_server(home)
-                ui = api is not None and ps.serves_ui(home)
+                found = ps.running_server(home)
+                api = found["api"] if found else None
+                ui = found is not None and found.get("kind") != "kept"
                 if api:
                     err.print(f"using the running Prefect server at {api}", highlight=False)
                 elif keep_s > 0:

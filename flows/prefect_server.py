@@ -51,7 +51,7 @@ class ServerDidNotStart(RuntimeError):
     """`prefect server start` exited or never answered its health check; its log says why."""
 
 
-def _healthy(api_url: str) -> bool:
+def healthy(api_url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{api_url}/health", timeout=2) as r:
             return r.status == 200
@@ -81,21 +81,16 @@ def _marker(home: Path) -> dict | None:
         return None
 
 
-def running_server(home: Path) -> str | None:
-    """The API URL of a long-lived local server on this Prefect home (same database), if it answers:
-    CLI runs use it instead of starting one, and their runs stay visible in its UI. A kept server
-    of another Prefect version (an upgrade since it started) is not used."""
+def running_server(home: Path) -> dict | None:
+    """The marker of a long-lived local server on this Prefect home (same database) that answers:
+    CLI runs use it (`["api"]`) instead of starting one, and their runs stay visible in its UI (a
+    kept server, `"kind": "kept"`, serves none). A kept server of another Prefect version (an
+    upgrade since it started) is not used."""
     found = _marker(home)
     if found is None or found.get("prefect", version("prefect")) != version("prefect"):
         return None
     # a marker left by a killed serve: its server died with it, and the port may serve another home now
-    return found["api"] if _alive(int(found["pid"])) and _healthy(found["api"]) else None
-
-
-def serves_ui(home: Path) -> bool:
-    """Whether the long-lived server on this home serves the UI (a kept server does not)."""
-    found = _marker(home)
-    return found is not None and found.get("kind") != "kept"
+    return found if _alive(int(found["pid"])) and healthy(found["api"]) else None
 
 
 def keep_seconds() -> float:
@@ -121,7 +116,7 @@ def _server_command(host: str, port: int, home: Path, ui: bool) -> tuple[list[st
 
 
 def _wait_healthy(api: str, proc: subprocess.Popen, deadline: float, log_path: Path) -> None:
-    while not _healthy(api):
+    while not healthy(api):
         if proc.poll() is not None or time.time() > deadline:
             raise ServerDidNotStart(f"prefect server did not start; see {log_path}")
         time.sleep(0.3)
@@ -139,7 +134,7 @@ def local_server(host: str, port: int, home: Path, log_path: Path, timeout: floa
     behind. Servers sharing one Prefect home start one at a time: the first one migrates the
     database, and two migrations at once fail."""
     api = f"http://{host}:{port}/api"
-    if _healthy(api):  # already running (e.g. a second `make serve`): share it
+    if healthy(api):  # already running (e.g. a second `make serve`): share it
         yield api
         return
     home.mkdir(parents=True, exist_ok=True)
@@ -222,9 +217,9 @@ def start_kept_server(home: Path, keep_s: float, meanwhile: Callable[[], object]
     before it is used. Another call on this home may have started one meanwhile: that one is used."""
     home.mkdir(parents=True, exist_ok=True)
     with FileLock(str(home / "server-start.lock")):
-        api = running_server(home)
-        if api:
-            return api
+        found = running_server(home)
+        if found:
+            return found["api"]
         log_path = home / KEPT_LOG
         with open(log_path, "a") as log:
             proc = subprocess.Popen([sys.executable, "-m", "flows.prefect_server", "keep", "--home", str(home),
@@ -236,7 +231,7 @@ def start_kept_server(home: Path, keep_s: float, meanwhile: Callable[[], object]
         deadline = time.time() + timeout
         while True:
             found = _marker(home)
-            if found is not None and int(found["pid"]) == proc.pid and _healthy(found["api"]):
+            if found is not None and int(found["pid"]) == proc.pid and healthy(found["api"]):
                 return found["api"]
             if proc.poll() is not None or time.time() > deadline:
                 proc.kill()

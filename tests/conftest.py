@@ -171,6 +171,27 @@ def prefect_api(tmp_path_factory):
         proc.kill()
 
 
+def descendants(pid: int) -> list:
+    """Every live descendant of `pid` (psutil processes)."""
+    import psutil
+    return psutil.Process(pid).children(recursive=True)
+
+
+def left_alive(procs: list, seconds: float = 30) -> list[str]:
+    """Waits up to `seconds` for `procs` to end; the command lines of those still running."""
+    import psutil
+    _, alive = psutil.wait_procs(procs, timeout=seconds)
+    return [" ".join(p.cmdline()[:6]) for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+
+
+def flow_runs(api: str) -> list[dict]:
+    """Every flow run in the database of the Prefect server at `api`."""
+    import urllib.request
+    req = urllib.request.Request(f"{api}/flow_runs/filter", data=b"{}", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
 def sftflow(*args: str, cwd: Path, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """The CLI as a user runs it, with Prefect's home inside the test's folder; it talks to the
     session's Prefect server once a test has asked for `prefect_api`, else starts a temporary one."""

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import live_processes_mentioning, sftflow, tiny_config_dict, write_config
+from conftest import descendants, left_alive, live_processes_mentioning, sftflow, tiny_config_dict, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api")]
 
@@ -111,27 +111,16 @@ def _start_training(tmp_path, own_server: bool = False, **popen) -> tuple[subpro
     return proc, marker
 
 
-def _tree(pid: int) -> list:
-    import psutil
-    return psutil.Process(pid).children(recursive=True)
-
-
-def _all_gone(procs: list, seconds: float = 30) -> list[str]:
-    import psutil
-    _, alive = psutil.wait_procs(procs, timeout=seconds)
-    return [" ".join(p.cmdline()[:6]) for p in alive if p.status() != psutil.STATUS_ZOMBIE]
-
-
 def test_sigkill_of_the_cli_leaves_nothing_behind(tmp_path):
     """Nothing the CLI started (torchrun, its workers, the temporary Prefect server) lives on after
     the CLI is SIGKILLed: parent-death signals, not cleanup code that a SIGKILL never runs."""
     proc, marker = _start_training(tmp_path, own_server=True)
     try:
-        tree = _tree(proc.pid)
+        tree = descendants(proc.pid)
         assert any("server" in p.cmdline() for p in tree), [p.cmdline()[:5] for p in tree]
         proc.kill()
         proc.wait(timeout=30)
-        assert _all_gone(tree) == []
+        assert left_alive(tree) == []
         assert wait_gone(marker) == []
     finally:
         if proc.poll() is None:
@@ -144,12 +133,12 @@ def test_ctrl_c_in_a_terminal_stops_everything_within_seconds(tmp_path):
     import time
     proc, marker = _start_training(tmp_path, own_server=True, start_new_session=True)
     try:
-        tree = _tree(proc.pid)
+        tree = descendants(proc.pid)
         t0 = time.time()
         os.killpg(proc.pid, signal.SIGINT)
         proc.communicate(timeout=120)
         assert proc.returncode == 130 and time.time() - t0 < 60
-        assert _all_gone(tree) == [] and wait_gone(marker) == []
+        assert left_alive(tree) == [] and wait_gone(marker) == []
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -7,14 +7,15 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
-import urllib.request
 
 import psutil
 import pytest
 
-from conftest import sftflow, tiny_config_dict, write_config
-from flows.prefect_server import RUNNING_SERVER, _healthy, lease, start_kept_server
+from conftest import descendants, flow_runs, left_alive, sftflow, tiny_config_dict, write_config
+from flows.prefect_server import RUNNING_SERVER, healthy, lease, start_kept_server
 
 
 pytestmark = pytest.mark.slow  # real Prefect servers
@@ -24,22 +25,9 @@ def _marker(home):
     return json.loads((home / RUNNING_SERVER).read_text())
 
 
-def _flow_runs(api):
-    req = urllib.request.Request(f"{api}/flow_runs/filter", data=b"{}", headers={"Content-Type": "application/json"})
-    return json.loads(urllib.request.urlopen(req, timeout=10).read())
-
-
-def _gone_within(pids, seconds):
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-            return True
-        time.sleep(0.5)
-    return False
-
-
 def _tree(pid):
-    return [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+    """The keeper and its descendants (the server)."""
+    return [psutil.Process(pid), *descendants(pid)]
 
 
 def test_later_calls_run_on_the_kept_server_and_it_stops_once_unused(tmp_path):
@@ -49,18 +37,18 @@ def test_later_calls_run_on_the_kept_server_and_it_stops_once_unused(tmp_path):
     first = sftflow("stage", "prepare", "-c", str(cfg_path), cwd=tmp_path, env=env)
     assert first.returncode == 0, first.stderr[-3000:]
     kept = _marker(home)
-    assert kept["kind"] == "kept" and _healthy(kept["api"])
+    assert kept["kind"] == "kept" and healthy(kept["api"])
     tree = _tree(kept["pid"])  # the keeper outlived the call that started it, and so did its server
     assert len(tree) >= 2
 
     second = sftflow("stage", "prepare", "-c", str(cfg_path), cwd=tmp_path, env=env)
     assert second.returncode == 0, second.stderr[-3000:]
     assert _marker(home) == kept, "the second call started no server of its own"
-    assert len(_flow_runs(kept["api"])) == 2, "both calls' flow runs are in the kept server's database"
+    assert len(flow_runs(kept["api"])) == 2, "both calls' flow runs are in the kept server's database"
     assert not (home / "temporary-server.log").exists()
 
-    assert _gone_within(tree, 8 + 30), "the keeper and its server stop once unused for SFTFLOW_KEEP_SERVER s"
-    assert not (home / RUNNING_SERVER).exists() and not _healthy(kept["api"])
+    assert left_alive(tree, 8 + 30) == [], "the keeper and its server stop once unused for SFTFLOW_KEEP_SERVER s"
+    assert not (home / RUNNING_SERVER).exists() and not healthy(kept["api"])
 
 
 def test_a_call_holding_the_lease_keeps_the_server_up(tmp_path):
@@ -69,8 +57,8 @@ def test_a_call_holding_the_lease_keeps_the_server_up(tmp_path):
         api = start_kept_server(home, keep_s=1)
         tree = _tree(_marker(home)["pid"])
         time.sleep(4)  # four times the idle time, with a call still running on it
-        assert _healthy(api)
-    assert _gone_within(tree, 30)
+        assert healthy(api)
+    assert left_alive(tree, 30) == []
     assert not (home / RUNNING_SERVER).exists()
 
 
@@ -80,19 +68,17 @@ def test_a_killed_keeper_takes_its_server_along_and_a_deleted_home_stops_one(tmp
     first = _marker(home)
     tree = _tree(first["pid"])
     os.kill(first["pid"], signal.SIGKILL)
-    assert _gone_within(tree, 30), "the server dies with its keeper (parent-death signal)"
+    assert left_alive(tree, 30) == [], "the server dies with its keeper (parent-death signal)"
 
     api = start_kept_server(home, keep_s=300)  # the stale marker names a dead keeper: a new one starts
     second = _marker(home)
-    assert second["pid"] != first["pid"] and api == second["api"] and _healthy(api)
+    assert second["pid"] != first["pid"] and api == second["api"] and healthy(api)
     tree = _tree(second["pid"])
     shutil.rmtree(home)
-    assert _gone_within(tree, 30), "a keeper whose Prefect home was deleted stops"
+    assert left_alive(tree, 30) == [], "a keeper whose Prefect home was deleted stops"
 
 
 def test_two_calls_started_together_share_one_kept_server(tmp_path):
-    import subprocess
-    import sys
     paths = [write_config(tmp_path, tiny_config_dict(tmp_path, n_train=n), name=f"c{n}.yaml") for n in (96, 80)]
     home = tmp_path / ".prefect"
     env = {**{k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"},
@@ -103,9 +89,9 @@ def test_two_calls_started_together_share_one_kept_server(tmp_path):
     outs = [proc.communicate(timeout=300)[0] for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], outs
     kept = _marker(home)
-    assert len(_flow_runs(kept["api"])) == 2
+    assert len(flow_runs(kept["api"])) == 2
     assert (home / "kept-server.log").read_text().count("kept server http") == 1, "one server started, not two"
-    assert _gone_within(_tree(kept["pid"]), 8 + 30)
+    assert left_alive(_tree(kept["pid"]), 8 + 30) == []
 
 
 def test_stop_server_stops_the_kept_server_now(tmp_path):
@@ -116,7 +102,7 @@ def test_stop_server_stops_the_kept_server_now(tmp_path):
     tree = _tree(kept["pid"])
     proc = sftflow("stop-server", "-c", str(cfg_path), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _gone_within(tree, 5), "the keeper and its server are gone when the command returns"
-    assert not (home / RUNNING_SERVER).exists() and not _healthy(kept["api"])
+    assert left_alive(tree, 5) == [], "the keeper and its server are gone when the command returns"
+    assert not (home / RUNNING_SERVER).exists() and not healthy(kept["api"])
     again = sftflow("stop-server", "-c", str(cfg_path), cwd=tmp_path)
     assert again.returncode == 0 and "no kept Prefect server" in again.stdout

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import sftflow, tiny_config_dict, write_config
+from conftest import flow_runs, sftflow, tiny_config_dict, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api")]
 
@@ -137,8 +137,6 @@ def test_cli_runs_use_a_running_server_of_their_prefect_home(tmp_path):
         assert (home / RUNNING_SERVER).is_file()
         proc = sftflow("stage", "prepare", "-c", str(cfg_path), cwd=tmp_path, env={"PREFECT_API_URL": None})
         assert proc.returncode == 0, proc.stderr[-3000:]
-        runs = json.loads(urllib.request.urlopen(urllib.request.Request(
-            f"{api}/flow_runs/filter", data=b"{}", headers={"Content-Type": "application/json"})).read())
-        assert [r["name"].split("-")[0] for r in runs] == ["config"]
+        assert [r["name"].split("-")[0] for r in flow_runs(api)] == ["config"]
     assert not (home / RUNNING_SERVER).exists()
     assert not (home / "temporary-server.log").exists(), "no temporary server was started"
