@@ -31,7 +31,7 @@ from stages.core.config import ConfigError, SFTConfig, default_tracking_uri, fla
 from stages.core.errors import MissingUpstream, StageError  # noqa: E402
 from stages.models.base import resolve_model  # noqa: E402
 from stages.models.refs import resolve_model_ref  # noqa: E402
-from stages.evaluate.report import fmt, set_rows  # noqa: E402
+from stages.evaluate.report import COLUMNS, fmt, table_cells  # noqa: E402
 from stages.pipeline import KEY_METRIC, STAGES, Plan, plan, require_upstream  # noqa: E402
 from stages.runtime.launcher import request_stop, stop_requested  # noqa: E402
 
@@ -82,18 +82,13 @@ def _summary(results: list[dict], scored: str = "tuned") -> None:
         table.add_row(r["stage"], r["fingerprint"], "yes" if r["cached"] else "no", f"{r['seconds']:.1f}", shown)
     console.print(table)
     ev = next((r for r in results if r["stage"] == "evaluate"), None)
-    if ev and ev["metrics"].get("sets"):
-        sets = Table(title="eval sets (accuracy)")
-        for col in ("set", "samples", "base", escape(scored), "change", "guard"):
-            sets.add_column(col)
-        for row in set_rows(ev["metrics"]):
-            sets.add_row(row["set"], str(row["n"]), fmt(row["base"]), fmt(row["tuned"]), fmt(row["delta"], signed=True),
-                         row["guard"])
+    if ev:
+        sets = Table(title="eval sets (accuracy; paired change with its 95% interval)")
+        for col in COLUMNS:
+            sets.add_column(escape(scored) if col == "tuned" else col)
+        for cells in table_cells(ev["metrics"]):
+            sets.add_row(*map(escape, cells))
         console.print(sets)
-    elif ev and "base_accuracy" in ev["metrics"]:
-        m = ev["metrics"]
-        console.print(f"held-out accuracy: base {m['base_accuracy']:.3f} -> {escape(scored)} {m['accuracy']:.3f} "
-                      f"({m['correct']}/{m['total']} correct)")
     reg = next((r for r in results if r["stage"] == "register"), None)
     if reg:
         m = reg["metrics"]
@@ -168,7 +163,7 @@ def run(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
 
 
 @app.command()
-def stage(name: str = typer.Argument(..., help="prepare | train | evaluate | register"),
+def stage(name: str = typer.Argument(..., help="prepare | baseline | champion | train | evaluate | register"),
           config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
           force: bool = typer.Option(False, "--force", help="re-run even if the stage folder is complete"),
           with_upstream: bool = typer.Option(False, "--with-upstream", help="first run upstream stages that are missing"),
@@ -184,6 +179,9 @@ def stage(name: str = typer.Argument(..., help="prepare | train | evaluate | reg
         local = Path(model).expanduser()
         overrides = [*(overrides or []), f"eval.model={json.dumps(str(local.resolve()) if local.exists() else model)}"]
     p = _plan(config, overrides)
+    if name not in p.stages:
+        _fail(f"this config has no {name} stage: " + ("the registry has no champion that another training made"
+                                                     if name == "champion" else "eval.eval_base is off or eval.model=base"))
     if not with_upstream:
         try:
             require_upstream(p, name)
@@ -207,7 +205,7 @@ def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg
     if preview > 0:
         _preview(cfg, p, preview)
         return
-    stages = {s: {"fingerprint": p.fingerprints[s], "status": p.status(s), "path": str(p.folder(s))} for s in STAGES}
+    stages = {s: {"fingerprint": p.fingerprints[s], "status": p.status(s), "path": str(p.folder(s))} for s in p.stages}
     if as_json:
         print(json.dumps({"config": cfg.model_dump(mode="json"), "stages": stages}, indent=2))
         return

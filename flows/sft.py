@@ -26,8 +26,8 @@ from prefect.states import Completed
 from flows.prefect_server import TEMPORARY_SERVER_ENV
 from stages.core.config import check_overrides_allowed, load_config
 from stages.core.errors import ConfigError
-from stages.evaluate.report import fmt, set_rows
-from stages.pipeline import KEY_METRIC, STAGES, UPSTREAM, Plan, plan, run_stage, upstream
+from stages.evaluate.report import COLUMNS, table_cells
+from stages.pipeline import KEY_METRIC, UPSTREAM, Plan, plan, requires, run_stage
 
 STEP_LINE = re.compile(r"^step (\d+)/(\d+)\b")
 # MLflow's own logging ("2026/12/01 06:45:02 INFO mlflow.system_metrics...: ..."), timestamped by
@@ -283,11 +283,9 @@ def _publish_summary(results: list[dict]) -> None:
     if "evaluate" in by_stage:
         m = by_stage["evaluate"]["metrics"]
         lines += ["", f"**Held-out accuracy**: base {shown(m.get('base_accuracy'))} → tuned {shown(m['accuracy'])} "
-                      f"({m['correct']}/{m['total']}), eval loss {shown(m.get('eval_loss'))}"]
-        if m.get("sets"):
-            lines += ["", "| eval set | samples | base | tuned | change | guard |", "|---|---|---|---|---|---|"]
-            lines += [f"| {r['set']} | {r['n']} | {fmt(r['base'])} | {fmt(r['tuned'])} | {fmt(r['delta'], signed=True)} | "
-                      f"{r['guard']} |" for r in set_rows(m)]
+                      f"({m['correct']}/{m['total']}), eval loss {shown(m.get('eval_loss'))}", "",
+                  "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        lines += ["| " + " | ".join(cells) + " |" for cells in table_cells(m)]
         preds = Path(by_stage["evaluate"]["path"]) / "predictions.jsonl"
         if preds.is_file():
             _publish_predictions(preds)
@@ -319,7 +317,7 @@ def sft_pipeline(config_path: str | None = None, overrides: list[str] | None = N
     _name_flow_run(p, config_path)
     forced = set(force or [])
     results, states = [], {}
-    for stage in STAGES:
+    for stage in p.stages:
         # forcing a stage changes nothing upstream but redoes everything downstream of it
         redo = stage in forced or any(u in forced for u in UPSTREAM[stage])
         results.append(run_stage_task(stage, p, redo, states))
@@ -339,8 +337,8 @@ def sft_stage(stage: str, config_path: str | None = None, overrides: list[str] |
     _name_flow_run(p, config_path, stage)
     results, states = [], {}
     if with_upstream:
-        needed = upstream(p.cfg, stage)  # evaluate --model needs prepare only: nothing is trained for it
-        for up in (s for s in STAGES if s in needed):
+        needed = requires(p, stage)  # evaluate --model needs no training
+        for up in (s for s in p.stages if s in needed):
             results.append(run_stage_task(up, p, False, states))
     results.append(run_stage_task(stage, p, force, states))
     _publish_summary(results)

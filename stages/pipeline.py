@@ -4,8 +4,13 @@ Orchestrators (the Prefect flow, the CLI, tests) validate a config once (`load_c
 plan once (`plan`), and hand the `Plan` to `run_stage` for each stage; a plan travels as
 JSON (`Plan.to_dict`) to Prefect tasks and is never re-resolved there.
 
-    models ─┐
-    prepare ─► train ─► evaluate ─► register
+    models ─┐          ┌─► baseline ─┐   (the base model's scores: a cache hit across trials and retrains)
+    prepare ─┼─► train ─┼─────────────┼─► evaluate ─► register
+             │          └─► champion ─┘   (the registry's champion, scored on today's eval sets)
+
+`baseline` and `champion` are in a plan only when there is something to score: the base model
+unless `eval.eval_base` is off or `eval.model` is the base model; the champion when `eval.model` is
+unset and the registry has one that another training produced.
 """
 
 from __future__ import annotations
@@ -23,14 +28,19 @@ from .core.imports import import_identity, import_object
 from .core.inputs import HUB_PREFIX
 from .models.base import model_fingerprint, resolve_model
 from .models.refs import eval_model_identity
+from .tracking.registry import REGISTRY_PREFIX, current_champion
 from .tracking.run import Lineage
 
-__all__ = ["STAGES", "UPSTREAM", "KEY_METRIC", "Plan", "plan", "run_stage", "upstream", "require_upstream",
+__all__ = ["STAGES", "REFERENCES", "UPSTREAM", "KEY_METRIC", "Plan", "plan", "run_stage", "upstream", "requires",
+           "require_upstream",
            "ConfigError", "MissingUpstream", "StageError"]
 
-STAGES = ("prepare", "train", "evaluate", "register")
-UPSTREAM = {"prepare": (), "train": ("prepare",), "evaluate": ("train", "prepare"), "register": ("evaluate", "train", "prepare")}
-KEY_METRIC = {"prepare": ("train_rows_kept", "rows"), "train": ("final_loss", "loss"),
+STAGES = ("prepare", "baseline", "champion", "train", "evaluate", "register")
+REFERENCES = ("baseline", "champion")  # models the trained one is compared with, item by item
+UPSTREAM = {"prepare": (), "baseline": ("prepare",), "champion": ("prepare",), "train": ("prepare",),
+            "evaluate": ("baseline", "champion", "train", "prepare"), "register": ("evaluate", "train", "prepare")}
+KEY_METRIC = {"prepare": ("train_rows_kept", "rows"), "baseline": ("accuracy", "accuracy"),
+              "champion": ("accuracy", "accuracy"), "train": ("final_loss", "loss"),
               "evaluate": ("accuracy", "accuracy"), "register": ("version", "version")}
 
 
@@ -43,6 +53,12 @@ class Plan:
     fingerprints: dict[str, str]
     inputs: dict[str, list[tuple[str, str]]]  # split -> [(input, content sha256)]
     eval_model: dict | None = None
+    champion: dict | None = None  # the registry version `champion` named at planning (registry.current_champion)
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        """The stages this plan runs, in order (a reference stage only when it has a model to score)."""
+        return tuple(s for s in STAGES if s in self.fingerprints)
 
     def folder(self, stage: str) -> Path:
         return stage_dir(self.cfg.artifacts_path, stage, self.fingerprints[stage])
@@ -51,12 +67,13 @@ class Plan:
         return "complete" if is_complete(self.folder(stage)) else "missing"
 
     def lineage(self, dirs: dict[str, str], tags: dict[str, str] | None = None) -> Lineage:
-        return Lineage(fingerprints={s: self.fingerprints[s] for s in STAGES}, dirs=dirs, inputs=self.inputs,
+        return Lineage(fingerprints={s: self.fingerprints[s] for s in self.stages}, dirs=dirs, inputs=self.inputs,
                        tags=dict(tags or {}))
 
     def to_dict(self) -> dict:
         return {"config": self.cfg.model_dump(mode="json"), "fingerprints": self.fingerprints,
-                "inputs": {s: [list(x) for x in v] for s, v in self.inputs.items()}, "eval_model": self.eval_model}
+                "inputs": {s: [list(x) for x in v] for s, v in self.inputs.items()}, "eval_model": self.eval_model,
+                "champion": self.champion}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
@@ -64,7 +81,7 @@ class Plan:
         cfg = SFTConfig.model_validate(d["config"])
         inputs = {s: [(ref, digest) for ref, digest in v] for s, v in d["inputs"].items()}
         cfg._inputs = {s: [ref if ref.startswith(HUB_PREFIX) else Path(ref) for ref, _ in v] for s, v in inputs.items()}
-        return cls(cfg, dict(d["fingerprints"]), inputs, d.get("eval_model"))
+        return cls(cfg, dict(d["fingerprints"]), inputs, d.get("eval_model"), d.get("champion"))
 
 
 def _custom_scorers(cfg: SFTConfig) -> dict[str, str]:
@@ -84,6 +101,42 @@ def check_code(cfg: SFTConfig) -> None:
     if cfg.actor.worker or cfg.actor.model.model_type != "causal_lm":
         from .runtime.worker import check_worker_config
         check_worker_config(cfg)
+
+
+def _scoring(cfg: SFTConfig) -> dict:
+    """How eval sets are scored (what a reference model's scores depend on), without what only judges
+    them (a set's guard) or picks the model (`eval.model`, `eval.eval_base`)."""
+    e = hashed(cfg.eval)
+    for key in ("model", "eval_base", "primary"):
+        e.pop(key, None)
+    for s in e.get("sets", {}).values():
+        s.pop("max_drop", None)
+        s.pop("decide_on", None)
+    return e
+
+
+def _reference_fingerprints(cfg: SFTConfig, digests: dict, model_fp: str, scorer, worker, train_fp: str
+                            ) -> tuple[dict[str, str], dict | None]:
+    """Fingerprints of the reference stages this config has, and the champion they saw. A reference's
+    scores depend on the model, the eval sets as prepared (their files, the data options, the prepare
+    code, the tokenizer: the base model) and how they are scored; never on the training data, so the
+    base model is scored once across trials, sweeps and retrains on new data."""
+    held_out = {name: digests["val"] or {"from_train": digests["train"]} if name == "val" else digests[eval_split(name)]
+                for name in cfg.eval.set_names}
+    common = dict(prepare_code=code_version("prepare"), tokenizer=model_fp, data=hashed(cfg.data), sets=held_out,
+                  eval=_scoring(cfg), scorer=scorer, actor=hashed(cfg.actor.model), worker=worker)
+    fps: dict[str, str] = {}
+    if cfg.eval.eval_base and cfg.eval.model != "base":
+        fps["baseline"] = fingerprint("baseline", code=code_version("evaluate"), model={"base": model_fp}, **common)
+    champion = None
+    if cfg.eval.model is None:
+        champion = current_champion(cfg.resolved_tracking_uri, cfg.registry.model_name)
+        if champion is not None and champion["train_fingerprint"] == train_fp:
+            champion = None  # this training is the champion already: nothing to compare with
+    if champion is not None:
+        identity = {k: champion[k] for k in ("registry", "name", "version")}
+        fps["champion"] = fingerprint("champion", code=code_version("evaluate"), model=identity, **common)
+    return fps, champion
 
 
 def plan(cfg: SFTConfig) -> Plan:
@@ -108,19 +161,32 @@ def plan(cfg: SFTConfig) -> Plan:
     custom = _custom_scorers(cfg)
     scorer = ({k: import_identity(v) for k, v in custom.items()} if cfg.eval.sets else
               import_identity(custom["eval.scorer"]) if custom else None)
+    references, champion = _reference_fingerprints(cfg, digests, model_fp, scorer, worker, train)
     evaluate = fingerprint("evaluate", code=code_version("evaluate"), prepare=prepare, eval=hashed(cfg.eval),
-                           scorer=scorer, **scored)
+                           scorer=scorer, **scored, **({"references": references} if references else {}))
     register = fingerprint("register", code=code_version("register", neutral=True), evaluate=evaluate, train=train,
                            prepare=prepare, registry=hashed(cfg.registry), tracking_uri=cfg.resolved_tracking_uri)
-    fps = {"models": model_fp, "prepare": prepare, "train": train, "evaluate": evaluate, "register": register}
-    return Plan(cfg, fps, inputs, identity)
+    fps = {"models": model_fp, "prepare": prepare, **references, "train": train, "evaluate": evaluate,
+           "register": register}
+    return Plan(cfg, fps, inputs, identity, champion)
 
 
-def upstream(cfg: SFTConfig, stage: str) -> tuple[str, ...]:
-    """Stages `stage` reads; evaluate with `eval.model` set needs only prepare."""
-    if stage == "evaluate" and cfg.eval.model is not None:
-        return ("prepare",)
-    return UPSTREAM[stage]
+def upstream(p: Plan, stage: str) -> tuple[str, ...]:
+    """Stages `stage` reads in this plan; evaluate with `eval.model` set needs no training."""
+    skip = {"train"} if stage == "evaluate" and p.cfg.eval.model is not None else set()
+    return tuple(u for u in UPSTREAM[stage] if u in p.fingerprints and u not in skip)
+
+
+def requires(p: Plan, stage: str) -> set[str]:
+    """Every stage `stage` needs in this plan, directly or through another."""
+    found: set[str] = set()
+    todo = list(upstream(p, stage))
+    while todo:
+        s = todo.pop()
+        if s not in found:
+            found.add(s)
+            todo += upstream(p, s)
+    return found
 
 
 def require_upstream(p: Plan, stage: str) -> dict[str, str]:
@@ -128,7 +194,8 @@ def require_upstream(p: Plan, stage: str) -> dict[str, str]:
         raise ConfigError(f"register: eval.model={p.cfg.eval.model!r} scores another model than the trained one "
                           "register would log; unset eval.model (it is for `sftflow stage evaluate --model`)")
     dirs = {}
-    for up in upstream(p.cfg, stage):
+    needed = upstream(p, stage)
+    for up in (s for s in STAGES if s in needed):  # the earliest missing one is the one to run first
         if p.status(up) != "complete":
             raise MissingUpstream(f"{stage} needs the {up} stage ({p.fingerprints[up]}), which has not run for this "
                                   f"config; run `sftflow stage {up} -c <config>` or `sftflow run -c <config>` first")
@@ -169,11 +236,18 @@ def run_stage(p: Plan, stage: str, force: bool = False, on_line: Callable[[str],
             from .train import run_train
             metrics = run_train(cfg, fp, resolve_model(cfg, p.fingerprints["models"], on_line), dirs["prepare"],
                                 p.lineage(dirs, tags), on_line=on_line)
+        elif stage in REFERENCES:
+            from .evaluate import run_reference
+            ref, identity = ("base", None) if stage == "baseline" else (
+                f"{REGISTRY_PREFIX}{p.champion['name']}/{p.champion['version']}", p.champion)
+            metrics = run_reference(cfg, stage, fp, resolve_model(cfg, p.fingerprints["models"], on_line), ref,
+                                    identity, dirs["prepare"], on_line=on_line)
         elif stage == "evaluate":
             from .evaluate import run_evaluate
             model_ref = cfg.eval.model if cfg.eval.model is not None else str(p.folder("train"))
+            references = {s: dirs[s] for s in REFERENCES if s in dirs}
             metrics = run_evaluate(cfg, fp, resolve_model(cfg, p.fingerprints["models"], on_line), model_ref, dirs["prepare"],
-                                   p.eval_model, on_line=on_line)
+                                   p.eval_model, references, on_line=on_line)
         elif stage == "register":
             from .register import run_register
             metrics = run_register(cfg, fp, p.lineage(dirs, tags))

@@ -18,7 +18,7 @@ from conftest import ROOT, demo_rows, sftflow, tiny_config_dict, write_config, w
 from stages.core.config import ConfigError, config_from_dict, load_config
 from stages.evaluate.runner import rank_slice
 from stages.evaluate.scorers import get_scorer, normalize
-from stages.pipeline import plan, run_stage
+from stages.pipeline import REFERENCES, plan, run_stage
 
 N_VAL, BATCH, MAX_NEW = 7, 3, 8
 
@@ -149,8 +149,16 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def evaluate(cfg, force: bool = False):
-    result = run_stage(plan(cfg), "evaluate", force=force, on_line=lambda line: None)
+    p = plan(cfg)
+    for ref in REFERENCES:
+        if ref in p.stages:
+            run_stage(p, ref, on_line=lambda line: None)
+    result = run_stage(p, "evaluate", force=force, on_line=lambda line: None)
     return result, read_jsonl(Path(result.path) / "predictions.jsonl")
+
+
+def baseline_records(cfg) -> list[dict]:
+    return read_jsonl(plan(cfg).folder("baseline") / "predictions.jsonl")
 
 
 def check_against_naive(setup, metrics: dict, records: list[dict]) -> None:
@@ -178,7 +186,7 @@ def test_one_process_equals_the_naive_loop(setup):
     assert m["perplexity"] == pytest.approx(math.exp(m["eval_loss"]))
     assert m["eval_tokens"] == sum(int(np.sum(np.asarray(r["loss_mask"])[1:])) for r in rows)
     assert {"base_accuracy", "base_eval_loss", "token_accuracy"} <= set(m)
-    assert len(read_jsonl(Path(result.path) / "base_predictions.jsonl")) == N_VAL
+    assert len(baseline_records(cfg)) == N_VAL
     assert (Path(result.path) / "metrics.json").is_file()
 
 
@@ -354,7 +362,7 @@ def test_named_eval_sets_are_each_scored_with_their_own_scorer(setup):
     assert w["accuracy"] == pytest.approx(sum(want) / len(want)) and w["total"] == len(want)
     assert w["delta"] == pytest.approx(w["accuracy"] - w["base_accuracy"])
     assert w["guard_ok"] is (w["delta"] >= 0) and "guard_ok" not in m["sets"]["echo"]
-    base = read_jsonl(Path(result.path) / "base_predictions.jsonl")
+    base = baseline_records(cfg)
     assert sorted({r["set"] for r in base}) == ["echo", "words"] and len(base) == 2 * N_VAL
     manifest = read_manifest(result.path)
     assert set(manifest["eval_sets"]) == {"echo", "words"} and manifest["eval_set_fingerprint"] == manifest["eval_sets"]["echo"]
@@ -371,3 +379,58 @@ def test_eval_set_config_errors_are_one_line(tmp_path):
     for ev, message in cases:
         with pytest.raises(ConfigError, match=re.escape(message)):
             config_from_dict({**raw, "eval": ev})
+
+
+def test_a_choice_set_is_scored_by_log_likelihood_and_compared_item_by_item(setup):
+    """A `mode: choice` set read from question/choices/answer rows: each pick is the option with the
+    highest log-likelihood (option_logprobs, itself checked against a naive loop in test_choice.py),
+    and every set's comparison with the base model counts wins and losses item by item."""
+    from stages.evaluate.choice import option_logprobs
+    from stages.core.paired import delta_interval
+    tmp, model, tok = setup["tmp"], setup["model"], setup["tok"]
+    questions = ["Which is a colour?", "Pick a number.", "Which word is a fruit?", "Say yes or no.", "Where is Paris?"]
+    options = [["red", "table", "run"], ["seven", "blue"], ["apple", "car", "sky", "stone"], ["yes", "no"],
+               ["France", "Japan", "Peru"]]
+    write_jsonl(tmp / "mc.jsonl", [{"question": q, "choices": o, "answer": i % len(o)}
+                                   for i, (q, o) in enumerate(zip(questions, options))])
+    raw = json.loads(json.dumps(setup["raw"]))
+    raw["data"].pop("val_data_paths")
+    raw["data"]["format"] = "messages"  # the choice set is read as choice rows whatever data.format says
+    raw["actor"]["nproc_per_node"] = 1
+    raw["eval"].update(model=str(setup["model_dir"]), primary="echo", sets={
+        "echo": {"data_paths": [str(tmp / "val.jsonl")]},
+        "mc": {"data_paths": [str(tmp / "mc.jsonl")], "mode": "choice", "max_drop": 0.2}})
+    cfg = load_config(write_config(tmp, raw, "mc.yaml"))
+    run_stage(plan(cfg), "prepare")
+    result, records = evaluate(cfg)
+    mc = [r for r in records if r["set"] == "mc"]
+    scores = option_logprobs(model, tok, [[{"role": "user", "content": q}] for q in questions], options, 16)
+    picks = [max(range(len(s)), key=lambda k: (s[k][0], -k)) for s in scores]
+    assert [r["picked"] for r in mc] == picks
+    assert [r["prediction"] for r in mc] == [o[k] for o, k in zip(options, picks)]
+    assert [r["correct"] for r in mc] == [k == i % len(o) for i, (o, k) in enumerate(zip(options, picks))]
+    m = result.metrics["sets"]["mc"]
+    assert m["total"] == 5 and m["correct"] == sum(r["correct"] for r in mc) and "eval_loss" in m
+
+    base = {s: [r for r in baseline_records(cfg) if r["set"] == s] for s in ("echo", "mc")}
+    for name in ("echo", "mc"):
+        mine = [r for r in records if r["set"] == name]
+        wins = sum(a["correct"] and not b["correct"] for a, b in zip(mine, base[name]))
+        losses = sum(b["correct"] and not a["correct"] for a, b in zip(mine, base[name]))
+        got = result.metrics["sets"][name]
+        assert (got["vs_base"]["wins"], got["vs_base"]["losses"], got["vs_base"]["n"]) == (wins, losses, len(mine))
+        assert got["delta"] == pytest.approx((wins - losses) / len(mine))
+        assert (got["delta_low"], got["delta_high"]) == pytest.approx(delta_interval(wins, losses, len(mine)))
+    assert result.metrics["vs_base"] == result.metrics["sets"]["echo"]["vs_base"]  # the top level is the primary's
+    assert m["guard_ok"] is (m["delta"] >= -0.2)
+
+
+def test_a_bad_choice_row_is_quarantined_with_its_reason(setup, tmp_path):
+    from stages.chatdata.readers import RowError, to_conversations
+    for row, reason in [({"question": "q", "choices": ["a"], "answer": 0}, "bad_choices"),
+                        ({"question": "q", "choices": ["a", "b"], "answer": 2}, "bad_answer"),
+                        ({"question": "q", "choices": ["a", "b"], "answer": True}, "bad_answer"),
+                        ({"question": 3, "choices": ["a", "b"], "answer": 0}, "non_string_content")]:
+        with pytest.raises(RowError) as e:
+            to_conversations(row, "choice")
+        assert e.value.reason == reason

@@ -26,47 +26,81 @@ class FakeRegistry:
         return SimpleNamespace(version="3", tags={f"sftflow.{k}": str(v) for k, v in self.champion.items()})
 
 
-CURRENT = {"eval_accuracy": 0.8, "eval_set_fingerprint": "set-a"}
+CURRENT = {"eval_accuracy": 0.8, "train_fingerprint": "old"}
 
 
-@pytest.mark.parametrize("policy, champion, accuracy, eval_set, expected", [
-    ("never", CURRENT, 1.0, "set-a", None),
-    ("never", None, 1.0, "set-a", None),
-    ("always", CURRENT, 0.1, "set-a", CHAMPION),
-    ("always", None, 0.1, "set-b", CHAMPION),
-    ("if_better", None, 0.1, "set-a", CHAMPION),         # the first version
-    ("if_better", CURRENT, 0.9, "set-a", CHAMPION),
-    ("if_better", CURRENT, 0.8, "set-a", CHAMPION),      # ties move it: >=
-    ("if_better", CURRENT, 0.7, "set-a", CHALLENGER),
-    ("if_better", CURRENT, 1.0, "set-b", CHALLENGER),    # another eval set is not comparable
+def versus(new: list[bool], champion: list[bool], version: str = "3") -> dict:
+    """evaluate's `vs_champion`: the paired comparison with champion v`version` on the same items."""
+    from stages.core.paired import compare
+    return {"version": version, "accuracy": sum(champion) / len(champion), **compare(new, champion)}
+
+
+SAME = versus([True] * 20 + [False] * 4, [True] * 20 + [False] * 4)
+ONE_LOSS = versus([True] * 19 + [False] * 5, [True] * 20 + [False] * 4)       # -0.042, interval far below 0
+FIVE_LOSSES = versus([True] * 15 + [False] * 9, [True] * 20 + [False] * 4)    # -0.208: significantly worse
+BIG_SAME = versus([True] * 380 + [False] * 20, [True] * 380 + [False] * 20)   # 400 ties: interval +-0.0095
+
+
+@pytest.mark.parametrize("policy, champion, vs, tolerance, decide_on, expected", [
+    ("never", CURRENT, SAME, 0, "estimate", None),
+    ("never", None, None, 0, "estimate", None),
+    ("always", CURRENT, FIVE_LOSSES, 0, "estimate", CHAMPION),
+    ("always", None, None, 0, "estimate", CHAMPION),
+    ("if_better", None, None, 0, "estimate", CHAMPION),                 # the first version
+    ("if_better", CURRENT, SAME, 0, "estimate", CHAMPION),              # ties move it: >=
+    ("if_better", CURRENT, ONE_LOSS, 0, "estimate", CHALLENGER),        # one item on 24
+    ("if_better", CURRENT, ONE_LOSS, 0.05, "estimate", CHAMPION),       # ... within the tolerance
+    ("if_better", CURRENT, ONE_LOSS, 0.05, "interval", CHALLENGER),     # ... but 24 items can't show it
+    ("if_better", CURRENT, SAME, 0.05, "interval", CHALLENGER),         # not even with no change
+    ("if_better", CURRENT, BIG_SAME, 0.05, "interval", CHAMPION),       # 400 items can
+    ("if_better", CURRENT, FIVE_LOSSES, 0.05, "estimate", CHALLENGER),
+    ("if_better", CURRENT, None, 0, "estimate", CHALLENGER),            # the champion was not scored in this run
+    ("if_better", CURRENT, versus([True], [True], "2"), 0, "estimate", CHALLENGER),  # another champion was
+    ("if_better", {**CURRENT, "train_fingerprint": "t"}, None, 0, "estimate", CHAMPION),  # this training's own
 ])
-def test_decide_alias(policy, champion, accuracy, eval_set, expected):
-    alias, why = decide_alias(FakeRegistry(champion), "m", policy, accuracy, eval_set)
+def test_decide_alias(policy, champion, vs, tolerance, decide_on, expected):
+    metrics = {"accuracy": 0.8, "primary_set": "identity", **({"vs_champion": vs} if vs else {})}
+    alias, why = decide_alias(FakeRegistry(champion), "m", policy, metrics, "t", tolerance, decide_on)
     assert alias == expected and why
+    if vs and policy == "if_better" and champion == CURRENT and vs["version"] == "3":
+        assert f"[{vs['delta_low']:+.3f}, {vs['delta_high']:+.3f}] vs champion v3" in why  # the numbers it decided on
 
 
 def test_a_failed_retention_guard_holds_back_promotion(tmp_path):
-    """Per set: delta = tuned - base; a guarded set that fell more than max_drop keeps the version challenger."""
+    """Per set: delta = tuned - base, paired; a guarded set that fell more than max_drop (on the estimate,
+    or on the interval's lower bound with decide_on: interval) keeps the version challenger."""
+    from stages.evaluate import guard_sets
+    from stages.core.paired import compare
     from stages.register import failed_guards
     raw = tiny_config_dict(tmp_path)
     val = raw["data"]["val_data_paths"]
-    cfg = config_from_dict({**raw, "eval": {"sets": {
-        "identity": {"data_paths": val}, "retention": {"data_paths": val, "max_drop": 0.05}}}})
-    from stages.evaluate import guard_sets
-    metrics = {"accuracy": 1.0, "sets": {"identity": {"accuracy": 1.0, "base_accuracy": 0.0},
-                                         "retention": {"accuracy": 0.80, "base_accuracy": 0.90}}}
-    guard_sets(cfg, metrics)
-    assert metrics["sets"]["identity"]["delta"] == 1.0 and "guard_ok" not in metrics["sets"]["identity"]
-    assert metrics["sets"]["retention"]["guard_ok"] is False
-    failed = failed_guards(metrics)
-    assert len(failed) == 1 and "'retention' accuracy 0.800 is 0.100 below the base model's 0.900" in failed[0]
+
+    def judged(decide_on: str, tuned: list[bool], base: list[bool]) -> dict:
+        cfg = config_from_dict({**raw, "eval": {"sets": {
+            "identity": {"data_paths": val},
+            "retention": {"data_paths": val, "max_drop": 0.05, "decide_on": decide_on}}}})
+        c = compare(tuned, base)
+        sets = {"identity": {"accuracy": 1.0, "base_accuracy": 0.0, "delta": 1.0},
+                "retention": {"accuracy": sum(tuned) / len(tuned), "base_accuracy": sum(base) / len(base),
+                              "delta": c["delta"], "delta_low": c["delta_low"], "vs_base": c}}
+        guard_sets(cfg, sets)
+        assert "guard_ok" not in sets["identity"]
+        return {"accuracy": 1.0, "sets": sets}
+
+    base = [True] * 45 + [False] * 5
+    fell = judged("estimate", [True] * 40 + [False] * 10, base)  # -0.100
+    assert fell["sets"]["retention"]["guard_ok"] is False
+    failed = failed_guards(fell)
+    assert len(failed) == 1 and "'retention' accuracy 0.800 vs the base model's 0.900: -0.100 [" in failed[0]
     for policy in ("always", "if_better"):
-        alias, why = decide_alias(FakeRegistry(None), "m", policy, 1.0, "set-a", failed)
+        alias, why = decide_alias(FakeRegistry(None), "m", policy, fell, "t", guards=failed)
         assert alias == CHALLENGER and "retention guard" in why
-    metrics["sets"]["retention"]["accuracy"] = 0.86  # within the margin
-    guard_sets(cfg, metrics)
-    assert not failed_guards(metrics)
-    assert decide_alias(FakeRegistry(None), "m", "if_better", 1.0, "set-a", failed_guards(metrics))[0] == CHAMPION
+    close = [True] * 44 + [False] * 6  # -0.020 on 50 items: within 0.05, but the interval reaches -0.09
+    assert not failed_guards(judged("estimate", close, base))
+    assert failed_guards(judged("interval", close, base))
+    big_base = [True] * 380 + [False] * 20
+    big = [True] * 376 + [False] * 24  # -0.010 on 400 items (4 losses): the interval shows it is within 0.05
+    assert not failed_guards(judged("interval", big, big_base))
 
 
 

@@ -28,10 +28,15 @@ from stages.core.inputs import HUB_PREFIX, JSONL_SUFFIXES, SUFFIXES, is_datasets
 ROLES = {"system", "user", "assistant", "tool"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
                   "system": "system", "tool": "tool", "function": "tool", "observation": "tool"}
-FORMATS = ("messages", "sharegpt", "prompt_completion", "alpaca", "conversation")
+FORMATS = ("messages", "sharegpt", "prompt_completion", "alpaca", "conversation", "choice")
 # The keys that identify each format (canonical names; `data.columns` maps them to yours).
 FORMAT_KEYS = {"messages": ("messages",), "sharegpt": ("conversations",), "prompt_completion": ("prompt", "completion"),
-               "alpaca": ("instruction", "output"), "conversation": ("conversation",)}
+               "alpaca": ("instruction", "output"), "conversation": ("conversation",),
+               "choice": ("question", "choices", "answer")}
+# A multiple-choice row's options and the right one's index travel on its reply (the right option),
+# for the eval sets that score them (`mode: choice`); `plain` leaves them out of what the chat
+# template renders.
+CHOICE_KEYS = ("choices", "answer")
 # Message fields passed through to the template besides role and content.
 EXTRA_MESSAGE_KEYS = ("tool_calls", "tool_call_id", "name")
 
@@ -303,7 +308,29 @@ def to_conversations(row: Any, fmt: str = "auto", columns: dict[str, str] | None
         prompt = f"{instruction}\n\n{extra}" if extra.strip() else instruction
         msgs = [{"role": "system", "content": row["system"]}] if row.get("system") else []
         return [check_conversation(msgs + [{"role": "user", "content": prompt}, {"role": "assistant", "content": row.get("output")}])]
+    if fmt == "choice":
+        return [check_conversation(_choice(row))]
     raise RowError("unknown_format", fmt)
+
+
+def _choice(row: dict) -> list[dict]:
+    """`{"question", "choices", "answer"}` -> the question and the right option as its reply, which also
+    holds the options and the right one's index (CHOICE_KEYS)."""
+    question, choices, answer = row.get("question"), _json_field(row.get("choices")), row.get("answer")
+    if not isinstance(question, str):
+        raise RowError("non_string_content", f"question is {type(question).__name__}")
+    if not isinstance(choices, list) or len(choices) < 2 or not all(isinstance(c, str) and c.strip() for c in choices):
+        raise RowError("bad_choices", "'choices' must be a list of at least 2 non-empty strings")
+    if isinstance(answer, bool) or not isinstance(answer, int) or not 0 <= answer < len(choices):
+        raise RowError("bad_answer", f"'answer' must be the index of the right choice (0..{len(choices) - 1}), "
+                                     f"got {answer!r}")
+    return [{"role": "user", "content": question},
+            {"role": "assistant", "content": choices[answer], "choices": list(choices), "answer": answer}]
+
+
+def plain(messages: list[dict]) -> list[dict]:
+    """The conversation as the chat template sees it (without a choice row's options)."""
+    return [{k: v for k, v in m.items() if k not in CHOICE_KEYS} if "choices" in m else m for m in messages]
 
 
 def to_messages(row: Any, fmt: str = "auto", columns: dict[str, str] | None = None) -> list[dict]:
@@ -373,3 +400,11 @@ def prompt_and_reference(messages: list[dict]) -> tuple[list[dict], str]:
     """Eval split: the turns before the final assistant reply, and that reply."""
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
     return messages[:last], messages[last]["content"]
+
+
+def choices_of(messages: list[dict]) -> tuple[list[str], int] | None:
+    """A multiple-choice row's (options, index of the right one); None for any other row."""
+    last = messages[max(i for i, m in enumerate(messages) if m["role"] == "assistant")]
+    if "choices" not in last:
+        return None
+    return last["choices"], last["answer"]

@@ -168,14 +168,14 @@ class ActorConfig(_Section):
 
 
 CANONICAL_FIELDS = ("messages", "conversations", "conversation", "role", "content", "from", "value", "prompt",
-                    "completion", "instruction", "input", "output", "system")
+                    "completion", "instruction", "input", "output", "system", "question", "choices", "answer")
 
 
 class DataConfig(_Section):
     train_data_paths: list[str] = Field(default_factory=list, min_length=1, json_schema_extra={"fingerprint": False})
     val_data_paths: list[str] = unhashed(default_factory=list)
     val_fraction: float = Field(0.0, ge=0, lt=1, description="without val_data_paths: held-out share, by row hash")
-    format: Literal["auto", "messages", "sharegpt", "prompt_completion", "alpaca", "conversation"] = "auto"
+    format: Literal["auto", "messages", "sharegpt", "prompt_completion", "alpaca", "conversation", "choice"] = "auto"
     columns: dict[str, str] = Field(default_factory=dict, description="canonical field -> your field name")
     max_length: int = Field(1024, ge=8)
     truncation: Literal["drop", "keep_start"] = "drop"
@@ -212,6 +212,14 @@ class EvalSetConfig(_Section):
     scorer: str | None = Field(None, description="default: eval.scorer")
     max_drop: float | None = Field(None, ge=0, description="promotion guard: the tuned model's accuracy may be at "
                                                          "most this far below the base model's on this set")
+    decide_on: Literal["estimate", "interval"] = Field(
+        "estimate", description="max_drop judged on the paired delta (estimate) or on its 95% interval's lower bound "
+                                "(interval: the data must show the drop is at most max_drop)")
+    mode: Literal["generate", "choice"] = Field(
+        "generate", description="generate: greedy replies scored by the scorer; choice: rows hold choices and the "
+                                "answer, the option with the highest log-likelihood is the model's pick")
+    length_normalized: bool = Field(False, description="choice: rank options by log-likelihood per UTF-8 byte "
+                                                       "(lm-evaluation-harness' acc_norm) instead of the sum")
 
     @field_validator("data_paths", mode="before")
     @classmethod
@@ -286,6 +294,11 @@ class RegistryConfig(_Section):
     experiment: str = "sftflow"
     model_name: str = "sftflow-model"
     promote: Literal["always", "if_better", "never"] = "if_better"
+    tolerance: float = Field(0.0, ge=0, le=1, description="if_better: the new model may score at most this much below "
+                                                          "the champion on the primary set (same items, paired)")
+    decide_on: Literal["estimate", "interval"] = Field(
+        "estimate", description="if_better judged on the paired delta to the champion (estimate) or on its 95% "
+                                "interval's lower bound (interval: the data must show it is not worse than tolerance)")
     live_after_seconds: float = unhashed(10, description="rank 0 logs to MLflow live once training looks this long; "
                                                       "< 0: only when the train stage ends")
     ui_url: str = unhashed("http://127.0.0.1:5000", description="the MLflow UI that registration.json links to "

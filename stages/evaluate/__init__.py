@@ -6,16 +6,19 @@ the reference is that reply. With `actor.nproc_per_node` > 1 the work runs under
 samples and rank 0 sums the counts, so accuracy = correct / total over every sample, for any
 world size (see runner.py and docs/evaluation.md). One process runs in the caller.
 
-`eval.model` picks what is scored (default: the trained model); the untrained base model is
-scored the same way (`base_accuracy`) so the report shows base -> tuned.
+`eval.model` picks what is scored (default: the trained model). The reference stages score the
+base model (`baseline`) and the registry's champion (`champion`) the same way, each in a folder of
+its own (`run_reference`), so a sweep or a retrain on new data reuses them; evaluate then compares
+its model with each item by item (`stages/core/paired.py`): `delta` = tuned - base accuracy with its 95%
+interval, `vs_champion` likewise.
 
-Named eval sets (`eval.sets`, each with its own files and scorer) are each scored for both
-models; the top-level metrics are the primary set's (what promotion compares), and
-`metrics["sets"][name]` holds every set's, with `delta` = tuned - base accuracy and the guard
-(`max_drop`) verdict. Without named sets the val split is the one set.
+Named eval sets (`eval.sets`, each with its own files and scorer) are each scored; the top-level
+metrics are the primary set's (what promotion compares), and `metrics["sets"][name]` holds every
+set's, with the comparisons and the guard (`max_drop`) verdict. Without named sets the val split
+is the one set.
 
-Output folder: metrics.json, predictions.jsonl, base_predictions.jsonl (named sets: one row per
-sample of every set, with its `set`), spec.json, eval.log (torchrun only), manifest.json.
+Output folder: metrics.json, predictions.jsonl (named sets: one row per sample of every set, with
+its `set`), spec.json, eval.log (torchrun only), manifest.json.
 Importing this module does not import torch.
 """
 
@@ -29,14 +32,17 @@ from typing import Callable
 
 from pydantic import BaseModel, ConfigDict
 
-from stages.chatdata.readers import prompt_and_reference
+from stages.chatdata.readers import choices_of, prompt_and_reference
 from stages.chatdata.shards import count_rows, read_shards
-from stages.core.artifacts import StageBuild, canonical_json, sha256_text
+from stages.core.artifacts import StageBuild, canonical_json, read_manifest, sha256_text
 from stages.core.config import SFTConfig, eval_split
 from stages.models.refs import resolve_eval_model
 from stages.runtime.launcher import run_torchrun, torchrun_command
 
 from .errors import EvaluationError
+from stages.core.paired import clears, compare, describe
+
+BASE_KEYS = ("accuracy", "correct", "total", "eval_loss")  # what a reference contributes as `base_<key>`
 
 # One in-process evaluation at a time: transformers builds models under process-wide patches
 # (meta-device init), so two threads loading at once (a sweep's parallel trials) break each other.
@@ -60,7 +66,11 @@ def eval_samples(prepare_dir: str, max_samples: int = 0, set_name: str = "val") 
     table = read_shards(set_dir(prepare_dir, set_name), ["input_ids", "loss_mask", "source", "messages"])
     rows = table.take(sample_indices(table.num_rows, max_samples)).to_pylist()
     for r in rows:
-        r["prompt"], r["reference"] = prompt_and_reference(json.loads(r["messages"]))
+        messages = json.loads(r["messages"])
+        r["prompt"], r["reference"] = prompt_and_reference(messages)
+        choice = choices_of(messages)
+        if choice is not None:
+            r["choices"], r["answer"] = choice
     return rows
 
 
@@ -81,59 +91,142 @@ def eval_set_fingerprint(rows: list[dict]) -> str:
     return sha256_text(canonical_json([[r["prompt"], r["reference"]] for r in rows]))[:16]
 
 
-def guard_sets(cfg: SFTConfig, metrics: dict) -> None:
-    """Per set: `delta` (tuned - base accuracy) and, for a set with `max_drop`, whether it held."""
-    for name, m in metrics["sets"].items():
-        if "base_accuracy" not in m:
+def read_records(folder: str | Path) -> dict[str, list[dict]]:
+    """A scored folder's `predictions.jsonl` by eval set ("val" without named sets), in set order."""
+    path = Path(folder) / "predictions.jsonl"
+    out: dict[str, list[dict]] = {}
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                r = json.loads(line)
+                out.setdefault(r.get("set", "val"), []).append(r)
+    return out
+
+
+def _paired(name: str, mine: list[dict], theirs: list[dict], what: str) -> dict | None:
+    """The item-by-item comparison of one set, or None when there are no per-item records (a worker's
+    own counts). The items must be the same, in the same order: a reference folder scored another set
+    is an error, never a comparison of different questions."""
+    if not mine or not theirs:
+        return None
+    key = lambda r: (r["source"], r["reference"], json.dumps(r["prompt"], sort_keys=True))  # noqa: E731
+    if len(mine) != len(theirs) or any(key(a) != key(b) for a, b in zip(mine, theirs)):
+        raise EvaluationError(f"evaluate: {what} was scored on other items of eval set '{name}' than this run "
+                              f"({len(theirs)} vs {len(mine)}); re-run it with `sftflow run --force` on this config")
+    return compare([bool(r["correct"]) for r in mine], [bool(r["correct"]) for r in theirs])
+
+
+def compare_with_references(cfg: SFTConfig, metrics: dict, folder: Path, references: dict[str, str]) -> None:
+    """Per set: the base model's numbers and the paired comparison with it (`delta` = tuned - base
+    accuracy, `delta_low`/`delta_high` its 95% interval, wins/losses), the same with the champion
+    (`vs_champion`), and the guard's verdict. Top-level keys stay the primary set's."""
+    sets = metrics["sets"] if "sets" in metrics else {"val": metrics}
+    mine = read_records(folder)
+    for role, ref_dir in references.items():
+        manifest = read_manifest(Path(ref_dir))
+        theirs, ref_sets = read_records(ref_dir), manifest["metrics"].get("sets") or {"val": manifest["metrics"]}
+        what = "the base model" if role == "baseline" else f"champion v{manifest.get('version')}"
+        for name, m in sets.items():
+            r = ref_sets[name]
+            c = _paired(name, mine.get(name, []), theirs.get(name, []), f"the {role} stage folder {ref_dir}")
+            if role == "baseline":
+                m.update({f"base_{k}": r[k] for k in BASE_KEYS if k in r})
+                m["delta"] = m["accuracy"] - r["accuracy"]
+                if c is not None:
+                    m.update(delta_low=c["delta_low"], delta_high=c["delta_high"], vs_base=c)
+            else:
+                m["champion_accuracy"], m["champion_delta"] = r["accuracy"], m["accuracy"] - r["accuracy"]
+                m["vs_champion"] = {"version": manifest.get("version"), "accuracy": r["accuracy"],
+                                    **(c or {"delta": m["champion_delta"]})}
+            if c is not None:
+                m.setdefault("comparisons", {})[role] = describe(c, what)
+    guard_sets(cfg, sets)
+    if "sets" in metrics:
+        metrics.update({k: v for k, v in sets[cfg.eval.set_names[0]].items()})
+
+
+def guard_sets(cfg: SFTConfig, sets: dict[str, dict]) -> None:
+    """For a named set with `max_drop`: whether the tuned model kept what the base model knew, judged
+    per its `decide_on` (the estimate, or the interval's lower bound when there are per-item records)."""
+    for name, m in sets.items():
+        s = cfg.eval.sets.get(name)
+        if s is None or s.max_drop is None or "delta" not in m:
             continue
-        m["delta"] = m["accuracy"] - m["base_accuracy"]
-        max_drop = cfg.eval.sets[name].max_drop
-        if max_drop is not None:
-            m["max_drop"] = max_drop
-            m["guard_ok"] = m["delta"] >= -max_drop - 1e-12
+        decided_on = s.decide_on if "vs_base" in m else "estimate"
+        m.update(max_drop=s.max_drop, decided_on=decided_on,
+                 guard_ok=clears(m.get("vs_base") or {"delta": m["delta"]}, s.max_drop, decided_on))
 
 
-def run_evaluate(cfg: SFTConfig, fp: str, base_model: str, model_ref: str, prepare_dir: str,
-                 model_identity: dict | None = None, on_line: Callable[[str], None] = print) -> dict:
-    """Scores `model_ref` (the train stage folder, or `eval.model`, whose plan-time identity is
-    `model_identity`) and, with `eval.eval_base`, the base model."""
+def _check_sets(cfg: SFTConfig, prepare_dir: str) -> None:
     for name in cfg.eval.set_names:
         try:  # an empty eval set would report accuracy 0/0 as a result
             count_rows(set_dir(prepare_dir, name), "held-out samples" if name == "val" else f"eval set '{name}' samples")
         except ValueError as e:
             raise EvaluationError(f"evaluate: {e}; rebuild them with `sftflow stage prepare --force -c <config>`") from None
-    build = StageBuild(cfg.artifacts_path, "evaluate", fp)
-    with tempfile.TemporaryDirectory(dir=build.partial, prefix=".download-") as tmp:  # models:/ downloads
-        model = resolve_eval_model(cfg, model_ref, Path(tmp), base_model, model_identity)
-        models = {"model": model}
-        if cfg.eval.eval_base and cfg.eval.model != "base":
-            models["base"] = resolve_eval_model(cfg, base_model, Path(tmp), base_model)
-        spec = EvalSpec(config=cfg, prepare_dir=prepare_dir, out_dir=str(build.partial), base_model=base_model,
-                        models=models)
-        spec_path = build.partial / "spec.json"
-        spec_path.write_text(spec.model_dump_json(indent=2))
-        if cfg.actor.world_size == 1:
-            from .runner import evaluate_spec
-            with _IN_PROCESS:
-                evaluate_spec(spec)
-        else:
-            run_torchrun(torchrun_command(cfg, spec_path, module="stages.evaluate"), build.partial / "eval.log",
-                         EvaluationError, "evaluation", on_line, cfg.actor.nproc_per_node)
-    metrics = json.loads((build.partial / "metrics.json").read_text())
-    if cfg.eval.eval_base and "base" not in models:  # eval.model=base: the base model *is* the model
-        for m in [metrics, *metrics.get("sets", {}).values()]:
-            m.update({f"base_{k}": m[k] for k in ("accuracy", "correct", "total", "eval_loss") if k in m})
-    if cfg.eval.sets:
-        guard_sets(cfg, metrics)
-    (build.partial / "metrics.json").write_text(json.dumps(metrics, indent=2))
+
+
+def _score(cfg: SFTConfig, build: StageBuild, base_model: str, model: dict, prepare_dir: str,
+           on_line: Callable[[str], None]) -> dict:
+    """Scores one resolved model on every eval set into `build.partial` (metrics.json, predictions.jsonl),
+    in this process or under torchrun; returns the metrics."""
+    spec = EvalSpec(config=cfg, prepare_dir=prepare_dir, out_dir=str(build.partial), base_model=base_model,
+                    models={"model": model})
+    spec_path = build.partial / "spec.json"
+    spec_path.write_text(spec.model_dump_json(indent=2))
+    if cfg.actor.world_size == 1:
+        from .runner import evaluate_spec
+        with _IN_PROCESS:
+            evaluate_spec(spec)
+    else:
+        run_torchrun(torchrun_command(cfg, spec_path, module="stages.evaluate"), build.partial / "eval.log",
+                     EvaluationError, "evaluation", on_line, cfg.actor.nproc_per_node)
+    return json.loads((build.partial / "metrics.json").read_text())
+
+
+def _set_fingerprints(cfg: SFTConfig, prepare_dir: str, mode: str | None) -> dict[str, str]:
     set_fps = {}
     for name in cfg.eval.set_names:
         set_fps[name] = eval_set_fingerprint(eval_samples(prepare_dir, cfg.eval.max_samples, name))
-        if metrics.get("mode") == "worker":  # the worker's own data and counts: not comparable to prompt scoring
+        if mode == "worker":  # the worker's own data and counts: not comparable to prompt scoring
             set_fps[name] = sha256_text(f"{set_fps[name]}:{cfg.actor.worker}")[:16]
-    eval_set = set_fps[cfg.eval.set_names[0]]
-    build.commit({"metrics": metrics, "eval_set_fingerprint": eval_set, "eval_sets": set_fps,
-                  "model": cfg.eval.model or "trained",
-                  "model_dir": model["source"], "model_kind": model["kind"], "base_model": base_model,
-                  "prepare_dir": prepare_dir, "world_size": cfg.actor.world_size})
+    return set_fps
+
+
+def run_reference(cfg: SFTConfig, stage: str, fp: str, base_model: str, model_ref: str, identity: dict | None,
+                  prepare_dir: str, on_line: Callable[[str], None] = print) -> dict:
+    """A reference stage (`baseline`: the base model; `champion`: a registered version, `identity` as
+    the plan saw it): the model scored on every eval set exactly as evaluate scores the trained one."""
+    _check_sets(cfg, prepare_dir)
+    build = StageBuild(cfg.artifacts_path, stage, fp)
+    with tempfile.TemporaryDirectory(dir=build.partial, prefix=".download-") as tmp:  # models:/ downloads
+        model = resolve_eval_model(cfg, model_ref, Path(tmp), base_model, identity)
+        metrics = _score(cfg, build, base_model, model, prepare_dir, on_line)
+    build.commit({"metrics": metrics, "eval_sets": _set_fingerprints(cfg, prepare_dir, metrics.get("mode")),
+                  "model": model_ref, "model_dir": model["source"], "model_kind": model["kind"],
+                  **({"version": identity["version"], "model_name": identity["name"]} if identity else {}),
+                  "base_model": base_model, "prepare_dir": prepare_dir, "world_size": cfg.actor.world_size})
+    return metrics
+
+
+def run_evaluate(cfg: SFTConfig, fp: str, base_model: str, model_ref: str, prepare_dir: str,
+                 model_identity: dict | None = None, references: dict[str, str] | None = None,
+                 on_line: Callable[[str], None] = print) -> dict:
+    """Scores `model_ref` (the train stage folder, or `eval.model`, whose plan-time identity is
+    `model_identity`) and compares it item by item with the reference stages' folders (`references`:
+    "baseline" and/or "champion" -> folder)."""
+    _check_sets(cfg, prepare_dir)
+    build = StageBuild(cfg.artifacts_path, "evaluate", fp)
+    with tempfile.TemporaryDirectory(dir=build.partial, prefix=".download-") as tmp:  # models:/ downloads
+        model = resolve_eval_model(cfg, model_ref, Path(tmp), base_model, model_identity)
+        metrics = _score(cfg, build, base_model, model, prepare_dir, on_line)
+    if cfg.eval.eval_base and cfg.eval.model == "base":  # the base model *is* the model
+        for m in [metrics, *metrics.get("sets", {}).values()]:
+            m.update({f"base_{k}": m[k] for k in BASE_KEYS if k in m}, delta=0.0)
+    compare_with_references(cfg, metrics, build.partial, references or {})
+    (build.partial / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    set_fps = _set_fingerprints(cfg, prepare_dir, metrics.get("mode"))
+    build.commit({"metrics": metrics, "eval_set_fingerprint": set_fps[cfg.eval.set_names[0]], "eval_sets": set_fps,
+                  "model": cfg.eval.model or "trained", "model_dir": model["source"], "model_kind": model["kind"],
+                  "references": references or {}, "base_model": base_model, "prepare_dir": prepare_dir,
+                  "world_size": cfg.actor.world_size})
     return metrics

@@ -36,12 +36,11 @@ from stages.runtime.model_types import get_model_builder, load_state_checked
 from stages.runtime.proctree import die_with_parent
 from stages.runtime.worker import SFTWorker, WorkerSpec, load_worker_class
 
-from . import EvalSpec, eval_samples, sample_indices, set_dir
+from . import BASE_KEYS, EvalSpec, eval_samples, sample_indices, set_dir
+from .choice import choice_scores
 from .errors import EvaluationError
 from .losses import loss_metrics, teacher_forced_sums
 from .scorers import get_scorer
-
-BASE_KEYS = ("accuracy", "correct", "total", "eval_loss")
 
 
 def rank_slice(n: int, rank: int, world: int) -> range:
@@ -155,7 +154,30 @@ def score(cfg: SFTConfig, spec: EvalSpec, worker_cls, model, tok, rows, device, 
         raise EvaluationError(
             f"evaluate: {type(model).__name__} is not a Hugging Face causal LM with a chat template, and actor.worker "
             f"({cfg.actor.worker or 'SFTWorker'}) has no get_eval_model_output returning 'correct' and 'total'")
+    s = cfg.eval.sets.get(set_name)
+    if s is not None and s.mode == "choice":
+        return multiple_choice_scores(cfg, model, tok, rows, rank, world, set_name)
     return generation_scores(cfg, model, tok, rows, rank, world, set_name)
+
+
+def multiple_choice_scores(cfg: SFTConfig, model, tok, rows: list[dict], rank: int, world: int,
+                           set_name: str) -> tuple[dict, list[dict]]:
+    """A `mode: choice` set: the option with the highest log-likelihood is the pick (choice.py), plus the
+    teacher-forced loss on the right option, summed over ranks like generation's."""
+    missing = next((r["source"] for r in rows if "choices" not in r), None)
+    if missing is not None:
+        raise EvaluationError(f"evaluate: eval set '{set_name}' is mode: choice, but {missing} has no choices "
+                              "(its rows must be {\"question\", \"choices\", \"answer\"}); rebuild it with "
+                              "`sftflow stage prepare --force -c <config>`")
+    try:
+        metrics, records = choice_scores(model, tok, rows, rank, world, cfg.eval.batch_size,
+                                         "bytes" if cfg.eval.sets[set_name].length_normalized else "sum", set_name)
+    except ValueError as e:
+        raise EvaluationError(f"evaluate: eval set '{set_name}': {e}") from None
+    r = rank_slice(len(rows), rank, world)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    total = add_up(gather(teacher_forced_sums(model, rows[r.start:r.stop], pad_id, cfg.eval.batch_size)))
+    return {**metrics, **loss_metrics(total)}, records
 
 
 def _write_jsonl(path: Path, records: list[dict]) -> None:

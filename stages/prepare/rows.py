@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
-from stages.chatdata.readers import RowError, parse_record, row_content_key, to_conversations
+from stages.chatdata.readers import RowError, parse_record, plain, row_content_key, to_conversations
 
 from .masking import Renderer, assistant_spans, encode_texts, finish, mask_from_encoding
 
@@ -98,7 +98,7 @@ def process_chunk(chunk: list[tuple[str, str, str, int, Any]]) -> list[Item]:
             item = Item(split, file, line, k if len(convs) > 1 else None, k == 0, messages=conv if split != "train" else None)
             items.append(item)
             try:
-                text, spans = assistant_spans(renderer, conv, opts.loss_on)
+                text, spans = assistant_spans(renderer, plain(conv), opts.loss_on)
             except RowError as e:
                 item.reason, item.detail, item.raw = e.reason, e.detail, _raw_text(record)
                 continue

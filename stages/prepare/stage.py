@@ -66,10 +66,12 @@ def splits_of(cfg: SFTConfig) -> list[str]:
 def plan_sources(cfg: SFTConfig) -> list[Source]:
     d = cfg.data
     out = []
+    choice_sets = {eval_split(name) for name, s in cfg.eval.sets.items() if s.mode == "choice"}
     for key, paths in cfg.inputs().items():
         split = "auto" if key == "train" and not d.val_data_paths and d.val_fraction > 0 else key
+        fmt = "choice" if key in choice_sets else d.format  # a choice set's rows are question/choices/answer
         for p in paths:
-            out.append(Source(str(p), split, file_format(p, d.format, d.columns, "train" if key == "train" else "val")))
+            out.append(Source(str(p), split, file_format(p, fmt, d.columns, "train" if key == "train" else "val")))
     return out
 
 

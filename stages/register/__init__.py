@@ -11,12 +11,14 @@ model (pyfunc, models-from-code, named after the registered model, typed, with a
 The version is tagged with fingerprints, data digest, config hash and accuracy;
 `champion` moves per `registry.promote`:
   always     every new version becomes champion
-  if_better  champion when accuracy >= the current champion's on the same eval set,
+  if_better  champion unless it is worse than the current champion by more than `registry.tolerance`
+             on the primary set, both scored on this run's eval sets and compared item by item
+             (the estimate, or the 95% interval's lower bound with `registry.decide_on: interval`);
              otherwise the version becomes `challenger`
   never      no alias
 A set in `eval.sets` with `max_drop` guards promotion under `always` and `if_better`: a version
-whose accuracy on it fell more than that below the base model's becomes `challenger`, never
-`champion`. The decision and its reason are in the stage's manifest and the version's tags.
+whose accuracy on it fell more than that below the base model's (per the set's `decide_on`)
+becomes `challenger`, never `champion`. See docs/evaluation.md. The decision and its reason are in the stage's manifest and the version's tags.
 Registering a train fingerprint that already has a version reuses that version.
 `registration.json` links the run's and the version's pages in the MLflow UI (`run_url`, `version_url`).
 """
@@ -29,13 +31,14 @@ from pathlib import Path
 
 from stages.core.artifacts import StageBuild, read_manifest
 from stages.core.config import SFTConfig
+from stages.core.paired import clears, describe
+from stages.tracking.registry import CHALLENGER, CHAMPION
 from stages.tracking.live import eval_metric_values, read_metrics_file, send_values, sync_rows
 from stages.core.errors import StageError
 from stages.tracking.run import (FLOW_RUN_ID, FLOW_RUN_URL, NOTE_TAG, TAG, Lineage, config_hash, data_digest,
                                  find_or_create_run, reachable, redact_uri, run_note, run_url, setup_mlflow, ui_url,
                                  version_url)
 
-CHAMPION, CHALLENGER = "champion", "challenger"
 # shipped with the logged model as its code (found, not imported: register never needs torch itself)
 GENERATION_PY = importlib.util.find_spec("stages.runtime.generation").origin
 PIP_REQUIREMENTS = ["torch", "transformers", "tokenizers", "safetensors", "mlflow", "pandas"]
@@ -55,14 +58,18 @@ def _existing_version(client, name: str, train_fp: str):
 
 def failed_guards(eval_metrics: dict) -> list[str]:
     """One line per guarded eval set whose accuracy fell more than its max_drop below the base model's."""
-    return [f"'{name}' accuracy {m['accuracy']:.3f} is {-m['delta']:.3f} below the base model's "
-            f"{m['base_accuracy']:.3f} (max_drop {m['max_drop']})"
-            for name, m in (eval_metrics.get("sets") or {}).items() if m.get("guard_ok") is False]
+    def line(name: str, m: dict) -> str:
+        shown = describe(m["vs_base"], "the base model") if "vs_base" in m else f"{m['delta']:+.3f} vs the base model"
+        judged = "its 95% interval's lower bound" if m.get("decided_on") == "interval" else "the estimate"
+        return (f"'{name}' accuracy {m['accuracy']:.3f} vs the base model's {m['base_accuracy']:.3f}: {shown}; "
+                f"{judged} is below -{m['max_drop']:g} (max_drop)")
+    return [line(name, m) for name, m in (eval_metrics.get("sets") or {}).items() if m.get("guard_ok") is False]
 
 
-def decide_alias(client, name: str, policy: str, accuracy: float, eval_set: str,
-                 guards: list[str] | None = None) -> tuple[str | None, str]:
-    """(alias to set, why)."""
+def decide_alias(client, name: str, policy: str, eval_metrics: dict, train_fp: str, tolerance: float = 0.0,
+                 decide_on: str = "estimate", guards: list[str] | None = None) -> tuple[str | None, str]:
+    """(alias to set, why). `if_better` compares with the champion item by item on the primary set, as
+    evaluate scored both on today's eval sets (`vs_champion`), never with a stored accuracy."""
     if policy == "never":
         return None, "registry.promote=never"
     if guards:
@@ -73,12 +80,23 @@ def decide_alias(client, name: str, policy: str, accuracy: float, eval_set: str,
         current = client.get_model_version_by_alias(name, CHAMPION)
     except Exception:
         return CHAMPION, "no champion yet"
-    if current.tags.get(TAG + "eval_set_fingerprint") != eval_set:
-        return CHALLENGER, f"champion v{current.version} was scored on another eval set"
-    cur_acc = float(current.tags.get(TAG + "eval_accuracy", "-1"))
-    if accuracy >= cur_acc:
-        return CHAMPION, f"accuracy {accuracy:.4f} >= champion v{current.version}'s {cur_acc:.4f}"
-    return CHALLENGER, f"accuracy {accuracy:.4f} < champion v{current.version}'s {cur_acc:.4f}"
+    if current.tags.get(TAG + "train_fingerprint") == train_fp:
+        return CHAMPION, f"v{current.version} is this training's version and the champion already"
+    vs = eval_metrics.get("vs_champion")
+    if vs is None or str(vs.get("version")) != str(current.version):
+        seen = f"v{vs['version']}" if vs else "none"
+        return CHALLENGER, (f"champion v{current.version} was not compared in this run (the run compared with {seen}; "
+                            "the alias moved after it was planned): run the flow again to compare with it")
+    primary = eval_metrics.get("primary_set", "val")
+    if "delta_low" not in vs:  # a worker's own counts: no per-item records to pair
+        ok, on = vs["delta"] >= -tolerance - 1e-12, "estimate"
+        shown = f"{vs['delta']:+.3f} vs champion v{current.version}"
+    else:
+        ok, on = clears(vs, tolerance, decide_on), decide_on
+        shown = describe(vs, f"champion v{current.version}")
+    verdict = "not worse than" if ok else "worse than"
+    return (CHAMPION if ok else CHALLENGER), (f"'{primary}' {shown}: {verdict} the champion by more than "
+                                               f"{tolerance:g} (registry.decide_on={on})")
 
 
 def _number(v) -> bool:
@@ -181,14 +199,17 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
             client.set_model_version_tag(name, version.version, TAG + k, v)
 
     guards = failed_guards(eval_metrics)
-    alias, why = decide_alias(client, name, cfg.registry.promote, float(eval_metrics["accuracy"]), eval_set, guards)
+    r = cfg.registry
+    alias, why = decide_alias(client, name, r.promote, eval_metrics, fingerprints["train"], r.tolerance, r.decide_on,
+                              guards)
     client.set_model_version_tag(name, version.version, TAG + "alias_reason", why)
     aliases = set(client.get_model_version(name, version.version).aliases)
     if alias and alias not in aliases and CHAMPION not in aliases:
         client.set_registered_model_alias(name, alias, version.version)
     aliases = sorted(client.get_model_version(name, version.version).aliases)
     metrics = {"version": int(version.version), "accuracy": eval_metrics["accuracy"], "aliases": aliases,
-               "reused_version": existing is not None, "alias_decision": alias, "alias_reason": why}
+               "reused_version": existing is not None, "alias_decision": alias, "alias_reason": why,
+               **({"vs_champion": eval_metrics["vs_champion"]} if "vs_champion" in eval_metrics else {})}
     ui = ui_url(cfg)
     (build.partial / "registration.json").write_text(json.dumps(
         {"tracking_uri": uri, "run_id": run_id, "model_name": name,

@@ -75,14 +75,23 @@ def row_metrics(row: dict) -> dict[str, float]:
 
 
 # The eval numbers worth a chart; register puts the rest (counts, token-level figures) in a table.
-CHARTED_EVAL = ("accuracy", "base_accuracy", "eval_loss", "delta")
+CHARTED_EVAL = ("accuracy", "base_accuracy", "eval_loss", "delta", "delta_low", "delta_high", "champion_accuracy")
+# the paired comparisons' counts and interval, charted as `<prefix>/<name>` (evaluate/paired.py)
+PAIRED = {"vs_base": {"wins": "wins", "losses": "losses", "p_value": "p_value"},
+          "vs_champion": {"delta": "champion_delta", "delta_low": "champion_delta_low",
+                          "delta_high": "champion_delta_high", "wins": "champion_wins", "losses": "champion_losses"}}
 
 
 def eval_metric_values(eval_metrics: dict) -> dict[str, float]:
     """MLflow metric name -> value: `eval/<key>` for the primary set, `eval/<set>/<key>` for every
-    named set; only accuracy, base accuracy, loss and (per set) the delta."""
+    named set; accuracy, base and champion accuracy, loss, and the paired deltas with their 95%
+    intervals and win/loss counts."""
     def charted(prefix: str, m: dict) -> dict[str, float]:
-        return {f"{prefix}/{k.removeprefix('eval_')}": float(m[k]) for k in CHARTED_EVAL if _number(m.get(k))}
+        out = {f"{prefix}/{k.removeprefix('eval_')}": float(m[k]) for k in CHARTED_EVAL if _number(m.get(k))}
+        for group, names in PAIRED.items():
+            out.update({f"{prefix}/{name}": float(m[group][k]) for k, name in names.items()
+                        if _number((m.get(group) or {}).get(k))})
+        return out
     out = charted("eval", eval_metrics)
     for name, m in (eval_metrics.get("sets") or {}).items():
         out.update(charted(f"eval/{name}", m))

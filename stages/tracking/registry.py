@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from contextlib import closing
 from pathlib import Path
 
 from stages.core.errors import ConfigError
 
 REGISTRY_PREFIX = "models:/"
+CHAMPION, CHALLENGER = "champion", "challenger"  # the aliases register moves
 
 
 def registry_version(ref: str, tracking_uri: str, key: str = "eval.model") -> tuple[str, str]:
@@ -42,3 +44,40 @@ def download_model(ref: str, tracking_uri: str | None, dst_path: str | None = No
     if found is None:
         raise ValueError(f"{ref}: no Hugging Face model folder inside the logged model")
     return str(found)
+
+
+def current_champion(tracking_uri: str, name: str, alias: str = CHAMPION) -> dict | None:
+    """`{"registry", "name", "version", "train_fingerprint"}` of the version `alias` points at now, or None
+    when there is none (no store yet, no such model or alias) or the registry can't be asked: then the
+    register stage, which asks again, holds the new version back rather than compare with nothing."""
+    if tracking_uri.startswith("sqlite:///"):
+        db = Path(tracking_uri.removeprefix("sqlite:///"))
+        if not db.is_file():
+            return None  # no store yet: nothing registered
+        found = _sqlite_alias(db, name, alias)
+        if found is not False:
+            return found and {"registry": tracking_uri, "name": name, **found}
+    from mlflow.tracking import MlflowClient
+    try:
+        version = MlflowClient(tracking_uri=tracking_uri).get_model_version_by_alias(name, alias)
+    except Exception:  # no model, no alias, unreachable server
+        return None
+    return {"registry": tracking_uri, "name": name, "version": str(version.version),
+            "train_fingerprint": version.tags.get("sftflow.train_fingerprint", "")}
+
+
+def _sqlite_alias(db: Path, name: str, alias: str) -> dict | None | bool:
+    """The alias read straight from MLflow's SQLite store (importing MLflow and opening its store costs
+    seconds on every plan); False when the tables are not what MLflow 3 writes, so the client is asked."""
+    import sqlite3
+    try:
+        with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)) as con:
+            row = con.execute("SELECT version FROM registered_model_aliases WHERE name = ? AND alias = ?",
+                              (name, alias)).fetchone()
+            if row is None:
+                return None
+            tag = con.execute("SELECT value FROM model_version_tags WHERE name = ? AND version = ? AND key = ?",
+                              (name, row[0], "sftflow.train_fingerprint")).fetchone()
+    except sqlite3.Error:
+        return False
+    return {"version": str(row[0]), "train_fingerprint": tag[0] if tag else ""}

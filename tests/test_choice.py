@@ -1,0 +1,197 @@
+"""Log-likelihood multiple choice (stages/evaluate/choice.py), checked against an independent
+reference: each (prompt, option) run alone, unpadded, its option log-probs summed by a Python loop
+over raw logits. Batched = naive at several batch sizes; picks and accuracies under both rules
+equal the naive ones; rank slicing gives the same result for 1, 2 and 3 processes; the two rules
+can disagree; an option with no tokens is an error naming its row."""
+
+import copy
+
+import pytest
+import torch
+
+from conftest import base_model, tiny_config_dict, write_config
+from stages.core.config import load_config
+from stages.evaluate import choice
+from stages.evaluate.choice import choice_scores, option_logprobs, pick
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+ROWS = [
+    {"prompt": user("What is the capital of France?"), "choices": ["Paris", "London", "Berlin is the capital"]},
+    {"prompt": [{"role": "system", "content": "You are TinyChat."}, *user("Pick a colour.")],
+     "choices": ["red", "a deep shade of blue", "green", "巴黎"]},
+    {"prompt": user("2 + 2 = ?"), "choices": ["4", "five", "It is four.", "22", "I do not know the answer to that"]},
+    {"prompt": user("Who are you?"), "choices": ["I am TinyChat.", "A"]},
+    {"prompt": user("你是谁？"), "choices": ["我是 TinyChat。", "TinyChat", "nobody at all", "?"]},
+    {"prompt": user("Reverse the words: apple river"), "choices": ["river apple", "apple river", "river"]},
+    {"prompt": user("Say yes."), "choices": ["yes", "no", "maybe so", "Yes.", "y"]},
+]
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    """The builtin tiny-chat model with scaled random weights (so log-probs depend on the prompt)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tmp = tmp_path_factory.mktemp("choice")
+    path = base_model(load_config(write_config(tmp, tiny_config_dict(tmp, n_train=48, n_val=4))))
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return model, tok
+
+
+def naive_logprob(model, tok, prompt: list[dict], option: str) -> tuple[float, int, int]:
+    """One sequence, no padding, no batch: sum over the option's positions t of log p(id_t | ids[:t])."""
+    rendered = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    ctx = tok(rendered, add_special_tokens=False).input_ids
+    opt = tok(option, add_special_tokens=False).input_ids
+    ids = list(ctx) + list(opt)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].double()
+    total = 0.0
+    for t in range(len(ctx), len(ids)):
+        row = logits[t - 1]
+        total += float(row[ids[t]] - torch.logsumexp(row, dim=0))
+    return total, len(opt), len(option.encode("utf-8"))
+
+
+@pytest.fixture(scope="module")
+def naive(lm):
+    model, tok = lm
+    return [[naive_logprob(model, tok, r["prompt"], o) for o in r["choices"]] for r in ROWS]
+
+
+def naive_pick(scores: list[float]) -> int:
+    return max(range(len(scores)), key=lambda k: (scores[k], -k))  # highest, lowest index on ties
+
+
+def rows_with_answers(naive) -> list[dict]:
+    """Answers: the sum rule's pick on even rows, another option on odd rows (so accuracy is neither 0 nor 1)."""
+    rows = []
+    for i, (r, opts) in enumerate(zip(ROWS, naive)):
+        p = naive_pick([lp for lp, _, _ in opts])
+        answer = p if i % 2 == 0 else (p + 1) % len(opts)
+        rows.append({**copy.deepcopy(r), "answer": answer, "source": f"s{i}", "reference": r["choices"][answer]})
+    return rows
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 7])
+def test_option_logprobs_equal_the_naive_loop(lm, naive, batch_size):
+    model, tok = lm
+    got = option_logprobs(model, tok, [r["prompt"] for r in ROWS], [r["choices"] for r in ROWS], batch_size)
+    assert [len(g) for g in got] == [len(r["choices"]) for r in ROWS]
+    for g_row, n_row in zip(got, naive):
+        for (g_lp, g_n, g_b), (n_lp, n_n, n_b) in zip(g_row, n_row):
+            assert (g_n, g_b) == (n_n, n_b)
+            assert isinstance(g_lp, float) and g_lp == pytest.approx(n_lp, abs=1e-4)
+    assert len({n for row in naive for _, n, _ in row}) >= 4  # options of quite different lengths
+    assert sum(len(r["choices"]) for r in ROWS) % batch_size or batch_size == 1  # a ragged last batch
+
+
+@pytest.mark.parametrize("normalize", ["sum", "bytes"])
+def test_picks_and_accuracy_equal_the_naive_picks(lm, naive, normalize):
+    model, tok = lm
+    rows = rows_with_answers(naive)
+    metrics, records = choice_scores(model, tok, rows, 0, 1, batch_size=3, normalize=normalize)
+    by_sum = [naive_pick([lp for lp, _, _ in opts]) for opts in naive]
+    by_bytes = [naive_pick([lp / b for lp, _, b in opts]) for opts in naive]
+    picks = by_sum if normalize == "sum" else by_bytes
+    answers = [r["answer"] for r in rows]
+    assert [r["picked"] for r in records] == picks
+    assert [r["prediction"] for r in records] == [r["choices"][p] for r, p in zip(rows, picks)]
+    assert [r["correct"] for r in records] == [p == a for p, a in zip(picks, answers)]
+    for rec, opts in zip(records, naive):
+        want = [lp if normalize == "sum" else lp / b for lp, _, b in opts]
+        assert rec["logprobs"] == pytest.approx(want, abs=1e-4)
+    n = len(rows)
+    acc_sum = sum(p == a for p, a in zip(by_sum, answers)) / n
+    acc_bytes = sum(p == a for p, a in zip(by_bytes, answers)) / n
+    assert 0 < acc_sum < 1
+    assert metrics == {"accuracy": acc_sum if normalize == "sum" else acc_bytes,
+                       "correct": sum(p == a for p, a in zip(picks, answers)), "total": n,
+                       "accuracy_sum": acc_sum, "accuracy_bytes": acc_bytes, "mode": "choice"}
+    assert set(records[0]) == {"source", "prompt", "reference", "choices", "answer", "prediction", "picked",
+                               "correct", "logprobs"}
+    _, named = choice_scores(model, tok, rows[:2], 0, 1, batch_size=3, set_name="arc")
+    assert [r["set"] for r in named] == ["arc", "arc"]
+
+
+def test_world_sizes_give_the_same_result(lm, naive, monkeypatch):
+    """Rank r of W run serially: pass 1 collects each rank's gathered object, pass 2 hands every rank
+    all of them (as all_gather_object would); every rank of every W returns what W=1 returns."""
+    model, tok = lm
+    rows = rows_with_answers(naive)
+    one = choice_scores(model, tok, rows, 0, 1, batch_size=2, normalize="bytes", set_name="v")
+    for world in (2, 3):
+        parts = []
+        monkeypatch.setattr(choice, "gather", lambda obj: parts.append(obj) or [obj])
+        for rank in range(world):
+            choice_scores(model, tok, rows, rank, world, batch_size=2, normalize="bytes", set_name="v")
+        assert [len(p["records"]) for p in parts] == [len(range(r * 7 // world, (r + 1) * 7 // world))
+                                                      for r in range(world)]
+        monkeypatch.setattr(choice, "gather", lambda obj: parts)
+        for rank in range(world):
+            metrics, records = choice_scores(model, tok, rows, rank, world, batch_size=2, normalize="bytes",
+                                             set_name="v")
+            assert metrics == one[0]
+            strip = lambda recs: [{k: v for k, v in r.items() if k != "logprobs"} for r in recs]  # noqa: E731
+            assert strip(records) == strip(one[1])
+            for a, b in zip(records, one[1]):
+                assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-5)
+
+
+def test_sum_and_bytes_rules_can_pick_differently(lm):
+    """From the naive numbers, a short option that the sum rule prefers and a long one that the
+    per-byte rule prefers; scored as one row, each rule picks its own."""
+    model, tok = lm
+    prompt = user("Describe the weather today.")
+    pool = ["a", "?", "no", "x", "Paris", "I am TinyChat.", "The weather today is sunny and warm.",
+            "It is a lovely day with a clear blue sky and a light breeze.",
+            "You said: the weather today is sunny, warm and a little windy in the afternoon."]
+    scored = {o: naive_logprob(model, tok, prompt, o) for o in pool}
+    pair = next(((a, b) for a in pool for b in pool
+                 if scored[a][0] > scored[b][0] and scored[a][0] / scored[a][2] < scored[b][0] / scored[b][2]), None)
+    assert pair is not None
+    short, long = pair
+    rows = [{"prompt": prompt, "choices": [short, long], "answer": 1, "source": "w", "reference": long}]
+    m_sum, r_sum = choice_scores(model, tok, rows, 0, 1, batch_size=2, normalize="sum")
+    m_bytes, r_bytes = choice_scores(model, tok, rows, 0, 1, batch_size=2, normalize="bytes")
+    assert (r_sum[0]["picked"], r_bytes[0]["picked"]) == (0, 1)
+    assert (m_sum["accuracy"], m_bytes["accuracy"]) == (0.0, 1.0)
+    assert m_sum["accuracy_sum"] == m_bytes["accuracy_sum"] == 0.0
+    assert m_sum["accuracy_bytes"] == m_bytes["accuracy_bytes"] == 1.0
+
+
+def test_ties_go_to_the_lowest_index():
+    assert pick([-1.0, -1.0, -2.0]) == 0 and pick([-3.0, -1.0, -1.0]) == 1 and pick([-5.0]) == 0
+
+
+def test_an_option_with_no_tokens_is_an_error_naming_its_row(lm):
+    model, tok = lm
+    with pytest.raises(ValueError, match=r"row 1: choice 2 \(''\) tokenizes to no tokens"):
+        option_logprobs(model, tok, [user("a"), user("b")], [["x", "y"], ["x", "y", ""]], batch_size=4)
+    rows = [{"prompt": user(str(i)), "choices": ["x", ""] if i == 4 else ["x", "y"], "answer": 0, "source": "s",
+             "reference": "x"} for i in range(6)]
+    with pytest.raises(ValueError, match=r"row 4: choice 1"):  # numbered in the whole set, on any rank
+        choice_scores(model, tok, rows, 1, 2, batch_size=4)
+    with pytest.raises(ValueError, match=r"row 0: 'answer'"):
+        choice_scores(model, tok, [{**rows[0], "answer": 2}], 0, 1, batch_size=4)
+    with pytest.raises(ValueError, match="normalize"):
+        choice_scores(model, tok, rows[:1], 0, 1, batch_size=4, normalize="tokens")
+
+
+def test_a_bf16_model_scores_in_float32(lm, naive):
+    model, tok = lm
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    got = option_logprobs(half, tok, [r["prompt"] for r in ROWS[:3]], [r["choices"] for r in ROWS[:3]], 4)
+    for g_row, n_row in zip(got, naive):
+        for (g_lp, g_n, g_b), (n_lp, n_n, n_b) in zip(g_row, n_row):
+            assert isinstance(g_lp, float) and (g_n, g_b) == (n_n, n_b)
+            assert g_lp == pytest.approx(n_lp, rel=0.1, abs=0.5)  # bf16 weights, float32 log_softmax
