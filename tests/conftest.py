@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "data" / "demo"
@@ -20,6 +22,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # A CLI call without PREFECT_API_URL gets a temporary server that dies with it, not one kept for
 # minutes in the background (tests/test_kept_server.py covers that path).
 os.environ["SFTFLOW_KEEP_SERVER"] = "0"
+
+# Hypothesis profiles (tests/test_masking.py, tests/test_shapes.py). `ci`: derandomized, so a CI run
+# explores the same examples every time and a red build is the code's doing, never the draw's; no
+# example database (nothing carries over between clean clones); a failure prints its reproduce blob.
+# `dev` (the default): random exploration, so local runs keep finding new cases, and the database
+# in .hypothesis/ replays what failed before. `ci` is loaded when CI is set (`.ci/run` sets CI=true;
+# "", "0" and "false" count as unset) or HYPOTHESIS_PROFILE=ci; HYPOTHESIS_PROFILE names any profile.
+# Both derive from Hypothesis' own defaults (`dev` must not inherit the `ci` settings Hypothesis
+# loads by itself whenever a CI variable exists). Every property test sets deadline=None (a render
+# or tokenizer call can stall on 2 shared cores): the profiles say so too, for tests that don't.
+_defaults = hypothesis_settings.get_profile("default")
+hypothesis_settings.register_profile("ci", _defaults, derandomize=True, database=None, print_blob=True, deadline=None,
+                                     suppress_health_check=[HealthCheck.too_slow])
+hypothesis_settings.register_profile("dev", _defaults, deadline=None)
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE")
+                                 or ("ci" if os.environ.get("CI", "").lower() not in ("", "0", "false") else "dev"))
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -146,9 +164,10 @@ def wait_healthy(health_url: str, proc: subprocess.Popen, log: Path, timeout: fl
 
 
 @pytest.fixture(scope="session")
-def prefect_api(tmp_path_factory):
-    """One real `prefect server start` on loopback for the session: each CLI call then skips the
-    ~6 s temporary-server start it needs on its own (tests/test_demo.py still covers that path)."""
+def prefect_session_server(tmp_path_factory):
+    """One real `prefect server start` on loopback for the session (its API URL): each CLI call of a
+    test that asks for `prefect_api` then skips the ~6 s temporary-server start it needs on its own
+    (tests/test_demo.py still covers that path). Changes no environment variable itself."""
     home = tmp_path_factory.mktemp("prefect-server")
     port = free_port()
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "false",
@@ -161,14 +180,42 @@ def prefect_api(tmp_path_factory):
                             stdout=open(home / "server.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}/api"
     wait_healthy(f"{url}/health", proc, home / "server.log")
-    os.environ["PREFECT_API_URL"] = url  # every CLI call the tests make from now on uses it
     yield url
-    os.environ.pop("PREFECT_API_URL", None)
     proc.terminate()
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+# PREFECT_API_URL as the session started (normally unset): what every test that doesn't ask for
+# `prefect_api` runs with, whatever ran before it.
+_PREFECT_API_URL_AT_START = os.environ.get("PREFECT_API_URL")
+
+
+@pytest.fixture(scope="module")
+def prefect_api(prefect_session_server):
+    """PREFECT_API_URL -> the session's server, for the tests that ask for it (usefixtures, module-wide
+    or per test), restored when their module ends. Module-scoped so that a module's own module-scoped
+    fixtures (a flow run the whole module reads) run on it too: they come after it in the module's
+    setup order when the module asks for it in `pytestmark`. `_prefect_api_only_where_asked` takes it
+    away again from the module's other tests."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PREFECT_API_URL", prefect_session_server)
+        yield prefect_session_server
+
+
+@pytest.fixture(autouse=True)
+def _prefect_api_only_where_asked(request, monkeypatch):
+    """A test that doesn't ask for `prefect_api` runs with PREFECT_API_URL as the session began, even
+    after a test in its module did ask (CLI calls then start their own temporary server): whether a
+    test talks to the session's server never depends on the order tests run in."""
+    if "prefect_api" in request.fixturenames or os.environ.get("PREFECT_API_URL") == _PREFECT_API_URL_AT_START:
+        return
+    if _PREFECT_API_URL_AT_START is None:
+        monkeypatch.delenv("PREFECT_API_URL")
+    else:
+        monkeypatch.setenv("PREFECT_API_URL", _PREFECT_API_URL_AT_START)
 
 
 def descendants(pid: int) -> list:
@@ -194,7 +241,7 @@ def flow_runs(api: str) -> list[dict]:
 
 def sftflow(*args: str, cwd: Path, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """The CLI as a user runs it, with Prefect's home inside the test's folder; it talks to the
-    session's Prefect server once a test has asked for `prefect_api`, else starts a temporary one."""
+    session's Prefect server in a test that asks for `prefect_api`, else starts a temporary one."""
     full_env = {**os.environ, "PREFECT_HOME": str(cwd / ".prefect"), **(env or {})}
     full_env = {k: v for k, v in full_env.items() if v is not None}  # env={"X": None} unsets X
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=full_env, capture_output=True,

@@ -12,6 +12,7 @@ from conftest import (MULTI_TURN, REAL_TEMPLATES, REALDATA, base_model, expected
 from stages.core.config import load_config
 from stages.chatdata.readers import prompt_and_reference
 from stages.prepare.masking import tokenize_conversation
+from stages.prepare.shapes import MARKS
 from stages.chatdata.readers import RowError, to_messages
 
 CONVERSATIONS = [
@@ -140,22 +141,9 @@ def test_every_real_sharegpt_row_trains_exactly_its_replies_on_every_template(to
 
 # --------------------------------------------------------------------------- property-based
 
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings, strategies as st  # noqa: E402
 
-PIECES = ["<|im_start|>", "<|im_end|>", "assistant\n", "[INST]", "</s>", "{{ x }}", "{% if %}", "\n", "\n\n", " ", "  ",
-          "\t", "你好", "é", "🙂", "\u200b", "ASSISTANT:", "#### 42"]
-content = st.lists(st.one_of(st.sampled_from(PIECES), st.text(st.characters(blacklist_categories=("Cs",)), max_size=8)),
-                   min_size=1, max_size=6).map("".join)
-reply = content.filter(lambda s: s.strip() != "")
-
-
-@st.composite
-def conversations(draw):
-    turns = draw(st.integers(1, 3))
-    msgs = [{"role": "system", "content": draw(content)}] if draw(st.booleans()) else []
-    for _ in range(turns):
-        msgs += [{"role": "user", "content": draw(content)}, {"role": "assistant", "content": draw(reply)}]
-    return msgs
+from strategies import content, conversations, real_conversations, reply  # noqa: E402
 
 
 def runs_of(mask: list[int]) -> list[list[int]]:
@@ -182,6 +170,7 @@ def tokenize_or_reason(tok, messages, loss_on="assistant"):
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(messages=conversations())
+@example(messages=[{"role": "user", "content": "assistant\n"}, {"role": "assistant", "content": "\ue000"}])  # was quarantined
 def test_property_mask_equals_transformers_or_the_row_is_quarantined(tokenizer, messages):
     """Against transformers' {% generation %} mask: a kept row's mask is exactly it; a row is only
     quarantined when a token of transformers' mask also holds header text (it straddles the reply's
@@ -204,23 +193,36 @@ def test_property_mask_equals_transformers_or_the_row_is_quarantined(tokenizer, 
     assert trainable_runs(tokenizer, ours) == expected_runs("builtin", messages, tokenizer)
 
 
-SPECIAL_BITS = ["d", "end", ">", "<|im_", "im_end|>", "<|eot_id", "</", "s>", "<end_of_turn", "[/INST]", "<|end|>"]
-plain = st.lists(st.one_of(st.sampled_from(PIECES + SPECIAL_BITS), st.text(st.characters(blacklist_categories=("Cs",)),
-                                                                             max_size=8)),
-                 min_size=1, max_size=6).map(lambda parts: "".join(parts).strip()).filter(lambda s: s != "")
+ALL_MARKS = "".join(MARKS)
+PRIVATE_USE = [  # the span finder marks placeholders with private-use characters; rows hold them too
+    [{"role": "user", "content": "assistant\n"}, {"role": "assistant", "content": "\ue000"}],
+    [{"role": "system", "content": "scraped \ue000 text"}, {"role": "user", "content": "\ue000\ue001?"},
+     {"role": "assistant", "content": "\ue000sftflow-reply-2\ue000 and \ue0000\ue001 are just text"}],
+    # every candidate mark, in every message, and runs of U+E000: the fallback mark is a longer run
+    [{"role": "system", "content": ALL_MARKS}, {"role": "user", "content": "\ue000\ue000 " + ALL_MARKS},
+     {"role": "assistant", "content": ALL_MARKS + " first"}, {"role": "user", "content": ALL_MARKS[::-1]},
+     {"role": "assistant", "content": "\ue000\ue000\ue000sftflow-reply-4\ue000\ue000\ue000" + ALL_MARKS}],
+]
 
 
-@st.composite
-def real_conversations(draw, reply=plain):
-    """System prompts (empty ones too), assistant-first openings, replies holding template markers,
-    pieces of special tokens, whitespace and unicode."""
-    msgs = [{"role": "system", "content": draw(st.sampled_from(["", "You are X."]) | content)}] \
-        if draw(st.booleans()) else []
-    if draw(st.booleans()):
-        msgs.append({"role": "assistant", "content": draw(reply)})
-    for _ in range(draw(st.integers(1, 3))):
-        msgs += [{"role": "user", "content": draw(content)}, {"role": "assistant", "content": draw(reply)}]
-    return msgs
+@pytest.mark.parametrize("messages", PRIVATE_USE, ids=["flaky-example", "placeholder-lookalikes", "every-mark"])
+def test_rows_holding_the_placeholder_marks_are_masked_like_any_other(tokenizer, messages):
+    """Regression: a row holding U+E000 was quarantined (`reply_not_in_template`). Now its mask is
+    transformers' own, on the render-once path and the per-row path alike."""
+    from stages.prepare.masking import Renderer, assistant_spans, exact_spans, placeholder
+    ours = tokenize_conversation(tokenizer, messages, max_length=512)
+    ref = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert ours.input_ids == list(ref["input_ids"])
+    assert ours.loss_mask == list(ref["assistant_masks"])
+    assert trainable_runs(tokenizer, ours) == [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
+    r = Renderer.of(tokenizer)
+    for loss_on in ("assistant", "last_assistant", "all"):
+        fast = r.shaped(messages, loss_on)
+        assert fast is not None  # the per-shape plan holds no mark: these rows need no detour
+        text, spans = exact_spans(r, messages, loss_on)
+        assert fast == (text, [tuple(s) for s in spans]) == assistant_spans(r, messages, loss_on)
+    mark = placeholder(messages).split("sftflow")[0]
+    assert not any(mark in m["content"] for m in messages)
 
 
 @pytest.mark.skipif(not (REALDATA / "chat_templates").is_dir(), reason="../shared/realdata absent")
@@ -233,8 +235,7 @@ def test_property_real_templates_train_exactly_the_replies(tokenizer, messages, 
     tok = family_tokenizer(tokenizer, name)
     t = tokenize_or_reason(tok, messages, loss_on)
     if isinstance(t, str):
-        reserved = any("\ue000" in m["content"] for m in messages)  # the span finder's placeholder character
-        assert t == "template_error" or (t == "reply_not_in_template" and reserved), t
+        assert t == "template_error", t
         return
     replies = [m for m in messages if m["role"] == "assistant"]
     want = expected_runs(name, replies if loss_on == "assistant" else replies[-1:], tok)

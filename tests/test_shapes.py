@@ -10,7 +10,8 @@ from conftest import REAL_TEMPLATES, REALDATA
 from stages.chatdata.readers import RowError
 from stages.models.builtin import CHATML_TEMPLATE
 from stages.prepare.masking import Renderer, exact_spans
-from test_masking import content, real_conversations, reply
+from stages.prepare.shapes import MARK_PAIRS, MARKS
+from strategies import content, real_conversations, reply
 
 HAVE_REAL = (REALDATA / "chat_templates").is_dir()
 
@@ -121,3 +122,26 @@ def test_the_plan_does_not_depend_on_the_first_row_of_its_shape(system, user, an
         assert fast is None
     elif fast is not None:
         assert fast == (slow[0], [tuple(s) for s in slow[1]])
+
+
+MARKED_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ pua }}{{ m.content }}</s>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<assistant>{{ pua }}{% endif %}")
+
+
+@pytest.mark.parametrize("taken", range(len(MARK_PAIRS) + 1))
+def test_a_template_holding_the_marks_gets_a_plan_with_the_next_pair(taken):
+    """The template's own text holds the first `taken` mark pairs: the plan uses the next pair, and
+    with none left the shape takes the per-row path; rows holding every mark are exact either way."""
+    pua = "".join(a + b for a, b in MARK_PAIRS[:taken])
+    r = Renderer(MARKED_TEMPLATE.replace("{{ pua }}", pua), {})
+    assert r.opaque_reason is None
+    everything = "".join(MARKS)
+    for msgs in ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                 [{"role": "system", "content": everything}, {"role": "user", "content": "hi " + everything},
+                  {"role": "assistant", "content": everything + " yo"}]):
+        fast, slow = both_paths(r, msgs, "assistant")
+        assert [slow[0][a:b] for a, b in slow[1]] == [msgs[-1]["content"] + "</s>"]
+        if taken < len(MARK_PAIRS):
+            assert fast == (slow[0], [tuple(s) for s in slow[1]])
+        else:
+            assert fast is None

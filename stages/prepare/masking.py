@@ -45,7 +45,7 @@ import numpy as np
 
 from stages.chatdata.readers import RowError
 
-from .shapes import build, common_prefix_len, opaque_reason, plan_for, shape_key
+from .shapes import build, common_prefix_len, free_mark, opaque_reason, plan_for, shape_key
 
 MAX_SHAPES = 10_000  # distinct conversation shapes planned per process; rarer ones take the per-row path
 
@@ -118,7 +118,11 @@ class Renderer:
             raise RowError("template_error", msg) from None
 
 
-PLACEHOLDER = "\ue000sftflow-reply-{}\ue001"  # private-use characters: no template or reply has them
+def placeholder(messages: list[dict]) -> str:
+    """`<mark>sftflow-reply-{}<mark>`, its mark a private-use character no field of any message holds
+    (shapes.free_mark): the row's own text can't spell a placeholder, whatever characters it has."""
+    mark = free_mark(v for m in messages for v in m.values())
+    return mark + "sftflow-reply-{}" + mark
 
 
 def _reply_positions(renderer: Renderer, messages: list[dict], text: str, turns: list[int]) -> dict[int, tuple[int, int]]:
@@ -126,13 +130,12 @@ def _reply_positions(renderer: Renderer, messages: list[dict], text: str, turns:
     with_text = [i for i in turns if messages[i]["content"]]
     if not with_text:
         return {}
-    if any("\ue000" in m["content"] for m in messages if isinstance(m.get("content"), str)):
-        raise RowError("reply_not_in_template", "content holds the private-use character U+E000")
-    marked = [dict(m, content=PLACEHOLDER.format(i)) if i in with_text else m for i, m in enumerate(messages)]
+    form = placeholder(messages)
+    marked = [dict(m, content=form.format(i)) if i in with_text else m for i, m in enumerate(messages)]
     skeleton = renderer(marked)
     pieces, at = [], 0  # the skeleton cut at the placeholders: text, turn, text, turn, ..., text
     for i in with_text:
-        ph = PLACEHOLDER.format(i)
+        ph = form.format(i)
         k = skeleton.find(ph, at)
         if k < 0 or skeleton.find(ph, k + len(ph)) >= 0:
             raise RowError("reply_not_in_template", f"assistant turn {i} is rendered {'not at all' if k < 0 else 'twice'}")

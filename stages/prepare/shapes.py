@@ -22,20 +22,40 @@ Exactness rests on two checks:
   trims contents; a template that trims some contents and not others, a reply span boundary
   that falls inside a placeholder, or anything unusual sends that shape to the per-row path.
 
-Rows whose contents are not plain non-blank strings, or hold the placeholder's private-use
-character, take the per-row path too. `tests/test_shapes.py` checks that both paths give the
-same text, spans and errors on every real template.
+A placeholder is `<open>j<close>`, a pair of private-use characters (`MARK_PAIRS`) that the
+shape's fixed text (the template's own text, roles, names, tool calls) doesn't hold: the first
+pair whose skeleton shows each mark once per content. Contents never enter a plan (only whether
+each is empty), so any content - private-use characters included - is built from it exactly;
+the plan holds no mark. Rows whose contents are not plain non-blank strings take the per-row
+path. `tests/test_shapes.py` checks that both paths give the same text, spans and errors on
+every real template.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from jinja2 import nodes
 
-PH = "\ue000{}\ue001"  # private-use characters: no template or content holds them (checked per row)
-_MARK = "\ue000"
+# Private-use characters (U+E000..): the placeholders' marks. Rows may hold them too (scraped text
+# does): the per-row path picks, per row, one no message holds (`free_mark`); a plan, per shape, a
+# pair its template text doesn't hold.
+MARKS = ("\ue000", "\ue001", "\ue002", "\ue003", "\ue004", "\ue005")
+MARK_PAIRS = tuple(zip(MARKS[::2], MARKS[1::2]))
+
+
+def free_mark(texts) -> str:
+    """The first of MARKS that none of `texts` holds; when they hold every one, a run of U+E000 one
+    longer than the longest run in them. Either way no text holds the result."""
+    texts = [t for t in texts if isinstance(t, str)]
+    for mark in MARKS:
+        if not any(mark in t for t in texts):
+            return mark
+    longest = max(len(run) for t in texts for run in re.findall(f"{MARKS[0]}+", t))
+    return MARKS[0] * (longest + 1)
+
 
 _C, _M = "content", "message"      # expression kinds: content text; a message or list of messages
 _SAFE_TESTS = {"string", "defined", "undefined", "none"}
@@ -293,7 +313,7 @@ def shape_key(messages: list[dict]) -> tuple | None:
     key = []
     for m in messages:
         c = m.get("content")
-        if not isinstance(c, str) or _MARK in c or (c and not c.strip()):
+        if not isinstance(c, str) or (c and not c.strip()):
             return None
         if len(m) == 2 and isinstance(m.get("role"), str):  # the common case, without json's cost
             key.append((bool(c), "role", m["role"]))
@@ -346,14 +366,31 @@ def common_prefix_len(a: str, b: str) -> int:
 
 def plan_for(render, messages: list[dict], loss_on: str) -> Plan | None:
     """The plan of this row's shape, found the way `masking.assistant_spans` finds spans but on
-    placeholders; None when the shape needs the per-row path. `render` raises on template errors."""
-    marked = [dict(m, content=PH.format(j) if m["content"] else "") for j, m in enumerate(messages)]
+    placeholders; None when the shape needs the per-row path. `render` raises on template errors.
+    Placeholders are marked by the first of `MARK_PAIRS` the shape's fixed text doesn't hold."""
+    for pair in MARK_PAIRS:
+        plan = _plan(render, messages, loss_on, *pair)
+        if plan is not _MARKS_TAKEN:
+            return plan
+    return None
+
+
+_MARKS_TAKEN = object()  # the template's text holds a mark: try the next pair
+
+
+def _plan(render, messages: list[dict], loss_on: str, mark: str, close: str):
+    def ph(j) -> str:
+        return f"{mark}{j}{close}"
+
+    marked = [dict(m, content=ph(j) if m["content"] else "") for j, m in enumerate(messages)]
     skeleton = render(marked)
-    padded = render([dict(m, content=f" {m['content']} " if m["content"] else "") for m in marked])
     filled = [j for j, m in enumerate(messages) if m["content"]]
+    if skeleton.count(mark) != len(filled) or skeleton.count(close) != len(filled):
+        return _MARKS_TAKEN  # or a content rendered twice or not at all: then no pair helps, and None follows
+    padded = render([dict(m, content=f" {m['content']} " if m["content"] else "") for m in marked])
     spaced = skeleton
     for j in filled:
-        spaced = spaced.replace(PH.format(j), f" {PH.format(j)} ")
+        spaced = spaced.replace(ph(j), f" {ph(j)} ")
     if padded == spaced:
         trimmed = False
     elif padded == skeleton:
@@ -362,8 +399,8 @@ def plan_for(render, messages: list[dict], loss_on: str) -> Plan | None:
         return None
     at = {}
     for j in filled:
-        k = skeleton.find(PH.format(j))
-        if k < 0 or skeleton.find(PH.format(j), k + 1) >= 0:
+        k = skeleton.find(ph(j))
+        if k < 0 or skeleton.find(ph(j), k + 1) >= 0:
             return None
         at[k] = j
     pieces, piece_at, last = [], {}, 0  # piece_at: message -> index of its piece
@@ -371,14 +408,14 @@ def plan_for(render, messages: list[dict], loss_on: str) -> Plan | None:
         pieces.append(skeleton[last:k])
         piece_at[at[k]] = len(pieces)
         pieces.append(at[k])
-        last = k + len(PH.format(at[k]))
+        last = k + len(ph(at[k]))
     pieces.append(skeleton[last:])
-    if any(_MARK in p or "\ue001" in p for p in pieces if isinstance(p, str)):
+    if any(mark in p or close in p for p in pieces if isinstance(p, str)):
         return None
     starts, pos = [], 0
     for p in pieces:
         starts.append(pos)
-        pos += len(PH.format(p)) if isinstance(p, int) else len(p)
+        pos += len(ph(p)) if isinstance(p, int) else len(p)
 
     def locate(x: int):  # a skeleton position inside fixed text -> (piece, offset)
         for idx in range(len(pieces) - 1, -1, -1):
@@ -402,20 +439,20 @@ def plan_for(render, messages: list[dict], loss_on: str) -> Plan | None:
             if not (isinstance(pieces[p - 1], str) and pieces[p - 1]):
                 return None
             start, start_ref = start - 1, (p - 1, len(pieces[p - 1]) - 1)
-        reply_end = starts[p] + len(PH.format(i))
+        reply_end = starts[p] + len(ph(i))
         if i == len(messages) - 1:
             end = len(skeleton)
         else:
             prefix = render(marked[: i + 1])
             end = common_prefix_len(prefix, skeleton)
-            if end < len(prefix) and (end >= len(skeleton) or _MARK in (skeleton[end], prefix[end])):
+            if end < len(prefix) and (end >= len(skeleton) or mark in (skeleton[end], prefix[end])):
                 return None
         while end > 0 and skeleton[end - 1].isspace():
             end -= 1
         if end < reply_end or end <= start:
             return None
-        if skeleton[end - 1] == "\ue001":
-            j = at.get(skeleton.rfind(_MARK, 0, end))
+        if skeleton[end - 1] == close:
+            j = at.get(skeleton.rfind(mark, 0, end))
             if j is None:
                 return None
             end_ref = ("end", piece_at[j])
