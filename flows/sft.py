@@ -1,4 +1,5 @@
-"""The Prefect flows: four thin tasks around `stages.pipeline.run_stage`.
+"""The Prefect flows: thin tasks around `stages.pipeline.run_stage`, one per stage of the plan
+(prepare, the reference stages baseline and champion, train, evaluate, register).
 
 The flow validates the config and plans once (or takes the CLI's plan); every task gets that
 plan. The stage folder's manifest is the only cache: a task whose folder is complete returns
@@ -111,6 +112,16 @@ def prepare_task(p: Plan, force: bool = False) -> dict:
     return _stage("prepare", p, force)
 
 
+@task(name="baseline", **_opts)
+def baseline_task(p: Plan, force: bool = False) -> dict:
+    return _stage("baseline", p, force)
+
+
+@task(name="champion", **_opts)
+def champion_task(p: Plan, force: bool = False) -> dict:
+    return _stage("champion", p, force)
+
+
 @task(name="train", **_opts)
 def train_task(p: Plan, force: bool = False, tags: dict | None = None) -> dict:
     return _stage("train", p, force, tags)
@@ -126,7 +137,8 @@ def register_task(p: Plan, force: bool = False, tags: dict | None = None) -> dic
     return _stage("register", p, force, tags)
 
 
-TASKS = {"prepare": prepare_task, "train": train_task, "evaluate": evaluate_task, "register": register_task}
+TASKS = {"prepare": prepare_task, "baseline": baseline_task, "champion": champion_task, "train": train_task,
+         "evaluate": evaluate_task, "register": register_task}
 
 
 def _git_commit() -> str:
@@ -285,7 +297,8 @@ def _publish_summary(results: list[dict]) -> None:
         lines += ["", f"**Held-out accuracy**: base {shown(m.get('base_accuracy'))} → tuned {shown(m['accuracy'])} "
                       f"({m['correct']}/{m['total']}), eval loss {shown(m.get('eval_loss'))}", "",
                   "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-        lines += ["| " + " | ".join(cells) + " |" for cells in table_cells(m)]
+        versus = by_stage["register"]["metrics"].get("vs_champion") if "register" in by_stage else None
+        lines += ["| " + " | ".join(cells) + " |" for cells in table_cells(m, versus)]
         preds = Path(by_stage["evaluate"]["path"]) / "predictions.jsonl"
         if preds.is_file():
             _publish_predictions(preds)

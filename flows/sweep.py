@@ -36,13 +36,35 @@ def _trials(config_path: str, args: list[str], planned: list[dict] | None) -> li
     return plan_trials(config_path, fixed, axes)
 
 
-def _train_and_evaluate(trials: list[Trial], prepared: dict[str, Any], max_parallel: int) -> dict[int, dict]:
+SHARED = ("prepare", "baseline")  # stages trials share when their fingerprints agree: run once per sweep
+
+
+def _shared_states(t: Trial, done: dict[tuple[str, str], Any]) -> dict[str, Any]:
+    return {s: done[(s, t.plan.fingerprints[s])] for s in SHARED if s in t.plan.fingerprints}
+
+
+def _run_shared(trials: list[Trial]) -> dict[tuple[str, str], Any]:
+    """(stage, fingerprint) -> final state of prepare and the baseline, each distinct one run once: a
+    sweep scores the base model once, not once per trial (and the champion once, for the best trial
+    that register compares with it)."""
+    done: dict[tuple[str, str], Any] = {}
+    for t in trials:
+        for stage in (s for s in SHARED if s in t.plan.fingerprints):
+            key = (stage, t.plan.fingerprints[stage])
+            if key not in done:
+                states = {"prepare": done[("prepare", t.plan.fingerprints["prepare"])]} if stage != "prepare" else {}
+                run_stage_task(stage, t.plan, False, states)
+                done[key] = states[stage]
+    return done
+
+
+def _train_and_evaluate(trials: list[Trial], done: dict[tuple[str, str], Any], max_parallel: int) -> dict[int, dict]:
     """{trial index: {"train": result, "evaluate": result}}; with max_parallel > 1 every train is
     submitted before any evaluate, so the pool's threads go to trainings first."""
     out: dict[int, dict] = {t.index: {} for t in trials}
     if max_parallel <= 1:
         for t in trials:
-            states = {"prepare": prepared[t.plan.fingerprints["prepare"]]}
+            states = _shared_states(t, done)
             out[t.index]["train"] = run_stage_task("train", t.plan, False, states, t.label)
             out[t.index]["evaluate"] = run_stage_task("evaluate", t.plan, False, states, t.label)
         return out
@@ -50,7 +72,8 @@ def _train_and_evaluate(trials: list[Trial], prepared: dict[str, Any], max_paral
     for stage in ("train", "evaluate"):
         for t in trials:
             task, kwargs = configured_task(stage, t.plan, False, t.label)
-            upstream = [prepared[t.plan.fingerprints["prepare"]]] + ([futures[(t.index, "train")]] if stage == "evaluate" else [])
+            shared = _shared_states(t, done)
+            upstream = [shared["prepare"]] if stage == "train" else [*shared.values(), futures[(t.index, "train")]]
             futures[(t.index, stage)] = task.submit(wait_for=upstream, **kwargs)
     for (i, stage), future in futures.items():
         future.wait()
@@ -90,20 +113,16 @@ def sft_sweep(config_path: str, args: list[str], metric: str = "accuracy", max_p
         os.chdir(workdir)
     logger = get_run_logger()
     trials = _trials(config_path, args, planned)
-    prepared: dict[str, Any] = {}
-    for t in trials:  # once per distinct prepare fingerprint
-        fp = t.plan.fingerprints["prepare"]
-        if fp not in prepared:
-            states: dict = {}
-            run_stage_task("prepare", t.plan, False, states)
-            prepared[fp] = states["prepare"]
-    results = _train_and_evaluate(trials, prepared, max_parallel)
+    done = _run_shared(trials)
+    results = _train_and_evaluate(trials, done, max_parallel)
     order = ranked([(i, metric_of(r["evaluate"]["metrics"], metric)) for i, r in results.items()], metric)
     if metric_of(results[order[0]]["evaluate"]["metrics"], metric) is None:
         raise ConfigError(f"--metric {metric}: no trial's evaluation has it (e.g. accuracy, eval_loss, <set>/accuracy)")
     best = next(t for t in trials if t.index == order[0])
     logger.info(f"best trial: {best.label} ({metric} {shown(metric_of(results[best.index]['evaluate']['metrics'], metric))})")
-    states = {"prepare": prepared[best.plan.fingerprints["prepare"]]}
+    states = {"prepare": done[("prepare", best.plan.fingerprints["prepare"])]}
+    if "champion" in best.plan.fingerprints:
+        run_stage_task("champion", best.plan, False, states, best.label)
     registered = run_stage_task("register", best.plan, False, states, best.label)
     mlflow_note = ""
     try:

@@ -4,9 +4,13 @@ Orchestrators (the Prefect flow, the CLI, tests) validate a config once (`load_c
 plan once (`plan`), and hand the `Plan` to `run_stage` for each stage; a plan travels as
 JSON (`Plan.to_dict`) to Prefect tasks and is never re-resolved there.
 
-    models ─┐          ┌─► baseline ─┐   (the base model's scores: a cache hit across trials and retrains)
-    prepare ─┼─► train ─┼─────────────┼─► evaluate ─► register
-             │          └─► champion ─┘   (the registry's champion, scored on today's eval sets)
+    models ─┐  ┌─► baseline ──────────┐       (the base model's scores: one folder across trials and retrains)
+    prepare ─┼─► train ──────────────► evaluate ─► register
+             └─► champion ─────────────────────────┘  (the registry's champion, scored on today's eval sets)
+
+Evaluate compares the trained model with the base model; register compares it with the champion
+(the champion is a fact about the registry when the run is planned, so when it moves only register
+re-runs, never an evaluation).
 
 `baseline` and `champion` are in a plan only when there is something to score: the base model
 unless `eval.eval_base` is off or `eval.model` is the base model; the champion when `eval.model` is
@@ -38,7 +42,7 @@ __all__ = ["STAGES", "REFERENCES", "UPSTREAM", "KEY_METRIC", "Plan", "plan", "ru
 STAGES = ("prepare", "baseline", "champion", "train", "evaluate", "register")
 REFERENCES = ("baseline", "champion")  # models the trained one is compared with, item by item
 UPSTREAM = {"prepare": (), "baseline": ("prepare",), "champion": ("prepare",), "train": ("prepare",),
-            "evaluate": ("baseline", "champion", "train", "prepare"), "register": ("evaluate", "train", "prepare")}
+            "evaluate": ("baseline", "train", "prepare"), "register": ("champion", "evaluate", "train", "prepare")}
 KEY_METRIC = {"prepare": ("train_rows_kept", "rows"), "baseline": ("accuracy", "accuracy"),
               "champion": ("accuracy", "accuracy"), "train": ("final_loss", "loss"),
               "evaluate": ("accuracy", "accuracy"), "register": ("version", "version")}
@@ -132,7 +136,11 @@ def _reference_fingerprints(cfg: SFTConfig, digests: dict, model_fp: str, scorer
     if cfg.eval.model is None:
         champion = current_champion(cfg.resolved_tracking_uri, cfg.registry.model_name)
         if champion is not None and champion["train_fingerprint"] == train_fp:
-            champion = None  # this training is the champion already: nothing to compare with
+            # this training is the champion: nothing to compare with; its registration compared it with
+            # the champion stage it names, so the register folder of that decision is the cache hit
+            if champion["champion_fingerprint"]:
+                fps["compared_with"] = champion["champion_fingerprint"]
+            champion = None
     if champion is not None:
         identity = {k: champion[k] for k in ("registry", "name", "version")}
         fps["champion"] = fingerprint("champion", code=code_version("evaluate"), model=identity, **common)
@@ -162,10 +170,13 @@ def plan(cfg: SFTConfig) -> Plan:
     scorer = ({k: import_identity(v) for k, v in custom.items()} if cfg.eval.sets else
               import_identity(custom["eval.scorer"]) if custom else None)
     references, champion = _reference_fingerprints(cfg, digests, model_fp, scorer, worker, train)
+    compared_with = references.pop("compared_with", None) or references.get("champion")
+    baseline = {"baseline": references["baseline"]} if "baseline" in references else {}
     evaluate = fingerprint("evaluate", code=code_version("evaluate"), prepare=prepare, eval=hashed(cfg.eval),
-                           scorer=scorer, **scored, **({"references": references} if references else {}))
+                           scorer=scorer, **scored, **baseline)
     register = fingerprint("register", code=code_version("register", neutral=True), evaluate=evaluate, train=train,
-                           prepare=prepare, registry=hashed(cfg.registry), tracking_uri=cfg.resolved_tracking_uri)
+                           prepare=prepare, registry=hashed(cfg.registry), tracking_uri=cfg.resolved_tracking_uri,
+                           **({"champion": compared_with} if compared_with else {}))
     fps = {"models": model_fp, "prepare": prepare, **references, "train": train, "evaluate": evaluate,
            "register": register}
     return Plan(cfg, fps, inputs, identity, champion)
@@ -245,9 +256,8 @@ def run_stage(p: Plan, stage: str, force: bool = False, on_line: Callable[[str],
         elif stage == "evaluate":
             from .evaluate import run_evaluate
             model_ref = cfg.eval.model if cfg.eval.model is not None else str(p.folder("train"))
-            references = {s: dirs[s] for s in REFERENCES if s in dirs}
             metrics = run_evaluate(cfg, fp, resolve_model(cfg, p.fingerprints["models"], on_line), model_ref, dirs["prepare"],
-                                   p.eval_model, references, on_line=on_line)
+                                   p.eval_model, dirs.get("baseline"), on_line=on_line)
         elif stage == "register":
             from .register import run_register
             metrics = run_register(cfg, fp, p.lineage(dirs, tags))

@@ -66,9 +66,9 @@ def _stamps(stages: dict) -> dict[str, int | None]:
 def stages_of(cfg_path: Path, *overrides: str) -> dict:
     """What `sftflow show --json` reports per stage, computed in this process (no CLI start)."""
     from stages.core.config import load_config
-    from stages.pipeline import STAGES as ALL, plan
+    from stages.pipeline import plan
     p = plan(load_config(cfg_path, list(overrides)))
-    return {s: {"fingerprint": p.fingerprints[s], "status": p.status(s), "path": str(p.folder(s))} for s in ALL}
+    return {s: {"fingerprint": p.fingerprints[s], "status": p.status(s), "path": str(p.folder(s))} for s in p.stages}
 
 
 def run_and_see(tmp: Path, cfg_path: Path, *args: str, command=("run",)) -> dict[str, str]:
@@ -206,7 +206,8 @@ def test_model_is_registered_and_answers_through_pyfunc(flow_run, mlflow_server)
 
 
 def test_promotion_policies(flow_run, mlflow_server, tmp_path):
-    """Re-registers the flow's trained model under made-up train fingerprints with made-up accuracies."""
+    """Re-registers the flow's trained model under made-up train fingerprints with made-up per-item
+    results; `if_better` decides on the item-by-item comparison with the champion's folder."""
     tmp, cfg_path, _ = flow_run
     from stages.core.config import config_from_dict
     from stages.register import run_register
@@ -215,28 +216,44 @@ def test_promotion_policies(flow_run, mlflow_server, tmp_path):
     stages = stages_of(cfg_path)
     ev = json.loads((Path(stages["evaluate"]["path"]) / "manifest.json").read_text())
 
-    def register(train_fp: str, promote: str, accuracy: float) -> dict:
-        folder = tmp_path / f"evaluate-{train_fp}"
+    def scored(folder: Path, correct: list[bool], **extra) -> str:
         folder.mkdir(exist_ok=True)
-        (folder / "predictions.jsonl").write_text("")
-        (folder / "manifest.json").write_text(json.dumps({**ev, "metrics": {**ev["metrics"], "accuracy": accuracy}}))
+        (folder / "predictions.jsonl").write_text("".join(
+            json.dumps({"source": f"q:{i}", "prompt": [{"role": "user", "content": f"q{i}"}], "reference": "a",
+                        "prediction": "a" if c else "b", "correct": c}) + "\n" for i, c in enumerate(correct)))
+        metrics = {**ev["metrics"], "accuracy": sum(correct) / len(correct), "total": len(correct)}
+        (folder / "manifest.json").write_text(json.dumps({**ev, **extra, "metrics": metrics}))
+        return str(folder)
+
+    def register(train_fp: str, promote: str, correct: list[bool], champion: tuple[str, list[bool]] | None = None,
+                 **registry) -> dict:
         registry = {"tracking_uri": mlflow_server, "promote": promote, "model_name": "promo-model",
-                    "experiment": "promo"}
+                    "experiment": "promo", **registry}
         cfg = config_from_dict(tiny_config_dict(tmp_path, registry=registry))
         fps = {"prepare": stages["prepare"]["fingerprint"], "train": train_fp, "evaluate": f"e-{train_fp}",
                "register": f"r-{train_fp}-{promote}"}
-        dirs = {"prepare": stages["prepare"]["path"], "train": stages["train"]["path"], "evaluate": str(folder)}
+        dirs = {"prepare": stages["prepare"]["path"], "train": stages["train"]["path"],
+                "evaluate": scored(tmp_path / f"evaluate-{train_fp}", correct)}
+        if champion is not None:
+            dirs["champion"] = scored(tmp_path / f"champion-{train_fp}", champion[1], version=champion[0])
         return run_register(cfg, fps["register"], Lineage(fps, dirs))
 
-    assert register("t1", "if_better", 0.5)["aliases"] == ["champion"]      # the first version
-    assert register("t2", "if_better", 0.25)["aliases"] == ["challenger"]   # worse: champion stays on t1
-    assert register("t3", "never", 1.0)["aliases"] == []
-    assert register("t4", "always", 0.0)["aliases"] == ["champion"]         # moved, though worse
-    again = register("t4", "if_better", 0.0)                                  # same train fingerprint
+    half, quarter = [True, False] * 4, [True, False, False, False] * 2
+    assert register("t1", "if_better", half)["aliases"] == ["champion"]                     # the first version
+    worse = register("t2", "if_better", quarter, ("1", half))
+    assert worse["aliases"] == ["challenger"] and "-0.250 [" in worse["alias_reason"]        # paired, with its interval
+    assert worse["vs_champion"]["val"]["losses"] == 2 and worse["vs_champion"]["val"]["version"] == "1"
+    assert register("t3", "never", [True] * 8)["aliases"] == []
+    assert register("t4", "always", [False] * 8)["aliases"] == ["champion"]                 # moved, though worse
+    again = register("t4", "if_better", [False] * 8)                                         # same train fingerprint
     assert again["reused_version"] and again["version"] == 4
-    assert len(client.search_model_versions("name='promo-model'")) == 4
-    assert client.get_model_version_by_alias("promo-model", "champion").version == "4"
-    assert client.get_model_version_by_alias("promo-model", "challenger").version == "2"
+    stale = register("t5", "if_better", [True] * 8, ("1", half))  # compared with v1, but v4 is champion now
+    assert stale["aliases"] == ["challenger"] and "champion v4 was not compared" in stale["alias_reason"]
+    within = register("t6", "if_better", [False] * 7 + [True], ("4", [False] * 8), tolerance=0.0)
+    assert within["aliases"] == ["champion"]  # one win, no loss
+    assert len(client.search_model_versions("name='promo-model'")) == 6
+    assert client.get_model_version_by_alias("promo-model", "champion").version == "6"
+    assert client.get_model_version_by_alias("promo-model", "challenger").version == "5"
 
 
 def test_second_run_is_fully_cached_and_registers_nothing_new(flow_run, mlflow_server):
@@ -337,3 +354,38 @@ def test_edited_data_file_reruns_everything_and_touching_it_does_not(flow_run):
     lines = train.read_text(encoding="utf-8").splitlines()
     train.write_text("\n".join(lines[:-1]) + "\n", encoding="utf-8")  # one row fewer
     assert run_and_see(tmp, cfg_path, *own) == dict.fromkeys(STAGES, "ran")
+
+
+def test_grown_eval_data_rescores_the_champion_on_the_new_items(tmp_path):
+    """Retraining after the eval data grew: the champion is scored on today's (larger) eval set by the
+    champion stage and compared item by item with the new version, which can displace it (before, a
+    champion scored on another eval set was never displaced). A third run is fully cached."""
+    from stages.core.config import load_config
+    from stages.pipeline import plan
+    from conftest import demo_rows, write_jsonl
+    raw = tiny_config_dict(tmp_path, n_val=8, registry={"model_name": "grow-model", "tolerance": 1.0})
+    cfg_path = write_config(tmp_path, raw)
+    assert run_and_see(tmp_path, cfg_path) == dict.fromkeys(STAGES, "ran")
+    art = tmp_path / "artifacts"
+    assert not (art / "champion").exists()  # nothing to compare with yet
+    write_jsonl(Path(raw["data"]["val_data_paths"][0]), demo_rows("eval.jsonl", 12))  # 4 more held-out prompts
+    p = plan(load_config(cfg_path))
+    assert p.champion["version"] == "1" and "champion" in p.stages
+    assert run_and_see(tmp_path, cfg_path) == dict.fromkeys(STAGES, "ran")
+
+    champion = json.loads((p.folder("champion") / "manifest.json").read_text())
+    assert champion["version"] == "1" and champion["metrics"]["total"] == 12  # v1, re-scored on the 12 items
+    scored = [json.loads(line) for line in (p.folder("champion") / "predictions.jsonl").read_text().splitlines()]
+    mine = [json.loads(line) for line in (p.folder("evaluate") / "predictions.jsonl").read_text().splitlines()]
+    assert [r["reference"] for r in scored] == [r["reference"] for r in mine] and len(mine) == 12
+    register = json.loads((p.folder("register") / "manifest.json").read_text())["metrics"]
+    vs = register["vs_champion"]["val"]
+    assert vs["version"] == "1" and vs["n"] == 12
+    assert vs["wins"] == sum(a["correct"] and not b["correct"] for a, b in zip(mine, scored))
+    assert vs["losses"] == sum(b["correct"] and not a["correct"] for a, b in zip(mine, scored))
+    assert register["aliases"] == ["champion"] and "vs champion v1 on 12 items" in register["alias_reason"]
+    assert (art / "baseline").is_dir() and len(list((art / "baseline").glob("[!.]*"))) == 2  # base, on each eval set
+
+    again = plan(load_config(cfg_path))
+    assert "champion" not in again.stages and again.folder("register") == p.folder("register")  # v2 is itself
+    assert run_and_see(tmp_path, cfg_path) == dict.fromkeys(STAGES, "reused")

@@ -13,7 +13,7 @@ from conftest import flow_runs, sftflow, tiny_config_dict, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api")]
 
-STAGES = ("prepare", "train", "evaluate", "register")
+STAGES = ("prepare", "baseline", "train", "evaluate", "register")  # no champion: the first run registers it
 
 
 def flow_runs_named(name: str) -> list:
@@ -66,7 +66,8 @@ def test_a_run_that_only_evaluates_is_tagged_with_the_stages_it_ran():
 
 
 def test_the_run_graph_draws_the_pipeline(ui_runs):
-    """Each stage's task waits on the stages it reads, so the graph has those edges (and no others)."""
+    """Each stage's task waits on the stages it reads, so the graph has those edges (and no others): the
+    baseline is a branch beside train."""
     from prefect.client.orchestration import get_client
     _, (first, _) = ui_runs
     with get_client(sync_client=True) as client:
@@ -74,8 +75,8 @@ def test_the_run_graph_draws_the_pipeline(ui_runs):
     label = {node_id: node["label"].rsplit("-", 1)[0] for node_id, node in graph["nodes"]}
     assert sorted(label.values()) == sorted(STAGES)
     edges = {(label[parent["id"]], label[node_id]) for node_id, node in graph["nodes"] for parent in node["parents"]}
-    assert edges == {("prepare", "train"), ("prepare", "evaluate"), ("train", "evaluate"),
-                     ("prepare", "register"), ("train", "register"), ("evaluate", "register")}
+    assert edges == {("prepare", "train"), ("prepare", "baseline"), ("prepare", "evaluate"), ("train", "evaluate"),
+                     ("baseline", "evaluate"), ("prepare", "register"), ("train", "register"), ("evaluate", "register")}
 
 
 def artifacts_of(flow_run_id) -> dict:

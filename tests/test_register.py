@@ -30,7 +30,7 @@ CURRENT = {"eval_accuracy": 0.8, "train_fingerprint": "old"}
 
 
 def versus(new: list[bool], champion: list[bool], version: str = "3") -> dict:
-    """evaluate's `vs_champion`: the paired comparison with champion v`version` on the same items."""
+    """register's `champion_comparison` of one set: the paired comparison with champion v`version` on the same items."""
     from stages.core.paired import compare
     return {"version": version, "accuracy": sum(champion) / len(champion), **compare(new, champion)}
 
@@ -59,8 +59,7 @@ BIG_SAME = versus([True] * 380 + [False] * 20, [True] * 380 + [False] * 20)   # 
     ("if_better", {**CURRENT, "train_fingerprint": "t"}, None, 0, "estimate", CHAMPION),  # this training's own
 ])
 def test_decide_alias(policy, champion, vs, tolerance, decide_on, expected):
-    metrics = {"accuracy": 0.8, "primary_set": "identity", **({"vs_champion": vs} if vs else {})}
-    alias, why = decide_alias(FakeRegistry(champion), "m", policy, metrics, "t", tolerance, decide_on)
+    alias, why = decide_alias(FakeRegistry(champion), "m", policy, vs, "identity", "t", tolerance, decide_on)
     assert alias == expected and why
     if vs and policy == "if_better" and champion == CURRENT and vs["version"] == "3":
         assert f"[{vs['delta_low']:+.3f}, {vs['delta_high']:+.3f}] vs champion v3" in why  # the numbers it decided on
@@ -93,7 +92,7 @@ def test_a_failed_retention_guard_holds_back_promotion(tmp_path):
     failed = failed_guards(fell)
     assert len(failed) == 1 and "'retention' accuracy 0.800 vs the base model's 0.900: -0.100 [" in failed[0]
     for policy in ("always", "if_better"):
-        alias, why = decide_alias(FakeRegistry(None), "m", policy, fell, "t", guards=failed)
+        alias, why = decide_alias(FakeRegistry(None), "m", policy, None, "identity", "t", guards=failed)
         assert alias == CHALLENGER and "retention guard" in why
     close = [True] * 44 + [False] * 6  # -0.020 on 50 items: within 0.05, but the interval reaches -0.09
     assert not failed_guards(judged("estimate", close, base))

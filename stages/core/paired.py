@@ -20,7 +20,9 @@ The exact two-sided McNemar p-value (binomial on the discordant pairs) is report
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
 
@@ -103,3 +105,33 @@ def describe(comparison: dict, against: str) -> str:
     c = comparison
     return (f"{c['delta']:+.3f} [{c['delta_low']:+.3f}, {c['delta_high']:+.3f}] vs {against} on {c['n']} items "
             f"({c['wins']} win{'s' * (c['wins'] != 1)}, {c['losses']} loss{'es' * (c['losses'] != 1)})")
+
+
+def read_predictions(folder: str | Path) -> dict[str, list[dict]]:
+    """A scored folder's `predictions.jsonl` by eval set ("val" without named sets), in set order."""
+    path = Path(folder) / "predictions.jsonl"
+    out: dict[str, list[dict]] = {}
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                r = json.loads(line)
+                out.setdefault(r.get("set", "val"), []).append(r)
+    return out
+
+
+def compare_sets(mine: dict[str, list[dict]], theirs: dict[str, list[dict]], what: str) -> dict[str, dict | None]:
+    """`compare` per set of two scored folders' records; None for a set without per-item records (a
+    worker's own counts). The items must be the same, in the same order: records of other items are a
+    ValueError naming `what`, never a comparison of different questions."""
+    def key(r: dict) -> tuple:
+        return r["source"], r["reference"], json.dumps(r["prompt"], sort_keys=True)
+    out: dict[str, dict | None] = {}
+    for name, rows in mine.items():
+        other = theirs.get(name, [])
+        if not rows or not other:
+            out[name] = None
+            continue
+        if len(rows) != len(other) or any(key(a) != key(b) for a, b in zip(rows, other)):
+            raise ValueError(f"{what} was scored on other items of eval set '{name}' ({len(other)} vs {len(rows)})")
+        out[name] = compare([bool(r["correct"]) for r in rows], [bool(r["correct"]) for r in other])
+    return out

@@ -40,7 +40,7 @@ from stages.models.refs import resolve_eval_model
 from stages.runtime.launcher import run_torchrun, torchrun_command
 
 from .errors import EvaluationError
-from stages.core.paired import clears, compare, describe
+from stages.core.paired import clears, compare_sets, read_predictions
 
 BASE_KEYS = ("accuracy", "correct", "total", "eval_loss")  # what a reference contributes as `base_<key>`
 
@@ -91,58 +91,27 @@ def eval_set_fingerprint(rows: list[dict]) -> str:
     return sha256_text(canonical_json([[r["prompt"], r["reference"]] for r in rows]))[:16]
 
 
-def read_records(folder: str | Path) -> dict[str, list[dict]]:
-    """A scored folder's `predictions.jsonl` by eval set ("val" without named sets), in set order."""
-    path = Path(folder) / "predictions.jsonl"
-    out: dict[str, list[dict]] = {}
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                r = json.loads(line)
-                out.setdefault(r.get("set", "val"), []).append(r)
-    return out
-
-
-def _paired(name: str, mine: list[dict], theirs: list[dict], what: str) -> dict | None:
-    """The item-by-item comparison of one set, or None when there are no per-item records (a worker's
-    own counts). The items must be the same, in the same order: a reference folder scored another set
-    is an error, never a comparison of different questions."""
-    if not mine or not theirs:
-        return None
-    key = lambda r: (r["source"], r["reference"], json.dumps(r["prompt"], sort_keys=True))  # noqa: E731
-    if len(mine) != len(theirs) or any(key(a) != key(b) for a, b in zip(mine, theirs)):
-        raise EvaluationError(f"evaluate: {what} was scored on other items of eval set '{name}' than this run "
-                              f"({len(theirs)} vs {len(mine)}); re-run it with `sftflow run --force` on this config")
-    return compare([bool(r["correct"]) for r in mine], [bool(r["correct"]) for r in theirs])
-
-
-def compare_with_references(cfg: SFTConfig, metrics: dict, folder: Path, references: dict[str, str]) -> None:
-    """Per set: the base model's numbers and the paired comparison with it (`delta` = tuned - base
-    accuracy, `delta_low`/`delta_high` its 95% interval, wins/losses), the same with the champion
-    (`vs_champion`), and the guard's verdict. Top-level keys stay the primary set's."""
+def compare_with_base(cfg: SFTConfig, metrics: dict, folder: Path, baseline: str | None) -> None:
+    """Per set: the base model's numbers (from the baseline stage's folder) and the paired comparison
+    with it (`delta` = tuned - base accuracy, `delta_low`/`delta_high` its 95% interval, `vs_base`
+    with wins and losses), and the guard's verdict. Top-level keys stay the primary set's."""
     sets = metrics["sets"] if "sets" in metrics else {"val": metrics}
-    mine = read_records(folder)
-    for role, ref_dir in references.items():
-        manifest = read_manifest(Path(ref_dir))
-        theirs, ref_sets = read_records(ref_dir), manifest["metrics"].get("sets") or {"val": manifest["metrics"]}
-        what = "the base model" if role == "baseline" else f"champion v{manifest.get('version')}"
+    if baseline is not None:
+        manifest = read_manifest(Path(baseline))
+        base_sets = manifest["metrics"].get("sets") or {"val": manifest["metrics"]}
+        try:
+            paired = compare_sets(read_predictions(folder), read_predictions(baseline), f"the baseline folder {baseline}")
+        except ValueError as e:
+            raise EvaluationError(f"evaluate: {e}; re-run it with `sftflow stage baseline --force -c <config>`") from None
         for name, m in sets.items():
-            r = ref_sets[name]
-            c = _paired(name, mine.get(name, []), theirs.get(name, []), f"the {role} stage folder {ref_dir}")
-            if role == "baseline":
-                m.update({f"base_{k}": r[k] for k in BASE_KEYS if k in r})
-                m["delta"] = m["accuracy"] - r["accuracy"]
-                if c is not None:
-                    m.update(delta_low=c["delta_low"], delta_high=c["delta_high"], vs_base=c)
-            else:
-                m["champion_accuracy"], m["champion_delta"] = r["accuracy"], m["accuracy"] - r["accuracy"]
-                m["vs_champion"] = {"version": manifest.get("version"), "accuracy": r["accuracy"],
-                                    **(c or {"delta": m["champion_delta"]})}
+            r, c = base_sets[name], paired.get(name)
+            m.update({f"base_{k}": r[k] for k in BASE_KEYS if k in r})
+            m["delta"] = m["accuracy"] - r["accuracy"]
             if c is not None:
-                m.setdefault("comparisons", {})[role] = describe(c, what)
+                m.update(delta_low=c["delta_low"], delta_high=c["delta_high"], vs_base=c)
     guard_sets(cfg, sets)
     if "sets" in metrics:
-        metrics.update({k: v for k, v in sets[cfg.eval.set_names[0]].items()})
+        metrics.update(sets[cfg.eval.set_names[0]])
 
 
 def guard_sets(cfg: SFTConfig, sets: dict[str, dict]) -> None:
@@ -209,11 +178,11 @@ def run_reference(cfg: SFTConfig, stage: str, fp: str, base_model: str, model_re
 
 
 def run_evaluate(cfg: SFTConfig, fp: str, base_model: str, model_ref: str, prepare_dir: str,
-                 model_identity: dict | None = None, references: dict[str, str] | None = None,
+                 model_identity: dict | None = None, baseline: str | None = None,
                  on_line: Callable[[str], None] = print) -> dict:
     """Scores `model_ref` (the train stage folder, or `eval.model`, whose plan-time identity is
-    `model_identity`) and compares it item by item with the reference stages' folders (`references`:
-    "baseline" and/or "champion" -> folder)."""
+    `model_identity`) and compares it item by item with the base model's scores (the baseline stage's
+    folder, when the plan has one)."""
     _check_sets(cfg, prepare_dir)
     build = StageBuild(cfg.artifacts_path, "evaluate", fp)
     with tempfile.TemporaryDirectory(dir=build.partial, prefix=".download-") as tmp:  # models:/ downloads
@@ -222,11 +191,11 @@ def run_evaluate(cfg: SFTConfig, fp: str, base_model: str, model_ref: str, prepa
     if cfg.eval.eval_base and cfg.eval.model == "base":  # the base model *is* the model
         for m in [metrics, *metrics.get("sets", {}).values()]:
             m.update({f"base_{k}": m[k] for k in BASE_KEYS if k in m}, delta=0.0)
-    compare_with_references(cfg, metrics, build.partial, references or {})
+    compare_with_base(cfg, metrics, build.partial, baseline)
     (build.partial / "metrics.json").write_text(json.dumps(metrics, indent=2))
     set_fps = _set_fingerprints(cfg, prepare_dir, metrics.get("mode"))
     build.commit({"metrics": metrics, "eval_set_fingerprint": set_fps[cfg.eval.set_names[0]], "eval_sets": set_fps,
                   "model": cfg.eval.model or "trained", "model_dir": model["source"], "model_kind": model["kind"],
-                  "references": references or {}, "base_model": base_model, "prepare_dir": prepare_dir,
+                  "baseline": baseline, "base_model": base_model, "prepare_dir": prepare_dir,
                   "world_size": cfg.actor.world_size})
     return metrics

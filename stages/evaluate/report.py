@@ -19,17 +19,17 @@ def change(c: dict | None, delta: float | None = None) -> str:
     return f"{c['delta']:+.3f} [{c['delta_low']:+.3f}, {c['delta_high']:+.3f}]"
 
 
-def set_rows(metrics: dict) -> list[dict]:
-    """[{set, n, base, tuned, delta, change, champion, guard}] for an evaluate stage's metrics; one row
-    ("val") without named sets. `base`/`delta` are None when the base model was not scored;
-    `champion` is "" without a champion to compare with; `guard` is "" for an unguarded set, else
-    "ok" or "failed" with its rule."""
+def set_rows(metrics: dict, champion: dict[str, dict] | None = None) -> list[dict]:
+    """[{set, n, base, tuned, delta, change, champion, guard}] for an evaluate stage's metrics (and
+    register's comparison with the champion, per set); one row ("val") without named sets.
+    `base`/`delta` are None when the base model was not scored; `champion` is "" without a champion
+    to compare with; `guard` is "" for an unguarded set, else "ok" or "failed" with its rule."""
     sets = metrics.get("sets") or {"val": metrics}
     rows = []
     for name, m in sets.items():
         base = m.get("base_accuracy")
         delta = None if base is None else m["accuracy"] - base
-        vc = m.get("vs_champion")
+        vc = (champion or {}).get(name)
         guard = "" if "guard_ok" not in m else ("ok" if m["guard_ok"] else "failed")
         if guard:
             on = " on the 95% lower bound" if m.get("decided_on") == "interval" else ""
@@ -41,7 +41,7 @@ def set_rows(metrics: dict) -> list[dict]:
     return rows
 
 
-def table_cells(metrics: dict) -> list[list[str]]:
+def table_cells(metrics: dict, champion: dict[str, dict] | None = None) -> list[list[str]]:
     """`set_rows` as text cells in `COLUMNS` order: what the console and the markdown summary print."""
     return [[r["set"], str(r["n"]), fmt(r["base"]), fmt(r["tuned"]), r["change"], r["champion"] or "none", r["guard"]]
-            for r in set_rows(metrics)]
+            for r in set_rows(metrics, champion)]

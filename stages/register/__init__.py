@@ -31,9 +31,9 @@ from pathlib import Path
 
 from stages.core.artifacts import StageBuild, read_manifest
 from stages.core.config import SFTConfig
-from stages.core.paired import clears, describe
+from stages.core.paired import clears, compare_sets, describe, read_predictions
 from stages.tracking.registry import CHALLENGER, CHAMPION
-from stages.tracking.live import eval_metric_values, read_metrics_file, send_values, sync_rows
+from stages.tracking.live import champion_metric_values, eval_metric_values, read_metrics_file, send_values, sync_rows
 from stages.core.errors import StageError
 from stages.tracking.run import (FLOW_RUN_ID, FLOW_RUN_URL, NOTE_TAG, TAG, Lineage, config_hash, data_digest,
                                  find_or_create_run, reachable, redact_uri, run_note, run_url, setup_mlflow, ui_url,
@@ -66,10 +66,27 @@ def failed_guards(eval_metrics: dict) -> list[str]:
     return [line(name, m) for name, m in (eval_metrics.get("sets") or {}).items() if m.get("guard_ok") is False]
 
 
-def decide_alias(client, name: str, policy: str, eval_metrics: dict, train_fp: str, tolerance: float = 0.0,
-                 decide_on: str = "estimate", guards: list[str] | None = None) -> tuple[str | None, str]:
-    """(alias to set, why). `if_better` compares with the champion item by item on the primary set, as
-    evaluate scored both on today's eval sets (`vs_champion`), never with a stored accuracy."""
+def champion_comparison(eval_metrics: dict, evaluate_dir: str, champion_dir: str) -> dict[str, dict]:
+    """Per eval set: the champion's accuracy (scored by the champion stage on this run's sets) and the
+    paired comparison of the new model with it (`delta` = new - champion, its 95% interval, wins...)."""
+    manifest = read_manifest(Path(champion_dir))
+    theirs = manifest["metrics"].get("sets") or {"val": manifest["metrics"]}
+    mine = eval_metrics.get("sets") or {"val": eval_metrics}
+    try:
+        paired = compare_sets(read_predictions(evaluate_dir), read_predictions(champion_dir),
+                              f"the champion folder {champion_dir}")
+    except ValueError as e:
+        raise StageError(f"register: {e}; `sftflow run --force champion -c <config>` scores it again") from None
+    return {name: {"version": str(manifest["version"]), "accuracy": theirs[name]["accuracy"],
+                   **(paired.get(name) or {"delta": m["accuracy"] - theirs[name]["accuracy"]})}
+            for name, m in mine.items()}
+
+
+def decide_alias(client, name: str, policy: str, vs: dict | None, primary: str, train_fp: str,
+                 tolerance: float = 0.0, decide_on: str = "estimate",
+                 guards: list[str] | None = None) -> tuple[str | None, str]:
+    """(alias to set, why). `if_better` compares with the champion item by item on the primary set, both
+    scored on this run's eval sets (`vs`: `champion_comparison`'s entry), never with a stored accuracy."""
     if policy == "never":
         return None, "registry.promote=never"
     if guards:
@@ -82,12 +99,10 @@ def decide_alias(client, name: str, policy: str, eval_metrics: dict, train_fp: s
         return CHAMPION, "no champion yet"
     if current.tags.get(TAG + "train_fingerprint") == train_fp:
         return CHAMPION, f"v{current.version} is this training's version and the champion already"
-    vs = eval_metrics.get("vs_champion")
     if vs is None or str(vs.get("version")) != str(current.version):
         seen = f"v{vs['version']}" if vs else "none"
         return CHALLENGER, (f"champion v{current.version} was not compared in this run (the run compared with {seen}; "
                             "the alias moved after it was planned): run the flow again to compare with it")
-    primary = eval_metrics.get("primary_set", "val")
     if "delta_low" not in vs:  # a worker's own counts: no per-item records to pair
         ok, on = vs["delta"] >= -tolerance - 1e-12, "estimate"
         shown = f"{vs['delta']:+.3f} vs champion v{current.version}"
@@ -167,6 +182,7 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
     eval_set = evaluate_manifest["eval_set_fingerprint"]
     model_dir = str(Path(dirs["train"]) / "model")
 
+    versus = champion_comparison(eval_metrics, dirs["evaluate"], dirs["champion"]) if "champion" in dirs else None
     existing = _existing_version(client, name, fingerprints["train"])
     if existing is not None:
         version, run_id = existing, existing.run_id
@@ -180,7 +196,7 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
             if lineage.tags.get(FLOW_RUN_URL):
                 client.set_tag(run_id, "prefect.register_flow_run_url", lineage.tags[FLOW_RUN_URL])
         sync_rows(client, run_id, read_metrics_file(Path(dirs["train"]) / "metrics.jsonl"))  # what live logging missed
-        send_values(client, run_id, eval_metric_values(eval_metrics))
+        send_values(client, run_id, {**eval_metric_values(eval_metrics), **champion_metric_values(versus or {})})
         with mlflow.start_run(run_id=run_id):
             _log_run_files(mlflow, dirs, eval_metrics)
             here = Path(__file__).resolve().parent
@@ -199,17 +215,19 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
             client.set_model_version_tag(name, version.version, TAG + k, v)
 
     guards = failed_guards(eval_metrics)
-    r = cfg.registry
-    alias, why = decide_alias(client, name, r.promote, eval_metrics, fingerprints["train"], r.tolerance, r.decide_on,
-                              guards)
+    r, primary = cfg.registry, eval_metrics.get("primary_set", "val")
+    alias, why = decide_alias(client, name, r.promote, (versus or {}).get(primary), primary, fingerprints["train"],
+                              r.tolerance, r.decide_on, guards)
     client.set_model_version_tag(name, version.version, TAG + "alias_reason", why)
+    # what this decision compared with: once the version is champion, planning finds this register folder by it
+    client.set_model_version_tag(name, version.version, TAG + "champion_fingerprint", fingerprints.get("champion", ""))
     aliases = set(client.get_model_version(name, version.version).aliases)
     if alias and alias not in aliases and CHAMPION not in aliases:
         client.set_registered_model_alias(name, alias, version.version)
     aliases = sorted(client.get_model_version(name, version.version).aliases)
     metrics = {"version": int(version.version), "accuracy": eval_metrics["accuracy"], "aliases": aliases,
                "reused_version": existing is not None, "alias_decision": alias, "alias_reason": why,
-               **({"vs_champion": eval_metrics["vs_champion"]} if "vs_champion" in eval_metrics else {})}
+               **({"vs_champion": versus} if versus else {})}
     ui = ui_url(cfg)
     (build.partial / "registration.json").write_text(json.dumps(
         {"tracking_uri": uri, "run_id": run_id, "model_name": name,

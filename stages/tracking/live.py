@@ -75,27 +75,30 @@ def row_metrics(row: dict) -> dict[str, float]:
 
 
 # The eval numbers worth a chart; register puts the rest (counts, token-level figures) in a table.
-CHARTED_EVAL = ("accuracy", "base_accuracy", "eval_loss", "delta", "delta_low", "delta_high", "champion_accuracy")
-# the paired comparisons' counts and interval, charted as `<prefix>/<name>` (evaluate/paired.py)
-PAIRED = {"vs_base": {"wins": "wins", "losses": "losses", "p_value": "p_value"},
-          "vs_champion": {"delta": "champion_delta", "delta_low": "champion_delta_low",
-                          "delta_high": "champion_delta_high", "wins": "champion_wins", "losses": "champion_losses"}}
+CHARTED_EVAL = ("accuracy", "base_accuracy", "eval_loss", "delta", "delta_low", "delta_high")
+VS_BASE = ("wins", "losses", "p_value")  # the paired comparison with the base model (core/paired.py)
+VS_CHAMPION = ("accuracy", "delta", "delta_low", "delta_high", "wins", "losses", "p_value")
 
 
 def eval_metric_values(eval_metrics: dict) -> dict[str, float]:
     """MLflow metric name -> value: `eval/<key>` for the primary set, `eval/<set>/<key>` for every
-    named set; accuracy, base and champion accuracy, loss, and the paired deltas with their 95%
-    intervals and win/loss counts."""
+    named set; accuracy, base accuracy, loss, and the paired delta to the base model with its 95%
+    interval and win/loss counts."""
     def charted(prefix: str, m: dict) -> dict[str, float]:
         out = {f"{prefix}/{k.removeprefix('eval_')}": float(m[k]) for k in CHARTED_EVAL if _number(m.get(k))}
-        for group, names in PAIRED.items():
-            out.update({f"{prefix}/{name}": float(m[group][k]) for k, name in names.items()
-                        if _number((m.get(group) or {}).get(k))})
+        out.update({f"{prefix}/{k}": float(m["vs_base"][k]) for k in VS_BASE if _number((m.get("vs_base") or {}).get(k))})
         return out
     out = charted("eval", eval_metrics)
     for name, m in (eval_metrics.get("sets") or {}).items():
         out.update(charted(f"eval/{name}", m))
     return out
+
+
+def champion_metric_values(comparison: dict[str, dict]) -> dict[str, float]:
+    """`eval/<set>/champion_<key>`: the champion's accuracy and the paired comparison with it, per set
+    (register's `champion_comparison`)."""
+    return {f"eval/{name}/champion_{k}": float(c[k]) for name, c in comparison.items() for k in VS_CHAMPION
+            if _number(c.get(k))}
 
 
 def last_logged_steps(client, run_id: str) -> dict[str, int]:

@@ -9,6 +9,7 @@ from stages.core.errors import ConfigError
 
 REGISTRY_PREFIX = "models:/"
 CHAMPION, CHALLENGER = "champion", "challenger"  # the aliases register moves
+VERSION_TAGS = ("train_fingerprint", "champion_fingerprint")  # what planning reads of the champion's version
 
 
 def registry_version(ref: str, tracking_uri: str, key: str = "eval.model") -> tuple[str, str]:
@@ -47,7 +48,8 @@ def download_model(ref: str, tracking_uri: str | None, dst_path: str | None = No
 
 
 def current_champion(tracking_uri: str, name: str, alias: str = CHAMPION) -> dict | None:
-    """`{"registry", "name", "version", "train_fingerprint"}` of the version `alias` points at now, or None
+    """`{"registry", "name", "version", "train_fingerprint", "champion_fingerprint"}` of the version `alias`
+    points at now (`champion_fingerprint`: the champion stage its last registration compared it with), or None
     when there is none (no store yet, no such model or alias) or the registry can't be asked: then the
     register stage, which asks again, holds the new version back rather than compare with nothing."""
     if tracking_uri.startswith("sqlite:///"):
@@ -63,7 +65,7 @@ def current_champion(tracking_uri: str, name: str, alias: str = CHAMPION) -> dic
     except Exception:  # no model, no alias, unreachable server
         return None
     return {"registry": tracking_uri, "name": name, "version": str(version.version),
-            "train_fingerprint": version.tags.get("sftflow.train_fingerprint", "")}
+            **{k: version.tags.get(f"sftflow.{k}", "") for k in VERSION_TAGS}}
 
 
 def _sqlite_alias(db: Path, name: str, alias: str) -> dict | None | bool:
@@ -76,8 +78,8 @@ def _sqlite_alias(db: Path, name: str, alias: str) -> dict | None | bool:
                               (name, alias)).fetchone()
             if row is None:
                 return None
-            tag = con.execute("SELECT value FROM model_version_tags WHERE name = ? AND version = ? AND key = ?",
-                              (name, row[0], "sftflow.train_fingerprint")).fetchone()
+            tags = dict(con.execute("SELECT key, value FROM model_version_tags WHERE name = ? AND version = ?",
+                                    (name, row[0])).fetchall())
     except sqlite3.Error:
         return False
-    return {"version": str(row[0]), "train_fingerprint": tag[0] if tag else ""}
+    return {"version": str(row[0]), **{k: tags.get(f"sftflow.{k}", "") for k in VERSION_TAGS}}
