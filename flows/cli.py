@@ -9,7 +9,6 @@ import importlib
 import json
 import os
 import sys
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -27,11 +26,12 @@ from rich.console import Console  # noqa: E402
 from rich.markup import escape  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+# What flows/ may import from stages is the `flows` row of docs/architecture.md's table (tested in
+# tests/test_architecture.py); a command's own heavy imports stay inside it (torch: `chat` only).
+from flows.prefect_server import KeepSettingError, ServerDidNotStart, prefect_api  # noqa: E402
 from stages.core.config import ConfigError, SFTConfig, default_tracking_uri, flatten, load_config  # noqa: E402
 from stages.core.errors import MissingUpstream, StageError  # noqa: E402
-from stages.models.base import resolve_model  # noqa: E402
-from stages.models.refs import resolve_model_ref  # noqa: E402
-from stages.evaluate.report import COLUMNS, fmt, table_cells  # noqa: E402
+from stages.evaluate.report import COLUMNS, table_cells  # noqa: E402
 from stages.pipeline import KEY_METRIC, STAGES, Plan, plan, require_upstream  # noqa: E402
 from stages.runtime.launcher import request_stop, stop_requested  # noqa: E402
 
@@ -72,24 +72,24 @@ def _plan(config: Path, overrides: Optional[list[str]]) -> Plan:
 
 
 def _summary(results: list[dict], scored: str = "tuned") -> None:
+    from flows.sft import shown  # the flow's own number format (loaded: the flow ran), as its summary prints
     table = Table(title="sftflow")
     for col in ("stage", "fingerprint", "cached", "seconds", "key metric"):
         table.add_column(col)
     for r in results:
         key, label = KEY_METRIC[r["stage"]]
-        value = r["metrics"].get(key)
-        shown = f"{label} {value:.4g}" if isinstance(value, float) else f"{label} {value}"
-        table.add_row(r["stage"], r["fingerprint"], "yes" if r["cached"] else "no", f"{r['seconds']:.1f}", shown)
+        table.add_row(r["stage"], r["fingerprint"], "yes" if r["cached"] else "no", f"{r['seconds']:.1f}",
+                      f"{label} {shown(r['metrics'].get(key))}")
     console.print(table)
     ev = next((r for r in results if r["stage"] == "evaluate"), None)
+    reg = next((r for r in results if r["stage"] == "register"), None)
     if ev:
         sets = Table(title="eval sets (accuracy; paired change with its 95% interval)")
         for col in COLUMNS:
             sets.add_column(escape(scored) if col == "tuned" else col)
-        for cells in table_cells(ev["metrics"]):
+        for cells in table_cells(ev["metrics"], reg["metrics"].get("vs_champion") if reg else None):
             sets.add_row(*map(escape, cells))
         console.print(sets)
-    reg = next((r for r in results if r["stage"] == "register"), None)
     if reg:
         m = reg["metrics"]
         aliases = ", ".join(m.get("aliases", [])) or "no alias"
@@ -101,50 +101,30 @@ def _flow(module: str, name: str) -> Callable[[], Callable]:
     return lambda: getattr(importlib.import_module(module), name)
 
 
+def _say(message: str) -> None:
+    err.print(message, highlight=False)
+
+
 def _run_flow(load_flow: Callable[[], Callable], **kwargs) -> list[dict]:
-    """Runs a flow (on PREFECT_API_URL, else on a local server: `flows/prefect_server.py`); its
-    failure ends as one line (Prefect's log above has the details). `load_flow` imports the flow:
-    importing Prefect takes seconds, spent while a server starts rather than before it."""
-    if not os.environ.get("PREFECT_API_URL"):
-        from flows import prefect_server as ps
-        home = Path(os.environ["PREFECT_HOME"])
-        try:
-            keep_s = ps.keep_seconds()
-        except ValueError as e:
-            _fail(str(e))
-        with ps.lease(home):  # a kept server stays up while this call runs
-            try:
-                found = ps.running_server(home)
-                api = found["api"] if found else None
-                ui = found is not None and found.get("kind") != "kept"
-                if api:
-                    err.print(f"using the running Prefect server at {api}", highlight=False)
-                elif keep_s > 0:
-                    api = ps.start_kept_server(home, keep_s, meanwhile=load_flow)
-                    err.print(f"started a Prefect server at {api} for this and later runs; it stops after "
-                              f"{keep_s:g} s unused ({ps.KEEP_ENV}=0: a temporary server per call)", highlight=False)
-                server = nullcontext(api) if api else ps.temporary_server(home, meanwhile=load_flow)
-                with server as api:
-                    from prefect.settings import PREFECT_API_URL, temporary_settings
-                    os.environ["PREFECT_API_URL"] = api
-                    if not ui:  # no links to print to pages nobody serves
-                        os.environ[ps.TEMPORARY_SERVER_ENV] = "1"
-                    with temporary_settings(updates={PREFECT_API_URL: api}):
-                        return _run_flow(load_flow, **kwargs)
-            except ps.ServerDidNotStart as e:
-                _fail(str(e), code=1)
-            finally:
-                os.environ.pop("PREFECT_API_URL", None)
-                os.environ.pop(ps.TEMPORARY_SERVER_ENV, None)
-    fn = load_flow()
+    """Runs a flow on the Prefect API `prefect_api` picks (PREFECT_API_URL, else a local server on
+    PREFECT_HOME: flows/prefect_server.py); its failure ends as one line (Prefect's log above has
+    the details). `load_flow` imports the flow: importing Prefect takes seconds, spent while a
+    server starts rather than before it."""
     try:
-        return fn(**kwargs)
-    except ConfigError as e:
+        with prefect_api(Path(os.environ["PREFECT_HOME"]), meanwhile=load_flow, say=_say):
+            flow = load_flow()
+            try:
+                return flow(**kwargs)
+            except ConfigError as e:
+                _fail(str(e))
+            except StageError as e:
+                _fail(str(e), code=1)
+            except Exception as e:  # noqa: BLE001 - the flow log already holds the traceback
+                _fail(f"{type(e).__name__}: {str(e).strip() or 'failed'} (traceback in the log above)", code=1)
+    except KeepSettingError as e:
         _fail(str(e))
-    except StageError as e:
+    except ServerDidNotStart as e:
         _fail(str(e), code=1)
-    except Exception as e:  # noqa: BLE001 - the flow log already holds the traceback
-        _fail(f"{type(e).__name__}: {str(e).strip() or 'failed'} (traceback in the log above)", code=1)
 
 
 @app.command()
@@ -227,6 +207,7 @@ def _preview(cfg: SFTConfig, p, n: int) -> None:
     """What the model is trained on, as a careful user checks it by hand: from the prepared shards
     when prepare has run, else prepared on the fly from the first rows (nothing is written)."""
     from rich.text import Text
+    from stages.models.base import resolve_model  # may build a builtin model (torch) on first use
     from stages.prepare.stage import preview_samples  # tokenizers: only for --preview
     try:
         samples = preview_samples(cfg, p.folder("prepare"), resolve_model(cfg, p.fingerprints["models"]), n)
@@ -249,7 +230,8 @@ def chat(question: str = typer.Argument(..., help="the user message"),
          max_new_tokens: int = typer.Option(128, help="reply length limit"),
          tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI for models:/ (default: artifacts/mlflow.db)")) -> None:
     """Ask a model one question through its chat template."""
-    from stages.runtime.generation import generate, load  # torch: only for chat
+    from stages.models.refs import resolve_model_ref
+    from stages.runtime.generation import generate, load  # torch: only for chat, the one flows import of it
     try:
         path = resolve_model_ref(model, tracking_uri or default_tracking_uri())
     except ValueError as e:
@@ -328,6 +310,7 @@ def sweep(config: Path = ConfigOpt,
 
 
 def _sweep_summary(out: dict, metric: str) -> None:
+    from flows.sft import shown  # loaded: the sweep flow ran; flows/sweep.py prints its table with it too
     from stages.sweep import metric_of
     by_index = {t["index"]: t for t in out["trials"]}
     keys = list(out["trials"][0]["values"])
@@ -337,7 +320,7 @@ def _sweep_summary(out: dict, metric: str) -> None:
     for rank, i in enumerate(out["order"], 1):
         t = by_index[i]
         m = t["evaluate"]["metrics"]
-        table.add_row(str(rank), *[t["values"][k] for k in keys], fmt(metric_of(m, metric)), fmt(m.get("accuracy")),
+        table.add_row(str(rank), *[t["values"][k] for k in keys], shown(metric_of(m, metric)), shown(m.get("accuracy")),
                       "cached" if t["train"]["cached"] else "yes")
     console.print(table)
     reg = out["register"]["metrics"]

@@ -1,6 +1,5 @@
-"""The Prefect server a CLI call runs its flow on, when no PREFECT_API_URL names one.
-
-In order of preference (`server_for_run`):
+"""The Prefect API a CLI call runs its flow on: `prefect_api(home)`, a context manager that yields
+its URL. PREFECT_API_URL, when set, is used as it is; otherwise, in order of preference:
 
   * a server already running on the same Prefect home: `serve --start-server` (`make serve`),
     or one kept from an earlier call;
@@ -30,7 +29,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from importlib.metadata import version
 from pathlib import Path
 from typing import Callable, Iterator
@@ -49,6 +48,10 @@ KEPT_LOG = "kept-server.log"
 
 class ServerDidNotStart(RuntimeError):
     """`prefect server start` exited or never answered its health check; its log says why."""
+
+
+class KeepSettingError(ValueError):
+    """`SFTFLOW_KEEP_SERVER` is not a number of seconds."""
 
 
 def healthy(api_url: str) -> bool:
@@ -98,7 +101,7 @@ def keep_seconds() -> float:
     try:
         return float(raw) if raw else DEFAULT_KEEP_S
     except ValueError:
-        raise ValueError(f"{KEEP_ENV}={raw!r}: expected seconds (0: a temporary server per call)") from None
+        raise KeepSettingError(f"{KEEP_ENV}={raw!r}: expected seconds (0: a temporary server per call)") from None
 
 
 def _server_command(host: str, port: int, home: Path, ui: bool) -> tuple[list[str], dict]:
@@ -303,6 +306,63 @@ def _forget(marker: Path, ours: dict) -> None:
     """Removes the marker if it still names this keeper (a `serve --start-server` may own it now)."""
     if _marker(marker.parent) == ours:
         marker.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- a CLI call's server
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+@contextmanager
+def prefect_api(home: Path, meanwhile: Callable[[], object] | None = None,
+                say: Callable[[str], None] = _to_stderr) -> Iterator[str]:
+    """The Prefect API a CLI call runs its flow on, for the whole block; yields its URL.
+
+    PREFECT_API_URL, when set, is used as it is: nothing is started, held or changed. Otherwise,
+    holding the `lease` on the Prefect home `home` for the whole block: a server already running
+    on it (`running_server`), else a kept one (`start_kept_server`; `say` tells where and for how
+    long), else, with `SFTFLOW_KEEP_SERVER=0`, a `temporary_server`. Inside the block
+    PREFECT_API_URL names it, in the environment (child processes) and in Prefect's settings
+    (already loaded), and TEMPORARY_SERVER_ENV is set when it serves no UI (no links to pages
+    nobody serves); both are restored when the server is done. `meanwhile` runs while a server
+    starts (the caller's imports of Prefect and the flow take seconds too).
+
+    Raises KeepSettingError (a bad SFTFLOW_KEEP_SERVER, before anything starts) and
+    ServerDidNotStart."""
+    preset = os.environ.get("PREFECT_API_URL")
+    if preset:
+        yield preset
+        return
+    keep_s = keep_seconds()
+    with lease(home):  # a kept server stays up while this call runs
+        found = running_server(home)
+        if found:
+            say(f"using the running Prefect server at {found['api']}")
+            server, ui = nullcontext(found["api"]), found.get("kind") != "kept"
+        elif keep_s > 0:
+            api = start_kept_server(home, keep_s, meanwhile=meanwhile)
+            say(f"started a Prefect server at {api} for this and later runs; it stops after "
+                f"{keep_s:g} s unused ({KEEP_ENV}=0: a temporary server per call)")
+            server, ui = nullcontext(api), False
+        else:
+            server, ui = temporary_server(home, meanwhile=meanwhile), False
+        saved = {name: os.environ.get(name) for name in ("PREFECT_API_URL", TEMPORARY_SERVER_ENV)}
+        try:
+            with server as api:
+                from prefect.settings import PREFECT_API_URL, temporary_settings
+                os.environ["PREFECT_API_URL"] = api
+                if not ui:
+                    os.environ[TEMPORARY_SERVER_ENV] = "1"
+                with temporary_settings(updates={PREFECT_API_URL: api}):
+                    yield api
+        finally:  # after the server is done: a temporary one drains Prefect's queues to it first
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def main() -> int:

@@ -2,7 +2,11 @@
 follow exactly the code each stage runs."""
 
 import ast
+import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -64,6 +68,103 @@ def test_stages_never_import_prefect_and_flows_never_import_torch():
     assert not [p for p in _modules() if "prefect" in _third_party_imports(p)]
     flows = sorted((ROOT / "flows").glob("*.py"))
     assert not [p for p in flows if _third_party_imports(p) & {"torch", "transformers", "numpy"}]
+
+
+# --------------------------------------------------------------------------- flows/ -> stages/
+
+FLOWS_DIR = ROOT / "flows"
+FLOWS_MODULES = ("flows.cli", "flows.sft", "flows.sweep", "flows.serve", "flows.deploy", "flows.prefect_server")
+# What flows/ imports from stages when it is imported: a module, or a package and every module in it.
+# The `flows` row of docs/architecture.md's table.
+FLOWS_MAY_IMPORT = {
+    "stages.pipeline": "the stage graph: plan, Plan, run_stage, KEY_METRIC",
+    "stages.sweep": "a sweep's trials and their ranking",
+    "stages.core": "config and errors",
+    "stages.evaluate.report": "the eval-set table as text cells (pure data, printed by the CLI and the flow summary)",
+    "stages.runtime.launcher": "the CLI's Ctrl-C / SIGTERM handler tells running torchrun trees to stop",
+}
+# What flows/ may import only inside the function that needs it (the command that uses it), and why.
+FLOWS_MAY_IMPORT_LAZILY = {
+    "stages.runtime.generation": "`sftflow chat` loads and runs the model (torch)",
+    "stages.models.refs": "`sftflow chat -m`: a train folder, checkpoint or models:/ ref -> a model folder",
+    "stages.models.base": "`sftflow show --preview`: the base model's tokenizer (builds a builtin one on first use)",
+    "stages.prepare.stage": "`sftflow show --preview`: prepared samples (tokenizers)",
+    "stages.tracking.sweep": "the sweep flow's MLflow parent run",
+}
+# The lazy imports that load torch, and the only functions they may be in.
+FLOWS_TORCH_IMPORTS = {"stages.runtime.generation": {("cli.py", "chat")}}
+
+
+def _allowed(module: str, allowed) -> bool:
+    return any(module == a or module.startswith(a + ".") for a in allowed)
+
+
+def _stages_imports(path: Path) -> list[tuple[str, str | None]]:
+    """(`stages.*` module, the function it is imported in, or None at module level) for every import
+    in `path`; `from stages.x import y` counts as `stages.x.y` when y is a module."""
+    found = []
+
+    def visit(node: ast.AST, function: str | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                visit(child, function or getattr(child, "name", "<lambda>"))
+                continue
+            names: list[str] = []
+            if isinstance(child, ast.Import):
+                names = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom) and not child.level and child.module:
+                subs = [f"{child.module}.{a.name}" for a in child.names]
+                modules = [m for m in subs if (ROOT.joinpath(*m.split(".")).with_suffix(".py")).is_file()
+                           or (ROOT.joinpath(*m.split(".")) / "__init__.py").is_file()]
+                names = modules or [child.module]
+            found.extend((n, function) for n in names if n == "stages" or n.startswith("stages."))
+            visit(child, function)
+
+    visit(ast.parse(path.read_text()), None)
+    return found
+
+
+def _flows_files() -> list[Path]:
+    return sorted(FLOWS_DIR.glob("*.py"))
+
+
+@pytest.mark.parametrize("path", _flows_files(), ids=lambda p: p.name)
+def test_flows_import_from_stages_only_what_the_floor_plan_allows(path):
+    imports = _stages_imports(path)
+    eager = sorted({m for m, fn in imports if fn is None and not _allowed(m, FLOWS_MAY_IMPORT)})
+    assert not eager, (f"flows/{path.name} imports {eager} when imported; allowed: {sorted(FLOWS_MAY_IMPORT)} "
+                       f"(or import it inside the function that needs it, listed in FLOWS_MAY_IMPORT_LAZILY)")
+    lazy = sorted({f"{m} (in {fn})" for m, fn in imports
+                   if fn is not None and not _allowed(m, FLOWS_MAY_IMPORT) and m not in FLOWS_MAY_IMPORT_LAZILY})
+    assert not lazy, f"flows/{path.name} imports {lazy}; allowed lazily: {sorted(FLOWS_MAY_IMPORT_LAZILY)}"
+    torch = sorted(f"{m} (in {fn or 'module level'})" for m, fn in imports
+                   if m in FLOWS_TORCH_IMPORTS and (path.name, fn) not in FLOWS_TORCH_IMPORTS[m])
+    assert not torch, f"flows/{path.name} imports {torch}, which load torch; only in {FLOWS_TORCH_IMPORTS}"
+
+
+def test_the_flows_allowances_are_all_used():
+    """An allowance nothing needs any more is drift: the table would promise more than flows/ does."""
+    used = {m for p in _flows_files() for m, _ in _stages_imports(p)}
+    unused = sorted(a for a in [*FLOWS_MAY_IMPORT, *FLOWS_MAY_IMPORT_LAZILY] if not any(_allowed(m, [a]) for m in used))
+    assert not unused, f"allowed but never imported by flows/: {unused}"
+
+
+def test_importing_flows_loads_no_torch(tmp_path):
+    """The CLI, the flows and the deployments load no torch (seconds, gigabytes) when imported, nor
+    does any lazy import but the ones FLOWS_TORCH_IMPORTS names (`sftflow chat`)."""
+    lazy = [m for m in FLOWS_MAY_IMPORT_LAZILY if m not in FLOWS_TORCH_IMPORTS]
+    code = ("import importlib, json, sys\n"
+            f"for m in {list(FLOWS_MODULES)!r}: importlib.import_module(m)\n"
+            "flows = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
+            f"for m in {lazy!r}: importlib.import_module(m)\n"
+            "lazy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
+            "print(json.dumps([flows, lazy]))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PREFECT_HOME": str(tmp_path / ".prefect")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    flows, lazy_loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert flows == [], f"importing {', '.join(FLOWS_MODULES)} loads {flows}"
+    assert lazy_loaded == [], f"one of the lazy imports {lazy} loads {lazy_loaded}; list it in FLOWS_TORCH_IMPORTS"
 
 
 # module edited -> the code versions that must change (all others must not)
