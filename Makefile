@@ -6,7 +6,7 @@ CONFIG  ?= configs/default.yaml
 ARGS    ?=
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: run test test-fast ui serve-model serve install clean
+.PHONY: run test test-fast lint ui serve-model serve install clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,27 +21,26 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/sftflow run -c $(CONFIG) $(ARGS)
 
-# The full suite (CI): torchrun, the Prefect and MLflow servers, the whole flow.
-test: $(STAMP)
+# The full suite (CI): the linter, then torchrun, the Prefect and MLflow servers, the whole flow.
+test: lint
 	$(BIN)/python -m pytest -q $(ARGS)
 
 # The fast tier while you work: in-process, no torchrun, no servers (under 2 minutes).
-test-fast: $(STAMP)
+test-fast: lint
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
-# The MLflow UI over the default store; prints the experiment's runs page (MLflow 3 opens an
-# experiment on its GenAI overview otherwise).
-MLFLOW_DB  ?= $(CURDIR)/artifacts/mlflow.db
-EXPERIMENT ?= sftflow
-UI_PORT    ?= 5000
+lint: $(STAMP)
+	$(BIN)/ruff check stages flows tests bench data
+
+# The MLflow UI over the config's tracking store; prints the page of its experiment's runs (MLflow 3
+# opens an experiment on its GenAI overview otherwise), or says nothing was logged there yet.
+UI_PORT ?= 5000
 ui: $(STAMP)
-	@$(BIN)/python -m stages.tracking.ui sqlite:///$(MLFLOW_DB) $(EXPERIMENT) http://127.0.0.1:$(UI_PORT)
-	$(BIN)/mlflow ui --host 127.0.0.1 --port $(UI_PORT) \
-	  --backend-store-uri sqlite:///$(MLFLOW_DB) \
-	  --default-artifact-root $(dir $(MLFLOW_DB))mlartifacts
+	@$(BIN)/python -m stages.tracking.ui $(CONFIG) --port $(UI_PORT)
 
 # A registered model over REST on 127.0.0.1:PORT (POST /invocations). MLflow starts uvicorn by
 # name, so the venv's bin goes first on PATH.
+MLFLOW_DB ?= $(CURDIR)/artifacts/mlflow.db
 MODEL ?= models:/tiny-chat-sft@champion
 PORT  ?= 5001
 serve-model: $(STAMP)

@@ -261,22 +261,24 @@ def shown(v) -> str:
     return "n/a" if v is None else str(v)
 
 
-def _clip(text: str, n: int = 300) -> str:
+def _clip(text: str, n: int = 2000) -> str:
     return text if len(text) <= n else text[:n] + "…"
 
 
-def _publish_predictions(preds: Path, limit: int = 50) -> None:
-    """Wrong answers first (they are what a person looks for), `correct` as the first column."""
+def _publish_predictions(preds: Path) -> None:
+    """Every prediction, wrong answers first (they are what a person looks for), `correct` as the first
+    column; texts are cut only past 2,000 characters (the file in the evaluate folder has them whole)."""
     rows = [json.loads(line) for line in preds.read_text(encoding="utf-8").splitlines() if line.strip()]
     wrong = [r for r in rows if not r["correct"]]
-    shown = (wrong + [r for r in rows if r["correct"]])[:limit]
+    ordered = wrong + [r for r in rows if r["correct"]]
     sets = any("set" in r for r in rows)
     create_table_artifact(
         [{"correct": "yes" if r["correct"] else "no", **({"set": r.get("set", "val")} if sets else {}),
           "prompt": _clip(r["prompt"][-1]["content"]), "reference": _clip(r["reference"]),
-          "prediction": _clip(r["prediction"])} for r in shown],
+          "prediction": _clip(r["prediction"])} for r in ordered],
         key="sftflow-eval-predictions",
-        description=f"{len(shown)} of {len(rows)} held-out predictions, wrong answers first ({len(wrong)} wrong)")
+        description=f"all {len(rows)} held-out predictions, wrong answers first ({len(wrong)} wrong); "
+                    f"file: {preds}")
 
 
 def _link(text: str, url: str | None) -> str:
@@ -306,7 +308,8 @@ def _publish_summary(results: list[dict]) -> None:
         reg = json.loads((Path(by_stage["register"]["path"]) / "registration.json").read_text())
         lines += ["", f"**MLflow**: run {_link(reg['run_id'], reg.get('run_url'))}, model version "
                       f"{_link(reg['model_uri'], reg.get('version_url'))} "
-                      f"(aliases: {', '.join(reg['aliases']) or 'none'}), tracking at `{reg['tracking_uri']}`"]
+                      f"(aliases: {', '.join(by_stage['register']['metrics']['aliases']) or 'none'}), "
+                      f"tracking at `{reg['tracking_uri']}`"]
         why = by_stage["register"]["metrics"].get("alias_reason")
         if why:
             lines += ["", f"**Alias**: {why}"]

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .core.artifacts import StageResult, cached_result, damage, fingerprint, input_digest, is_complete, stage_dir, stage_lock
+from .core.artifacts import (StageResult, cached_result, damage, deferred_digest_memos, fingerprint, input_digest,
+                             is_complete, stage_dir, stage_lock)
 from .core.codeversion import code_version
 from .core.config import SCORER_NAMES, SFTConfig, eval_split, hashed
 from .core.errors import ConfigError, MissingUpstream, StageError
@@ -32,7 +33,7 @@ from .core.imports import import_identity, import_object
 from .core.inputs import HUB_PREFIX
 from .models.base import model_fingerprint, resolve_model
 from .models.refs import eval_model_identity
-from .tracking.registry import REGISTRY_PREFIX, current_champion
+from .tracking.registry import REGISTRY_PREFIX, current_champion, version_aliases
 from .tracking.run import Lineage
 
 __all__ = ["STAGES", "REFERENCES", "UPSTREAM", "KEY_METRIC", "Plan", "plan", "run_stage", "upstream", "requires",
@@ -149,7 +150,13 @@ def _reference_fingerprints(cfg: SFTConfig, digests: dict, model_fp: str, scorer
 
 def plan(cfg: SFTConfig) -> Plan:
     """Fingerprints of every stage from the config and input *contents*; runs nothing. The code
-    the config names is imported first (`check_code`), so its errors come before any work."""
+    the config names is imported first (`check_code`), so its errors come before any work, and
+    nothing is written (not even a digest memo) unless the whole plan is valid."""
+    with deferred_digest_memos():
+        return _plan(cfg)
+
+
+def _plan(cfg: SFTConfig) -> Plan:
     check_code(cfg)
     root = cfg.artifacts_path
     inputs = {split: [(str(ref), input_digest(ref, root)) for ref in refs] for split, refs in cfg.inputs().items()}
@@ -227,6 +234,18 @@ def _check_inputs_unchanged(p: Plan) -> None:
                 raise StageError(f"prepare: {ref} changed after the run was planned; run it again")
 
 
+def _registry_now(p: Plan, hit: StageResult) -> StageResult:
+    """A reused registration reports the registry as it is now (its aliases may have moved since), with
+    the decision it made when it ran."""
+    m = hit.metrics
+    now = version_aliases(p.cfg.resolved_tracking_uri, p.cfg.registry.model_name, m["version"])
+    if now is None:
+        return hit
+    then = f"{', '.join(m.get('aliases') or []) or 'no alias'}: {m['alias_reason']}" if m.get("alias_reason") else ""
+    m = {**m, "aliases": now, "alias_reason": f"registered by an earlier run ({then})" if then else "registered by an earlier run"}
+    return StageResult(hit.stage, hit.fingerprint, hit.path, m, cached=True, seconds=hit.seconds)
+
+
 def run_stage(p: Plan, stage: str, force: bool = False, on_line: Callable[[str], None] = print,
               tags: dict[str, str] | None = None) -> StageResult:
     """Runs one stage unless its folder is complete (or `force`); upstream must be complete.
@@ -238,7 +257,7 @@ def run_stage(p: Plan, stage: str, force: bool = False, on_line: Callable[[str],
     with stage_lock(root, stage, fp, warn=on_line):
         hit = cached_result(root, stage, fp, warn=on_line)
         if hit is not None and not force:
-            return hit
+            return _registry_now(p, hit) if stage == "register" else hit
         if stage == "prepare":
             from .prepare.stage import run_prepare
             _check_inputs_unchanged(p)

@@ -125,7 +125,7 @@ def test_code_and_paths_the_config_names_are_checked_before_anything_runs(tmp_pa
     raw = tiny_config_dict(tmp_path, **change)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         plan(config_from_dict(raw))
-    assert not (tmp_path / "artifacts" / "prepare").exists()
+    assert not (tmp_path / "artifacts").exists()  # not even the digest memos of the data files
 
 
 def test_unsupported_data_files_and_a_file_as_artifacts_dir(tmp_path, monkeypatch):
@@ -148,6 +148,32 @@ def test_a_rejected_config_writes_nothing_and_prefect_home_follows_artifacts_dir
     proc = sftflow("stage", "evaluate", "-c", str(path), cwd=tmp_path, timeout=120, env={"PREFECT_HOME": None})
     assert proc.returncode == 2  # valid config, missing upstream: still no Prefect home anywhere
     assert not (tmp_path / "artifacts").exists()
+
+
+@pytest.mark.parametrize("change", [{"actor": {"model": {"model_path": "builtin:nope"}}},
+                                    {"actor": {"model": {"model_path": "/missing/dir"}}}], ids=["builtin", "folder"])
+def test_a_bad_model_from_the_cli_writes_nothing(tmp_path, change):
+    path = write_config(tmp_path, tiny_config_dict(tmp_path, **change))
+    proc = sftflow("run", "-c", str(path), cwd=tmp_path, timeout=120, env={"PREFECT_HOME": None})
+    assert proc.returncode == 2 and proc.stderr.startswith("error: actor.model.model_path") and \
+        len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "artifacts").exists()
+
+
+def test_a_csv_that_is_not_utf8_is_refused_before_anything_runs(tmp_path):
+    """The whole file fails to decode, so it is found while planning (its digest is computed on the same
+    read): one line naming the file and the byte, exit 2, no Prefect server started, nothing written."""
+    rows = "messages\n" + '"[{""role"": ""user"", ""content"": ""hi""}, {""role"": ""assistant"", ""content"": ""h\xe9""}]"\n'
+    (tmp_path / "latin1.csv").write_bytes(rows.encode("latin-1"))
+    path = write_config(tmp_path, tiny_config_dict(tmp_path, data={"train_data_paths": [str(tmp_path / "latin1.csv")]}))
+    proc = sftflow("run", "-c", str(path), cwd=tmp_path, timeout=120, env={"PREFECT_HOME": None})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'latin1.csv'}: not UTF-8 (invalid continuation byte "
+                                                f"at byte {rows.index(chr(0xe9))}); re-encode the file as UTF-8"]
+    assert not (tmp_path / "artifacts").exists()  # no Prefect home, no server, no digests
+    (tmp_path / "latin1.csv").write_bytes(rows.encode("utf-8"))  # fixed: the same file plans
+    from stages.core.config import load_config
+    assert plan(load_config(path)).inputs["train"][0][0] == str(tmp_path / "latin1.csv")
 
 
 def test_rng_states_are_json_and_restore_every_stream_exactly():

@@ -50,13 +50,14 @@ def the_run(client, p):
     return client.get_run(registration(p)["run_id"])
 
 
-def test_make_ui_prints_the_runs_page_of_the_experiment(flow, client):
-    _, _, p = flow
-    out = subprocess.run([sys.executable, "-m", "stages.tracking.ui", p.cfg.resolved_tracking_uri, "sftflow",
-                          "http://127.0.0.1:5000"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+def test_make_ui_prints_the_runs_page_of_the_config_s_experiment(flow, client):
+    _, cfg_path, _ = flow
+    out = subprocess.run([sys.executable, "-m", "stages.tracking.ui", str(cfg_path), "--port", "5000", "--print-only"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     exp = client.get_experiment_by_name("sftflow").experiment_id
     assert f"http://127.0.0.1:5000/#/experiments/{exp}/runs?workflowType=machine_learning" in out.stdout.split()
+    assert {e.name for e in client.search_experiments()} == {"Default", "sftflow"}  # it created none
 
 
 def test_every_artifact_location_is_under_artifacts_dir(flow, client):
@@ -77,6 +78,7 @@ def test_run_has_a_readable_name_and_a_description_linking_the_flow_run(flow, cl
     assert run.info.run_name == f"test-model-lr0.001-4steps-{p.fingerprints['train'][:8]}"
     tags = run.data.tags
     assert tags["sftflow.train_fingerprint"] == p.fingerprints["train"]
+    assert run.info.status == "FINISHED" and not {"sftflow.owner_host", "sftflow.owner_pid"} & set(tags)
     note = tags["mlflow.note.content"]
     flow_run = tags["prefect.flow_run_id"]
     assert flow_run in note and p.fingerprints["train"] in note
@@ -98,11 +100,12 @@ def test_metrics_are_the_ones_worth_a_chart(flow, client):
     _, _, p = flow
     run = the_run(client, p)
     keys = set(run.data.metrics)
-    assert {"train/loss", "val/loss", "eval/accuracy", "eval/base_accuracy", "eval/loss"} <= keys
+    assert {"train/loss", "val/loss", "eval/accuracy", "eval/base_accuracy", "eval/reference_loss"} <= keys
     for key, twin in (("train/loss", "loss/train"), ("val/loss", "loss/val")):  # one section holds both losses
         history = [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
         assert history and [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, twin)] == history
-    assert {k for k in keys if k.startswith("eval/")} == {"eval/accuracy", "eval/base_accuracy", "eval/loss"}
+    assert {k for k in keys if k.startswith("eval/")} == {f"eval/{k}" for k in (
+        "accuracy", "base_accuracy", "reference_loss", "delta", "delta_low", "delta_high", "wins", "losses", "p_value")}
     import mlflow
     summary = mlflow.load_table("eval/summary.json", run_ids=[run.info.run_id])
     metrics = json.loads((p.folder("evaluate") / "metrics.json").read_text())

@@ -100,7 +100,8 @@ def test_artifacts_are_readable_and_honest(ui_runs):
     wrong = sum(not r["correct"] for r in preds)
     assert list(rows[0])[0] == "correct"
     assert [r["correct"] for r in rows] == ["no"] * wrong + ["yes"] * (len(preds) - wrong)
-    assert table.description == f"{len(rows)} of {len(preds)} held-out predictions, wrong answers first ({wrong} wrong)"
+    assert len(rows) == len(preds) and [r["prediction"] for r in rows[wrong:]] == [r["prediction"] for r in preds if r["correct"]]
+    assert table.description.startswith(f"all {len(preds)} held-out predictions, wrong answers first ({wrong} wrong)")
 
     progress = arts["sftflow-training"]
     assert progress.data == 100 and progress.description == "training: step 4/4, done"

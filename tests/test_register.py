@@ -184,7 +184,7 @@ def test_only_chart_worthy_eval_numbers_are_metrics_and_all_are_in_the_summary()
          "sets": {"a": {"accuracy": 0.5, "correct": 1, "total": 2, "base_accuracy": 0.0, "delta": 0.5},
                   "b": {"accuracy": 1.0, "correct": 3, "total": 3, "base_accuracy": 1.0, "delta": 0.0, "max_drop": 0.1,
                         "guard_ok": True}}}
-    assert eval_metric_values(m) == {"eval/accuracy": 0.5, "eval/loss": 1.5, "eval/base_accuracy": 0.0,
+    assert eval_metric_values(m) == {"eval/accuracy": 0.5, "eval/reference_loss": 1.5, "eval/base_accuracy": 0.0,
                                      "eval/a/accuracy": 0.5, "eval/a/base_accuracy": 0.0, "eval/a/delta": 0.5,
                                      "eval/b/accuracy": 1.0, "eval/b/base_accuracy": 1.0, "eval/b/delta": 0.0}
     summary = eval_summary(m)
@@ -214,3 +214,42 @@ def test_predictions_table_puts_wrong_answers_first(tmp_path):
     assert list(table.columns) == ["correct", "set", "prompt", "reference", "prediction"]
     assert table["prompt"].tolist() == ["q2", "system: s\nuser: q3", "q1"]  # wrong ones first, in file order
     assert table["correct"].tolist() == [False, False, True]
+
+
+def test_make_ui_follows_the_config_and_creates_nothing(tmp_path):
+    """`make ui CONFIG=...` looks up the config's own experiment; with nothing logged yet it says so, and
+    it never creates the store or the experiment (a link to an empty experiment it made leads nowhere)."""
+    import subprocess
+    import sys
+    from conftest import ROOT, write_config
+    raw = tiny_config_dict(tmp_path, registry={"experiment": "my-exp"})
+    cfg_path = write_config(tmp_path, raw)
+    out = subprocess.run([sys.executable, "-m", "stages.tracking.ui", str(cfg_path), "--port", "5123", "--print-only"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "nothing logged to experiment 'my-exp' yet" in out.stdout and "http://127.0.0.1:5123" in out.stdout
+    assert not (tmp_path / "artifacts").exists()
+
+
+def test_registry_reads_from_sqlite_agree_with_mlflow_s_client(tmp_path):
+    """Planning reads the champion (and a cached register the aliases) straight from MLflow's SQLite store,
+    without importing MLflow; the answers must be the client's."""
+    from mlflow.tracking import MlflowClient
+    from stages.tracking import registry
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert registry.current_champion(uri, "m") is None and not (tmp_path / "mlflow.db").exists()
+    client = MlflowClient(tracking_uri=uri)
+    client.create_registered_model("m")
+    for fp in ("a", "b"):
+        v = client.create_model_version("m", str(tmp_path), tags={"sftflow.train_fingerprint": fp})
+    assert registry.current_champion(uri, "m") is None  # no alias yet
+    client.set_registered_model_alias("m", "champion", "2")
+    client.set_registered_model_alias("m", "challenger", "1")
+    client.set_model_version_tag("m", "2", "sftflow.champion_fingerprint", "c123")
+    fast = registry.current_champion(uri, "m")
+    assert fast == {"registry": uri, "name": "m", "version": str(v.version), "train_fingerprint": "b",
+                    "champion_fingerprint": "c123"}
+    assert registry._sqlite_alias(tmp_path / "mlflow.db", "m", "champion") is not False  # the fast path answered
+    for version in ("1", "2"):
+        assert registry.version_aliases(uri, "m", version) == sorted(client.get_model_version("m", version).aliases)
+    assert registry.current_champion(uri, "other") is None

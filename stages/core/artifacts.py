@@ -9,6 +9,8 @@ complete by construction, and a half-written one is never mistaken for a result.
 
 from __future__ import annotations
 
+import codecs
+import contextvars
 import hashlib
 import json
 import os
@@ -21,6 +23,7 @@ from typing import Any, Iterator
 
 from filelock import FileLock, Timeout
 
+from .errors import DataError
 from .inputs import HUB_PREFIX
 
 MANIFEST = "manifest.json"
@@ -34,10 +37,37 @@ def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+# Digest memos found while planning, written only once the plan is valid: a config that fails
+# validation leaves nothing behind (`deferred_digest_memos`).
+_PENDING_MEMOS: contextvars.ContextVar[list | None] = contextvars.ContextVar("pending_memos", default=None)
+
+
+@contextmanager
+def deferred_digest_memos() -> Iterator[None]:
+    """Inside: `file_digest` keeps new memos in memory; they are written when the block ends without
+    an error, and dropped otherwise."""
+    token = _PENDING_MEMOS.set([])
+    try:
+        yield
+        for memo, digest in _PENDING_MEMOS.get():
+            _write_memo(memo, digest)
+    finally:
+        _PENDING_MEMOS.reset(token)
+
+
+def _write_memo(memo: Path, digest: str) -> None:
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(digest)
+    os.replace(tmp, memo)
+
+
 def file_digest(path: Path, index_dir: Path | None = None) -> str:
     """sha256 of a file's bytes, remembered per (path, inode, size, mtime, ctime) so unchanged files are
     not re-read. The ctime is what makes the memo safe: `cp -p`, `rsync -t` or `tar x` can set a file's
-    mtime back to an old value, but any write sets its ctime to now, and no user tool can set it back."""
+    mtime back to an old value, but any write sets its ctime to now, and no user tool can set it back.
+    A CSV file is also checked to be UTF-8 on this one read (a bad byte fails the whole file, so it is
+    a DataError here, at planning, rather than once a run has started)."""
     path = Path(path).resolve()
     st = path.stat()
     key = sha256_text(f"{path}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}")
@@ -45,16 +75,31 @@ def file_digest(path: Path, index_dir: Path | None = None) -> str:
     if memo is not None and memo.is_file():
         return memo.read_text().strip()
     h = hashlib.sha256()
+    utf8 = codecs.getincrementaldecoder("utf-8")() if path.suffix.lower() == ".csv" else None
+    offset = 0
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
+            if utf8 is not None:
+                _check_utf8(utf8, chunk, offset, path)
+            offset += len(chunk)
+    if utf8 is not None:
+        _check_utf8(utf8, b"", offset, path, final=True)
     digest = h.hexdigest()
     if memo is not None:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(digest)
-        os.replace(tmp, memo)
+        pending = _PENDING_MEMOS.get()
+        if pending is not None:
+            pending.append((memo, digest))
+        else:
+            _write_memo(memo, digest)
     return digest
+
+
+def _check_utf8(decoder, chunk: bytes, offset: int, path: Path, final: bool = False) -> None:
+    try:
+        decoder.decode(chunk, final)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 ({e.reason} at byte {offset + e.start}); re-encode the file as UTF-8") from None
 
 
 def input_digest(ref: Path | str, index_dir: Path | None = None) -> str:

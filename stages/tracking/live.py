@@ -75,7 +75,10 @@ def row_metrics(row: dict) -> dict[str, float]:
 
 
 # The eval numbers worth a chart; register puts the rest (counts, token-level figures) in a table.
-CHARTED_EVAL = ("accuracy", "base_accuracy", "eval_loss", "delta", "delta_low", "delta_high")
+# evaluate's key -> the chart's name. `eval_loss` is the loss of the eval file's reference answers
+# (often one word: "Paris"), not of whole replies like `val/loss`, hence its own name.
+CHARTED_EVAL = {"accuracy": "accuracy", "base_accuracy": "base_accuracy", "eval_loss": "reference_loss",
+                "delta": "delta", "delta_low": "delta_low", "delta_high": "delta_high"}
 VS_BASE = ("wins", "losses", "p_value")  # the paired comparison with the base model (core/paired.py)
 VS_CHAMPION = ("accuracy", "delta", "delta_low", "delta_high", "wins", "losses", "p_value")
 
@@ -85,7 +88,7 @@ def eval_metric_values(eval_metrics: dict) -> dict[str, float]:
     named set; accuracy, base accuracy, loss, and the paired delta to the base model with its 95%
     interval and win/loss counts."""
     def charted(prefix: str, m: dict) -> dict[str, float]:
-        out = {f"{prefix}/{k.removeprefix('eval_')}": float(m[k]) for k in CHARTED_EVAL if _number(m.get(k))}
+        out = {f"{prefix}/{name}": float(m[k]) for k, name in CHARTED_EVAL.items() if _number(m.get(k))}
         out.update({f"{prefix}/{k}": float(m["vs_base"][k]) for k in VS_BASE if _number((m.get("vs_base") or {}).get(k))})
         return out
     out = charted("eval", eval_metrics)

@@ -83,3 +83,24 @@ def _sqlite_alias(db: Path, name: str, alias: str) -> dict | None | bool:
     except sqlite3.Error:
         return False
     return {"version": str(row[0]), **{k: tags.get(f"sftflow.{k}", "") for k in VERSION_TAGS}}
+
+
+def version_aliases(tracking_uri: str, name: str, version: str | int) -> list[str] | None:
+    """The aliases a registered version holds now (sorted), or None when the registry can't tell."""
+    if tracking_uri.startswith("sqlite:///"):
+        import sqlite3
+        db = Path(tracking_uri.removeprefix("sqlite:///"))
+        if not db.is_file():
+            return None
+        try:
+            with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)) as con:
+                rows = con.execute("SELECT alias FROM registered_model_aliases WHERE name = ? AND version = ?",
+                                   (name, int(version))).fetchall()
+            return sorted(r[0] for r in rows)
+        except sqlite3.Error:
+            pass
+    from mlflow.tracking import MlflowClient
+    try:
+        return sorted(MlflowClient(tracking_uri=tracking_uri).get_model_version(name, str(version)).aliases)
+    except Exception:
+        return None

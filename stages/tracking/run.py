@@ -267,6 +267,11 @@ def _set_status(cfg: SFTConfig, run_id: str, status: str) -> None:
         client.update_run(run_id, status="RUNNING")
     else:
         client.set_terminated(run_id, status)
+        for tag in (OWNER_HOST, OWNER_PID):  # bookkeeping of a RUNNING run, not something to show
+            try:
+                client.delete_tag(run_id, tag)
+            except Exception:  # noqa: BLE001 - a run marked RUNNING by another version has none
+                pass
 
 
 def mark_abandoned_runs(client, experiment_id: str) -> list[str]:
