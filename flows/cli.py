@@ -310,19 +310,15 @@ def sweep(config: Path = ConfigOpt,
 
 
 def _sweep_summary(out: dict, metric: str) -> None:
-    from flows.sft import shown  # loaded: the sweep flow ran; flows/sweep.py prints its table with it too
-    from stages.sweep import metric_of
-    by_index = {t["index"]: t for t in out["trials"]}
-    keys = list(out["trials"][0]["values"])
+    from flows.sweep import trial_table  # loaded: the sweep flow ran; its markdown summary is the same table
+    columns, rows = trial_table(out["trials"], out["order"], metric)
     table = Table(title=f"trials by {metric}, best first")
-    for col in ["rank", *keys, metric, "accuracy", "trained"]:
+    for col in columns:
         table.add_column(col)
-    for rank, i in enumerate(out["order"], 1):
-        t = by_index[i]
-        m = t["evaluate"]["metrics"]
-        table.add_row(str(rank), *[t["values"][k] for k in keys], shown(metric_of(m, metric)), shown(m.get("accuracy")),
-                      "cached" if t["train"]["cached"] else "yes")
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
+    by_index = {t["index"]: t for t in out["trials"]}
     reg = out["register"]["metrics"]
     best = by_index[out["best"]]["values"]
     console.print(f"best trial {' '.join(f'{k}={v}' for k, v in best.items())}: registered model version {reg['version']} "

@@ -196,7 +196,7 @@ def update_flow_run(**fields) -> None:
         get_run_logger().warning(f"could not label the flow run: {e}")
 
 
-def run_name(config_path: str | None, fingerprints: dict | None, stage: str | None = None) -> str:
+def flow_run_name(config_path: str | None, fingerprints: dict | None, stage: str | None = None) -> str:
     """`<config>-<train fingerprint>`, or `<config>-<stage>-<its fingerprint>` for `sft_stage`: the same
     work has the same name in every run, and a random name says nothing."""
     fp = (fingerprints or {}).get(stage or "train", "")[:8]
@@ -207,11 +207,11 @@ def _initial_name() -> str:
     """The name a run starts with (the CLI's runs come with their plan; a deployment's runs get their
     fingerprint once they have planned, `_name_flow_run`)."""
     params = flow_run.parameters
-    return run_name(params.get("config_path"), (params.get("planned") or {}).get("fingerprints"), params.get("stage"))
+    return flow_run_name(params.get("config_path"), (params.get("planned") or {}).get("fingerprints"), params.get("stage"))
 
 
 def _name_flow_run(p: Plan, config_path: str | None, stage: str | None = None) -> None:
-    name = run_name(config_path, p.fingerprints, stage)
+    name = flow_run_name(config_path, p.fingerprints, stage)
     if flow_run.name != name:
         update_flow_run(name=name)
 

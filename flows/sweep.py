@@ -81,27 +81,31 @@ def _train_and_evaluate(trials: list[Trial], done: dict[tuple[str, str], Any], m
     return out
 
 
-def _publish(trials: list[Trial], results: dict[int, dict], order: list[int], metric: str,
-             registered: dict | None, mlflow_note: str) -> None:
-    keys = list(trials[0].values)
-    lines = [f"**Sweep** of {len(trials)} trials by `{metric}` ({'lower' if lower_is_better(metric) else 'higher'} is "
-             "better), best first", "",
-             "| rank | " + " | ".join(keys) + f" | {metric} | accuracy | eval loss | trained | train fingerprint |",
-             "|" + "---|" * (len(keys) + 6)]
-    by_index = {t.index: t for t in trials}
+def trial_table(trials: list[dict], order: list[int], metric: str) -> tuple[list[str], list[list[str]]]:
+    """(columns, text cells per trial, best first) for trials as `sft_sweep` returns them ({"index",
+    "values", "train", "evaluate"}): what its markdown summary and `sftflow sweep` print."""
+    keys, by_index = list(trials[0]["values"]), {t["index"]: t for t in trials}
+    rows = []
     for rank, i in enumerate(order, 1):
-        t, r = by_index[i], results[i]
-        m = r["evaluate"]["metrics"]
-        lines.append(f"| {rank} | " + " | ".join(t.values[k] for k in keys) + f" | {shown(metric_of(m, metric))} | "
-                     f"{shown(m.get('accuracy'))} | {shown(m.get('eval_loss'))} | "
-                     f"{'cached' if r['train']['cached'] else 'yes'} | `{r['train']['fingerprint']}` |")
+        t = by_index[i]
+        m = t["evaluate"]["metrics"]
+        rows.append([str(rank), *(t["values"][k] for k in keys), shown(metric_of(m, metric)), shown(m.get("accuracy")),
+                     shown(m.get("eval_loss")), "cached" if t["train"]["cached"] else "yes", t["train"]["fingerprint"]])
+    return ["rank", *keys, metric, "accuracy", "eval loss", "trained", "train fingerprint"], rows
+
+
+def _publish(finished: list[dict], order: list[int], metric: str, registered: dict | None, mlflow_note: str) -> None:
+    columns, rows = trial_table(finished, order, metric)
+    lines = [f"**Sweep** of {len(finished)} trials by `{metric}` ({'lower' if lower_is_better(metric) else 'higher'} is "
+             "better), best first", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(row[:-1] + [f"`{row[-1]}`"]) + " |" for row in rows]
     if registered:
         m = registered["metrics"]
         lines += ["", f"**Registered** the best trial as version {m['version']} "
                       f"(aliases: {', '.join(m['aliases']) or 'none'}): {m.get('alias_reason', '')}"]
     if mlflow_note:
         lines += ["", mlflow_note]
-    create_markdown_artifact("\n".join(lines), key="sftflow-sweep", description=f"sweep: {len(trials)} trials")
+    create_markdown_artifact("\n".join(lines), key="sftflow-sweep", description=f"sweep: {len(finished)} trials")
 
 
 @flow(name="sft_sweep", log_prints=True, flow_run_name=_sweep_name)
@@ -134,11 +138,11 @@ def sft_sweep(config_path: str, args: list[str], metric: str = "accuracy", max_p
         mlflow_note = f"**MLflow**: parent run `{parent}` with the {len(trials)} trial runs as its children"
     except Exception as e:  # noqa: BLE001 - tracking never fails a sweep whose models are built
         logger.warning(f"mlflow: the sweep's parent run was not recorded ({type(e).__name__}: {e})")
-    _publish(trials, results, order, metric, registered, mlflow_note)
+    finished = [{"index": t.index, "values": t.values, "train": results[t.index]["train"],
+                 "evaluate": results[t.index]["evaluate"]} for t in trials]
+    _publish(finished, order, metric, registered, mlflow_note)
     trained = sum(not r["train"]["cached"] for r in results.values())
     new = [f"trials:{len(trials)}", f"trained:{trained}", f"version:{registered['metrics']['version']}",
            f"model:{best.plan.cfg.registry.model_name}"]
     update_flow_run(tags=new + [t for t in (flow_run.tags or []) if t not in new])
-    return {"trials": [{"index": t.index, "values": t.values, "train": results[t.index]["train"],
-                        "evaluate": results[t.index]["evaluate"]} for t in trials],
-            "order": order, "best": best.index, "register": registered}
+    return {"trials": finished, "order": order, "best": best.index, "register": registered}

@@ -299,7 +299,7 @@ def opaque_reason(env, source: str) -> str | None:
 
 
 @dataclass(frozen=True)
-class Plan:
+class ShapePlan:
     """A shape's skeleton cut at its contents: fixed, msg index, fixed, ..., fixed; each span
     boundary as (piece index, offset within a fixed piece) or ("end", j) = end of content j,
     whose trailing whitespace the exact algorithm strips."""
@@ -326,7 +326,7 @@ def shape_key(messages: list[dict]) -> tuple | None:
     return tuple(key)
 
 
-def build(contents: list[str], plan: Plan) -> tuple[str, list[tuple[int, int]]] | None:
+def build(contents: list[str], plan: ShapePlan) -> tuple[str, list[tuple[int, int]]] | None:
     """The row's text and spans from its shape's plan; None if a span end needs the per-row path."""
     starts, out, pos = [], [], 0
     for piece in plan.pieces:
@@ -364,7 +364,7 @@ def common_prefix_len(a: str, b: str) -> int:
     return lo
 
 
-def plan_for(render, messages: list[dict], loss_on: str) -> Plan | None:
+def plan_for(render, messages: list[dict], loss_on: str) -> ShapePlan | None:
     """The plan of this row's shape, found the way `masking.assistant_spans` finds spans but on
     placeholders; None when the shape needs the per-row path. `render` raises on template errors.
     Placeholders are marked by the first of `MARK_PAIRS` the shape's fixed text doesn't hold."""
@@ -424,7 +424,7 @@ def _plan(render, messages: list[dict], loss_on: str, mark: str, close: str):
         return None
 
     if loss_on == "all":
-        return Plan(tuple(pieces), trimmed, (((0, 0), (len(pieces) - 1, len(pieces[-1]))),))
+        return ShapePlan(tuple(pieces), trimmed, (((0, 0), (len(pieces) - 1, len(pieces[-1]))),))
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if loss_on == "last_assistant":
         turns = turns[-1:]
@@ -461,4 +461,4 @@ def _plan(render, messages: list[dict], loss_on: str, mark: str, close: str):
             if end_ref is None:
                 return None
         spans.append((start_ref, end_ref))
-    return Plan(tuple(pieces), trimmed, tuple(spans))
+    return ShapePlan(tuple(pieces), trimmed, tuple(spans))

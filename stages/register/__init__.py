@@ -33,9 +33,9 @@ from stages.core.artifacts import StageBuild, read_manifest
 from stages.core.config import SFTConfig
 from stages.core.paired import clears, compare_sets, describe, read_predictions
 from stages.tracking.registry import CHALLENGER, CHAMPION
-from stages.tracking.live import champion_metric_values, eval_metric_values, read_metrics_file, send_values, sync_rows
+from stages.tracking.live import champion_metric_values, eval_metric_values, is_number, read_metrics_file, send_values, sync_rows
 from stages.core.errors import StageError
-from stages.tracking.run import (FLOW_RUN_ID, FLOW_RUN_URL, NOTE_TAG, TAG, Lineage, config_hash, data_digest,
+from stages.tracking.run import (FLOW_RUN_ID, FLOW_RUN_URL, NOTE_TAG, RUN_TAG, TAG, Lineage, config_hash, data_digest,
                                  find_or_create_run, reachable, redact_uri, run_note, run_url, setup_mlflow, ui_url,
                                  version_url)
 
@@ -53,7 +53,7 @@ def _existing_version(client, name: str, train_fp: str):
         versions = client.search_model_versions(f"name='{name}'")
     except Exception:
         return None
-    return next((v for v in versions if v.tags.get(TAG + "train_fingerprint") == train_fp), None)
+    return next((v for v in versions if v.tags.get(RUN_TAG) == train_fp), None)
 
 
 def failed_guards(eval_metrics: dict) -> list[str]:
@@ -97,7 +97,7 @@ def decide_alias(client, name: str, policy: str, vs: dict | None, primary: str, 
         current = client.get_model_version_by_alias(name, CHAMPION)
     except Exception:
         return CHAMPION, "no champion yet"
-    if current.tags.get(TAG + "train_fingerprint") == train_fp:
+    if current.tags.get(RUN_TAG) == train_fp:
         return CHAMPION, f"v{current.version} is this training's version and the champion already"
     if vs is None or str(vs.get("version")) != str(current.version):
         seen = f"v{vs['version']}" if vs else "none"
@@ -114,10 +114,6 @@ def decide_alias(client, name: str, policy: str, vs: dict | None, primary: str, 
                                                f"{tolerance:g} (registry.decide_on={on})")
 
 
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 SUMMARY_FIRST = ("accuracy", "base_accuracy", "delta", "correct", "total", "base_correct", "base_total",
                  "eval_loss", "base_eval_loss")
 
@@ -127,7 +123,7 @@ def eval_summary(eval_metrics: dict) -> list[dict]:
     the ones read first in front."""
     sets = eval_metrics.get("sets") or {eval_metrics.get("primary_set", "val"): eval_metrics}
     order = {k: i for i, k in enumerate(SUMMARY_FIRST)}
-    return [{"set": name, **{k: m[k] for k in sorted((k for k, v in m.items() if _number(v)),
+    return [{"set": name, **{k: m[k] for k in sorted((k for k, v in m.items() if is_number(v)),
                                                       key=lambda k: (order.get(k, len(order)), k))}}
             for name, m in sets.items()]
 

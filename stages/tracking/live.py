@@ -64,12 +64,12 @@ def metric_name(key: str) -> str:
 LOSS_SECTION = {"loss": "loss/train", "val_loss": "loss/val"}
 
 
-def _number(v) -> bool:
+def is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def row_metrics(row: dict) -> dict[str, float]:
-    values = {k: float(v) for k, v in row.items() if k != "step" and _number(v)}
+    values = {k: float(v) for k, v in row.items() if k != "step" and is_number(v)}
     return {**{metric_name(k): v for k, v in values.items()},
             **{LOSS_SECTION[k]: v for k, v in values.items() if k in LOSS_SECTION}}
 
@@ -88,8 +88,8 @@ def eval_metric_values(eval_metrics: dict) -> dict[str, float]:
     named set; accuracy, base accuracy, loss, and the paired delta to the base model with its 95%
     interval and win/loss counts."""
     def charted(prefix: str, m: dict) -> dict[str, float]:
-        out = {f"{prefix}/{name}": float(m[k]) for k, name in CHARTED_EVAL.items() if _number(m.get(k))}
-        out.update({f"{prefix}/{k}": float(m["vs_base"][k]) for k in VS_BASE if _number((m.get("vs_base") or {}).get(k))})
+        out = {f"{prefix}/{name}": float(m[k]) for k, name in CHARTED_EVAL.items() if is_number(m.get(k))}
+        out.update({f"{prefix}/{k}": float(m["vs_base"][k]) for k in VS_BASE if is_number((m.get("vs_base") or {}).get(k))})
         return out
     out = charted("eval", eval_metrics)
     for name, m in (eval_metrics.get("sets") or {}).items():
@@ -101,7 +101,7 @@ def champion_metric_values(comparison: dict[str, dict]) -> dict[str, float]:
     """`eval/<set>/champion_<key>`: the champion's accuracy and the paired comparison with it, per set
     (register's `champion_comparison`)."""
     return {f"eval/{name}/champion_{k}": float(c[k]) for name, c in comparison.items() for k in VS_CHAMPION
-            if _number(c.get(k))}
+            if is_number(c.get(k))}
 
 
 def last_logged_steps(client, run_id: str) -> dict[str, int]:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from stages.core.errors import ConfigError
 
+from .run import TAG
+
 REGISTRY_PREFIX = "models:/"
 CHAMPION, CHALLENGER = "champion", "challenger"  # the aliases register moves
 VERSION_TAGS = ("train_fingerprint", "champion_fingerprint")  # what planning reads of the champion's version
@@ -65,7 +67,7 @@ def current_champion(tracking_uri: str, name: str, alias: str = CHAMPION) -> dic
     except Exception:  # no model, no alias, unreachable server
         return None
     return {"registry": tracking_uri, "name": name, "version": str(version.version),
-            **{k: version.tags.get(f"sftflow.{k}", "") for k in VERSION_TAGS}}
+            **{k: version.tags.get(TAG + k, "") for k in VERSION_TAGS}}
 
 
 def _sqlite_alias(db: Path, name: str, alias: str) -> dict | None | bool:
@@ -82,7 +84,7 @@ def _sqlite_alias(db: Path, name: str, alias: str) -> dict | None | bool:
                                     (name, row[0])).fetchall())
     except sqlite3.Error:
         return False
-    return {"version": str(row[0]), **{k: tags.get(f"sftflow.{k}", "") for k in VERSION_TAGS}}
+    return {"version": str(row[0]), **{k: tags.get(TAG + k, "") for k in VERSION_TAGS}}
 
 
 def version_aliases(tracking_uri: str, name: str, version: str | int) -> list[str] | None:

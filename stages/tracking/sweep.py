@@ -14,7 +14,7 @@ from stages.core.artifacts import canonical_json
 from stages.core.config import SFTConfig
 
 from .live import eval_metric_values, send_values
-from .run import RUN_TAG, TAG, setup_mlflow
+from .run import NOTE_TAG, RUN_TAG, TAG, setup_mlflow
 
 __fingerprint__ = False
 
@@ -39,7 +39,7 @@ def record_sweep(cfg: SFTConfig, name: str, axes: dict[str, list[str]], metric: 
         if prefect_url:
             note += f"\n\n- Prefect flow run: [{prefect_url}]({prefect_url})"
         parent = client.create_run(exp.experiment_id, run_name=f"sweep-{name}-{sweep_id[:8]}",
-                                   tags={SWEEP_TAG: sweep_id, "mlflow.note.content": note}).info.run_id
+                                   tags={SWEEP_TAG: sweep_id, NOTE_TAG: note}).info.run_id
         client.log_batch(parent, params=[Param(f"sweep.{k}", ",".join(dict.fromkeys(v))) for k, v in axes.items()]
                          + [Param("sweep.metric", metric)])
     best_run = None
