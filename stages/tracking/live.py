@@ -1,6 +1,6 @@
 """Live MLflow metrics: rank 0 sends every `metrics.jsonl` row to the MLflow run while training runs.
 
-The run is created before torchrun starts (`stages/register/tracking.py`) and reaches the workers
+The run is created before torchrun starts (`stages/tracking/run.py`, `training_run`) and reaches the workers
 as `MLFLOW_RUN_ID` + `MLFLOW_TRACKING_URI`; without `MLFLOW_RUN_ID` nothing here runs. Rank 0
 queues each step's row; one background thread imports MLflow, starts system metrics
 (`system/*`, needs psutil) and sends rows with `MlflowClient.log_batch`. The training loop never
