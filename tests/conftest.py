@@ -11,7 +11,8 @@ from hypothesis import settings as hypothesis_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "data" / "demo"
-REALDATA = ROOT.parent / "shared" / "realdata"
+REALDATA = ROOT.parent / "shared" / "realdata"  # real ShareGPT rows; tests that read them skip without it
+TEMPLATES = ROOT / "tests" / "fixtures" / "chat_templates"  # real vendor templates (MIT, see its README)
 
 # Keep every test away from the project's own artifacts/ and from the network.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -97,7 +98,7 @@ def family_tokenizer(base, name: str):
     tok = base.__class__.from_pretrained(base.name_or_path)
     specials, _ = REAL_TEMPLATES[name]
     tok.add_special_tokens(dict(specials))
-    tok.chat_template = (REALDATA / "chat_templates" / f"{name}.jinja").read_text()
+    tok.chat_template = (TEMPLATES / f"{name}.jinja").read_text()
     return tok
 
 

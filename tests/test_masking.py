@@ -98,7 +98,6 @@ def expected_runs(name: str, messages: list[dict], tok=None) -> list[str]:
     return [norm.normalize_str(r) for r in runs] if norm is not None else runs
 
 
-@pytest.mark.skipif(not (REALDATA / "chat_templates").is_dir(), reason="../shared/realdata absent")
 @pytest.mark.parametrize("name", sorted(REAL_TEMPLATES))
 @pytest.mark.parametrize("messages", MULTI_TURN, ids=["multi-turn", "system"])
 def test_real_templates_train_exactly_each_reply_and_its_end_of_turn(tokenizer, name, messages):
@@ -225,7 +224,6 @@ def test_rows_holding_the_placeholder_marks_are_masked_like_any_other(tokenizer,
     assert not any(mark in m["content"] for m in messages)
 
 
-@pytest.mark.skipif(not (REALDATA / "chat_templates").is_dir(), reason="../shared/realdata absent")
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(messages=real_conversations(), name=st.sampled_from(sorted(REAL_TEMPLATES)),
        loss_on=st.sampled_from(["assistant", "last_assistant"]))
@@ -242,7 +240,6 @@ def test_property_real_templates_train_exactly_the_replies(tokenizer, messages, 
     assert trainable_runs(tok, t) == want
 
 
-@pytest.mark.skipif(not (REALDATA / "chat_templates").is_dir(), reason="../shared/realdata absent")
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(messages=real_conversations(reply=reply), name=st.sampled_from(sorted(REAL_TEMPLATES)))
 def test_property_any_reply_is_trained_exactly_or_quarantined(tokenizer, messages, name):
@@ -254,7 +251,6 @@ def test_property_any_reply_is_trained_exactly_or_quarantined(tokenizer, message
     assert trainable_runs(tok, t) == expected_runs(name, messages, tok)
 
 
-@pytest.mark.skipif(not (REALDATA / "chat_templates").is_dir(), reason="../shared/realdata absent")
 @pytest.mark.parametrize("first", ["d", "end", ">", " I am here to help.", "<|im_end|>"])
 def test_qwen_assistant_first_reply_is_trained_whole(tokenizer, first):
     """Regression: a first reply that is a piece of <|im_end|> was not trained at all, and one with a
@@ -266,7 +262,6 @@ def test_qwen_assistant_first_reply_is_trained_whole(tokenizer, first):
     assert trainable_runs(tok, t) == [first + "<|im_end|>", "I am TinyChat.<|im_end|>"]
 
 
-@pytest.mark.skipif(not (REALDATA / "chat_templates").is_dir(), reason="../shared/realdata absent")
 @pytest.mark.parametrize("name", ["gemma-it", "alpaca", "mistral-instruct", "llama-2-chat"])
 def test_no_header_newline_or_template_indentation_is_trained(tokenizer, name):
     """Regression: Gemma/Alpaca trained the header's newline, Mistral/Llama-2 their indentation."""

@@ -6,20 +6,20 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import REAL_TEMPLATES, REALDATA
+from conftest import REAL_TEMPLATES, TEMPLATES
 from stages.chatdata.readers import RowError
 from stages.models.builtin import CHATML_TEMPLATE
 from stages.prepare.masking import Renderer, exact_spans
 from stages.prepare.shapes import MARK_PAIRS, MARKS
 from strategies import content, real_conversations, reply
 
-HAVE_REAL = (REALDATA / "chat_templates").is_dir()
+HAVE_REAL = TEMPLATES.is_dir()
 
 
 def renderer_of(name: str) -> Renderer:
     if name == "builtin":
         return Renderer(CHATML_TEMPLATE, {"eos_token": "<|im_end|>"})
-    return Renderer((REALDATA / "chat_templates" / f"{name}.jinja").read_text(), REAL_TEMPLATES[name][0])
+    return Renderer((TEMPLATES / f"{name}.jinja").read_text(), REAL_TEMPLATES[name][0])
 
 
 def both_paths(r: Renderer, messages: list[dict], loss_on: str):
