@@ -21,19 +21,19 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
-import typer  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.markup import escape  # noqa: E402
-from rich.table import Table  # noqa: E402
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
 
 # What flows/ may import from stages is the `flows` row of docs/architecture.md's table (tested in
 # tests/test_architecture.py); a command's own heavy imports stay inside it (torch: `chat` only).
-from flows.prefect_server import KeepSettingError, ServerDidNotStart, prefect_api  # noqa: E402
-from stages.core.config import ConfigError, SFTConfig, default_tracking_uri, flatten, load_config  # noqa: E402
-from stages.core.errors import MissingUpstream, StageError  # noqa: E402
-from stages.evaluate.report import COLUMNS, table_cells  # noqa: E402
-from stages.pipeline import KEY_METRIC, STAGES, Plan, plan, require_upstream  # noqa: E402
-from stages.runtime.launcher import request_stop, stop_requested  # noqa: E402
+from flows.prefect_server import KeepSettingError, ServerDidNotStart, prefect_api
+from stages.core.config import ConfigError, SFTConfig, default_tracking_uri, flatten, load_config
+from stages.core.errors import MissingUpstream, StageError
+from stages.evaluate.report import COLUMNS, table_cells
+from stages.pipeline import KEY_METRIC, STAGES, Plan, plan, require_upstream
+from stages.runtime.launcher import request_stop, stop_requested
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console()

@@ -145,7 +145,7 @@ def _git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
                               cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
-    except Exception:
+    except Exception:  # noqa: BLE001 - no git, not a repository: the commit is just unknown
         return "unknown"
 
 

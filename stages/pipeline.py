@@ -228,7 +228,7 @@ def require_upstream(p: Plan, stage: str) -> dict[str, str]:
 def _check_inputs_unchanged(p: Plan) -> None:
     """Data edited between planning and reading would file new outputs under an old fingerprint."""
     root = p.cfg.artifacts_path
-    for split, items in p.inputs.items():
+    for items in p.inputs.values():
         for ref, digest in items:
             if not ref.startswith(HUB_PREFIX) and input_digest(Path(ref), root) != digest:
                 raise StageError(f"prepare: {ref} changed after the run was planned; run it again")

@@ -131,7 +131,7 @@ def tiny_config(tmp_path) -> Path:
     return write_config(tmp_path, tiny_config_dict(tmp_path))
 
 
-from flows.prefect_server import free_port  # noqa: E402,F401  (tests use the CLI's own)
+from flows.prefect_server import free_port  # noqa: E402  (tests use the CLI's own)
 
 
 def live_processes_mentioning(text: str) -> list[str]:

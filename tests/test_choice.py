@@ -131,12 +131,12 @@ def test_world_sizes_give_the_same_result(lm, naive, monkeypatch):
     one = choice_scores(model, tok, rows, 0, 1, batch_size=2, normalize="bytes", set_name="v")
     for world in (2, 3):
         parts = []
-        monkeypatch.setattr(choice, "gather", lambda obj: parts.append(obj) or [obj])
+        monkeypatch.setattr(choice, "gather", lambda obj, parts=parts: parts.append(obj) or [obj])
         for rank in range(world):
             choice_scores(model, tok, rows, rank, world, batch_size=2, normalize="bytes", set_name="v")
         assert [len(p["records"]) for p in parts] == [len(range(r * 7 // world, (r + 1) * 7 // world))
                                                       for r in range(world)]
-        monkeypatch.setattr(choice, "gather", lambda obj: parts)
+        monkeypatch.setattr(choice, "gather", lambda obj, parts=parts: parts)
         for rank in range(world):
             metrics, records = choice_scores(model, tok, rows, rank, world, batch_size=2, normalize="bytes",
                                              set_name="v")

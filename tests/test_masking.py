@@ -323,8 +323,8 @@ def test_mask_from_the_encoding_equals_the_per_token_definition(tokenizer, case)
                 return fn().tolist()
             except RowError as e:
                 return e.reason
-        ref = outcome(lambda: mask_from_offsets(np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2), spans, text))
-        assert outcome(lambda: mask_from_encoding(enc, spans, text)) == ref, (text, spans, enc.tokens, enc.offsets)
+        ref = outcome(lambda enc=enc: mask_from_offsets(np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2), spans, text))
+        assert outcome(lambda enc=enc: mask_from_encoding(enc, spans, text)) == ref, (text, spans, enc.tokens, enc.offsets)
 
 
 class _Encoding:

@@ -4,7 +4,6 @@ written from (tests/gguf_files.py writes one, exactly, in F32)."""
 
 import hashlib
 import json
-import os
 import re
 import zipfile
 from pathlib import Path

@@ -9,7 +9,8 @@ import pytest
 
 from stages.core.paired import Z95, _restricted_p21, compare, delta_interval, mcnemar_exact_p, score_statistic
 
-CASES = [(w, l, n) for n in (1, 5, 24, 50, 200) for w in range(0, n + 1, max(1, n // 6)) for l in range(0, n - w + 1, max(1, n // 7))]
+CASES = [(w, lost, n) for n in (1, 5, 24, 50, 200) for w in range(0, n + 1, max(1, n // 6))
+         for lost in range(0, n - w + 1, max(1, n // 7))]
 
 
 @pytest.mark.parametrize("wins, losses, n", CASES)
@@ -35,7 +36,7 @@ def test_the_bounds_solve_the_score_equation_with_the_optimizer_s_likelihood(win
     for delta, target in zip(delta_interval(wins, losses, n), (Z95, -Z95)):
         lo, hi = max(0.0, -delta) + 1e-12, (1 - delta) / 2 - 1e-12
 
-        def nll(q):
+        def nll(q, delta=delta):
             return -(wins * math.log(q + delta) + losses * math.log(q) + rest * math.log(max(1 - 2 * q - delta, 1e-300)))
         q = minimize_scalar(nll, bounds=(lo, hi), method="bounded", options={"xatol": 1e-12}).x
         assert _restricted_p21(wins, losses, n, delta) == pytest.approx(q, abs=1e-6)

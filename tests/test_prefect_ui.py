@@ -5,7 +5,6 @@ artifacts, a train task log without MLflow's own lines, and a UI that calls its 
 import json
 import re
 import urllib.request
-from pathlib import Path
 
 import pytest
 

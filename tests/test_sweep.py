@@ -2,7 +2,6 @@
 registered, and MLflow's parent run with the trials as children."""
 
 import json
-from pathlib import Path
 
 import pytest
 

@@ -1,6 +1,8 @@
 """The worker contract, in one process (gloo, world size 1): what `get_train_model_output`
-returns is what the step divides by, and the LR schedule matches transformers' after warmup."""
+returns is what the step divides by (every accepted form read by one adapter, `as_train_output`),
+the worker's state is what its class declares, and the LR schedule matches transformers' after warmup."""
 
+import inspect
 
 import numpy as np
 import pytest
@@ -10,8 +12,9 @@ import torch.distributed as dist
 from conftest import base_model, free_port, tiny_config_dict, write_config
 from stages.core.config import load_config
 from stages.pipeline import plan, run_stage
+from stages.runtime.model_types import WeightsLoadError, build_configured_model
 from stages.runtime.schedule import lr_lambda
-from stages.runtime.worker import SFTWorker, WorkerSpec
+from stages.runtime.worker import SFTWorker, TrainOutput, WorkerSpec, as_train_output
 
 
 class DoubleCountWorker(SFTWorker):
@@ -101,6 +104,98 @@ def test_for_eval_wraps_a_loaded_model_without_a_process_group(spec):
     assert w.model is model and not w.fsdp and w.precision == "fp32" and w.tokenizer is not None
     assert len(w.build_dataset(spec.train_dir)) == len(w.build_dataloader(spec.train_dir)) > 0
     assert not dist.is_initialized()
+    assert set(vars(w)) <= declared_attributes(SFTWorker)
+
+
+# --------------------------------------------------------------------------- explicit state
+
+
+def declared_attributes(cls) -> set[str]:
+    return {name for c in cls.__mro__ for name in inspect.get_annotations(c)}
+
+
+def test_setup_sets_exactly_the_attributes_the_class_declares(one_process, spec):
+    w = SFTWorker(spec)
+    w.setup()
+    assert set(vars(w)) == declared_attributes(SFTWorker)
+    assert (w.fsdp, w.keep_gathered) == (False, False)  # one fp32 process: nothing to shard
+    assert w.sample_trainable_tokens.tolist() == w.train_ds.trainable.tolist()
+    assert w.sample_lengths.tolist() == w.train_ds.lengths.tolist()
+
+
+# --------------------------------------------------------------------------- get_train_model_output's forms
+
+
+LOSS = torch.tensor(6.0, requires_grad=True)  # a loss sum over 3 tokens
+MEAN = torch.tensor(2.0, requires_grad=True)  # a mean loss; the dataset counts 4 trainable tokens
+ACCEPTED = {
+    "TrainOutput": (TrainOutput(LOSS, 3), LOSS, 3.0),
+    "(loss_sum, int)": ((LOSS, 3), LOSS, 3.0),
+    "[loss_sum, int]": ([LOSS, 3], LOSS, 3.0),
+    "(loss_sum, float)": ((LOSS, 3.0), LOSS, 3.0),
+    "(loss_sum, integer tensor)": ((LOSS, torch.tensor(3)), LOSS, 3.0),
+    "a mean tensor": (MEAN, MEAN * 4, 4.0),
+    "a list of mean tensors": ([MEAN, MEAN / 2], MEAN * 1.5 * 4, 4.0),
+    "a pair of floating tensors (summed)": ((MEAN, MEAN / 2), MEAN * 1.5 * 4, 4.0),
+    "a 1-tuple": ((MEAN,), MEAN * 4, 4.0),
+}
+
+
+@pytest.mark.parametrize("form", list(ACCEPTED))
+def test_every_accepted_form_maps_to_a_train_output(form):
+    out, loss_sum, n_tokens = ACCEPTED[form]
+    got = as_train_output(out, 4.0, "MyWorker.get_train_model_output")
+    assert isinstance(got, TrainOutput) and type(got.n_tokens) is float and got.n_tokens == n_tokens
+    assert torch.equal(got.loss_sum, loss_sum) and got.loss_sum.requires_grad
+    if loss_sum is LOSS:  # a loss sum passes through untouched: the same tensor, the same graph
+        assert got.loss_sum is LOSS
+
+
+@pytest.mark.parametrize("out", [{"loss": LOSS}, 3.0, None, (), (1.0, 2.0), "loss"],
+                         ids=["dict", "float", "None", "empty tuple", "tuple of numbers", "str"])
+def test_an_unsupported_form_is_a_type_error_naming_the_method(out):
+    with pytest.raises(TypeError, match=r"^MyWorker\.get_train_model_output returned \w+; expected a TrainOutput, "
+                                        r"\(loss_sum, n_tokens\), a tensor"):
+        as_train_output(out, 4.0, "MyWorker.get_train_model_output")
+
+
+def test_a_train_output_unpacks_and_indexes_as_the_tuple_it_replaces():
+    loss_sum, n_tokens = TrainOutput(LOSS, 3)
+    assert loss_sum is LOSS and n_tokens == 3
+    assert TrainOutput(LOSS, 3)[0] is LOSS and TrainOutput(LOSS, 3)[1] == 3
+
+
+class DictOutputWorker(SFTWorker):
+    def get_train_model_output(self, batch):
+        return {"loss": super().get_train_model_output(batch).loss_sum}
+
+
+def test_the_loop_names_the_subclass_whose_output_it_cant_read(one_process, spec):
+    with pytest.raises(TypeError, match=r"DictOutputWorker\.get_train_model_output returned dict"):
+        _step(DictOutputWorker, spec)
+
+
+# --------------------------------------------------------------------------- the one model builder
+
+
+def test_build_configured_model_loads_weights_and_adapters_and_names_a_misfit(tmp_path):
+    import custom_model  # noqa: F401  -- registers tiny_mlp
+    cfg = load_config(write_config(tmp_path, tiny_config_dict(tmp_path, actor={
+        "model": {"model_type": "tiny_mlp"}, "lora": {"r": 2, "alpha": 4, "target_modules": ["0"]}})))
+    plain = build_configured_model(cfg, None)
+    trained = {k: v + 1 for k, v in plain.state_dict().items()}
+    loaded = build_configured_model(cfg, None, weights=lambda m: trained, where="here")
+    assert all(torch.equal(v, trained[k]) for k, v in loaded.state_dict().items())
+    with pytest.raises(WeightsLoadError, match="the weights in here do not fit"):
+        build_configured_model(cfg, None, weights={"0.weight": trained["0.weight"]}, where="here")
+
+    with_lora = build_configured_model(cfg, None, lora=True, float32=True, device="cpu")
+    adapters = {k: torch.ones_like(v) for k, v in with_lora.named_parameters() if v.requires_grad}
+    assert adapters and all("lora_" in k for k in adapters)
+    loaded = build_configured_model(cfg, None, lora=True, weights=adapters, where="there")
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in adapters.items())
+    with pytest.raises(WeightsLoadError, match="the adapters in there do not fit this LoRA model"):
+        build_configured_model(cfg, None, lora=True, weights={}, where="there")
 
 
 @pytest.mark.parametrize("scheduler", ["cosine", "linear", "constant"])

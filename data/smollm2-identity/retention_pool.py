@@ -506,7 +506,7 @@ def build() -> list[dict]:
     norm = [normalize(q) for _, _, q, _ in rows]
     dup = sorted({n for n in norm if norm.count(n) > 1})
     assert not dup, f"questions repeated after normalize: {dup}"
-    for kind, origin, q, ref in rows:
+    for _, _, q, ref in rows:
         assert normalize(ref), f"empty reference: {q}"
         assert not contains(q, ref), f"the question contains its reference ({ref!r}): {q}"
         assert normalize(q) not in taken, f"a train/val/identity_eval question: {q}"

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import orjson
 
 from stages.core.errors import DataError
-from stages.core.inputs import HUB_PREFIX, JSONL_SUFFIXES, SUFFIXES, is_datasets_folder  # noqa: F401
+from stages.core.inputs import HUB_PREFIX, JSONL_SUFFIXES, SUFFIXES, is_datasets_folder
 
 ROLES = {"system", "user", "assistant", "tool"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
@@ -137,7 +137,7 @@ def _hub_records(ref: str, split: str) -> Iterator[tuple[int, Any]]:
     name, _, explicit = ref[len(HUB_PREFIX):].partition(":")
     try:
         ds = load_dataset(name, split=explicit or None, streaming=True)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any failure of the library is reported as one line
         raise SourceError(f"{ref}: cannot load from the hub ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     yield from enumerate(_pick_split(ds, split, ref), start=1)
 

@@ -119,7 +119,7 @@ def hub_revision(ref: str) -> str:
     try:
         from huggingface_hub import HfApi
         return f"{ref}@{HfApi().dataset_info(name).sha}"
-    except Exception:  # offline or unknown: the cache can't see hub edits, so say so in the key
+    except Exception:  # noqa: BLE001 - offline or unknown: the cache can't see hub edits, so say so in the key
         return f"{ref}@unresolved"
 
 

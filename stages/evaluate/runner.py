@@ -31,8 +31,7 @@ from stages.core.errors import ConfigError
 from stages.runtime.checkpoint import load_model_weights
 from stages.runtime.distributed import add_up, choose_precision, gather, local_device, log, rank_and_world
 from stages.runtime.generation import generate
-from stages.runtime.lora import apply_lora, load_adapters_checked, lora_enabled
-from stages.runtime.model_types import get_model_builder, load_state_checked
+from stages.runtime.lora import lora_enabled
 from stages.runtime.proctree import die_with_parent
 from stages.runtime.worker import SFTWorker, WorkerSpec, load_worker_class
 
@@ -56,24 +55,22 @@ def load_model(cfg: SFTConfig, ref: dict, base_model: str, device: torch.device)
 
     A Hugging Face folder (or hub id) loads as it is; a DCP checkpoint or a plain state dict is
     loaded into the configured model type built from the base model, as training built it."""
+    from safetensors.torch import load_file
     from transformers import AutoTokenizer, PreTrainedModel
+
+    from stages.runtime.model_types import WeightsLoadError, build_configured_model
     mc = cfg.actor.model
     kind, path = ref["kind"], ref["path"]
-    torch.manual_seed(cfg.runner.seed)
-    builder = get_model_builder(mc.model_type)
-    model = builder(mc.model_dump(), path if kind == "hf" else base_model)
+    lora = kind == "checkpoint" and lora_enabled(cfg)  # a LoRA checkpoint holds the adapters only
+    weights = {"checkpoint": lambda m: load_model_weights(m, path),
+               "state_dict": lambda m: load_file(str(Path(path) / "model.safetensors"))}.get(kind)
     try:
-        if kind == "checkpoint" and lora_enabled(cfg):  # a LoRA checkpoint holds the adapters only
-            model = apply_lora(model, cfg.actor.lora)
-            load_adapters_checked(model, load_model_weights(model, path), path)
-            model = model.merge_and_unload()
-        elif kind == "checkpoint":
-            load_state_checked(model, load_model_weights(model, path), path)
-        elif kind == "state_dict":
-            from safetensors.torch import load_file
-            load_state_checked(model, load_file(str(Path(path) / "model.safetensors")), path)
-    except ValueError as e:
+        model = build_configured_model(cfg, path if kind == "hf" else base_model, seed=cfg.runner.seed, lora=lora,
+                                       weights=weights, where=path)
+    except WeightsLoadError as e:
         raise EvaluationError(f"eval.model: {e} (actor.model builds that model)") from None
+    if lora:
+        model = model.merge_and_unload()
     is_hf = isinstance(model, PreTrainedModel)
     model.to(device)
     if is_hf and choose_precision("auto", device) == "bf16":

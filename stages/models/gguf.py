@@ -111,7 +111,7 @@ def check_gguf(path: Path) -> str:
     try:
         field = GGUFReader(str(path)).fields["general.architecture"]
         arch = bytes(field.parts[field.data[0]]).decode()
-    except Exception as e:  # a truncated or garbled file: the reader fails in many ways
+    except Exception as e:  # noqa: BLE001 - a truncated or garbled file: the reader fails in many ways
         raise ConfigError(f"actor.model.model_path: '{path}' is not a readable GGUF file ({type(e).__name__}: {e})") from None
     if arch not in GGUF_SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"actor.model.model_path: '{path}' is a GGUF '{arch}' model, which transformers can't load "
@@ -135,7 +135,7 @@ def convert_gguf(src: Path, dest: Path, say=to_stderr) -> dict:
     try:
         tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
         loaded = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any failure of the library is reported as one line
         raise StageError(f"actor.model.model_path: transformers could not load '{src}' ({type(e).__name__}: {e})") from None
     config = loaded.config
     if hasattr(config, "quantization_config"):

@@ -113,7 +113,7 @@ class Renderer:
                                                           add_generation_prompt=add_generation_prompt)
             return self._compiled.render(messages=messages, tools=None, documents=None,
                                          add_generation_prompt=add_generation_prompt, **self.kwargs)
-        except Exception as e:  # jinja's raise_exception, an undefined variable, ...
+        except Exception as e:  # noqa: BLE001 - jinja's raise_exception, an undefined variable, ...
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise RowError("template_error", msg) from None
 

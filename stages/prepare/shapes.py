@@ -290,7 +290,7 @@ def opaque_reason(env, source: str) -> str | None:
         _Analyzer(tree).run()
     except _NotOpaque as e:
         return str(e)
-    except Exception as e:  # a syntax the analyzer doesn't know is simply not proven opaque
+    except Exception as e:  # noqa: BLE001 - a syntax the analyzer doesn't know is simply not proven opaque
         return f"{type(e).__name__}: {e}"
     return None
 

@@ -51,7 +51,7 @@ INPUT_EXAMPLE = (["Who are you?", [{"role": "user", "content": "Repeat after me:
 def _existing_version(client, name: str, train_fp: str):
     try:
         versions = client.search_model_versions(f"name='{name}'")
-    except Exception:
+    except Exception:  # noqa: BLE001 - no such model yet (MLflow raises its own RestException)
         return None
     return next((v for v in versions if v.tags.get(RUN_TAG) == train_fp), None)
 
@@ -95,7 +95,7 @@ def decide_alias(client, name: str, policy: str, vs: dict | None, primary: str, 
         return CHAMPION, "registry.promote=always"
     try:
         current = client.get_model_version_by_alias(name, CHAMPION)
-    except Exception:
+    except Exception:  # noqa: BLE001 - no alias (MLflow raises RestException / MlflowException)
         return CHAMPION, "no champion yet"
     if current.tags.get(RUN_TAG) == train_fp:
         return CHAMPION, f"v{current.version} is this training's version and the champion already"

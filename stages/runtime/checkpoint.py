@@ -92,7 +92,7 @@ class _MetadataUnpickler(pickle._Unpickler):
     `METADATA_GLOBALS` (before importing anything), calling only them, and setting state only on
     fresh instances of DCP's dataclasses: no other callable can be reached, and no shared object changed."""
 
-    dispatch = dict(pickle._Unpickler.dispatch)  # noqa: RUF012 - the class's own opcode table, as pickle has it
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module: str, name: str):
         if (module, name) not in METADATA_GLOBALS:

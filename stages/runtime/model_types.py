@@ -3,13 +3,22 @@
 A builder takes the `actor.model` config section plus the resolved weights path and returns
 an `nn.Module`. The worker shards whatever comes back with FSDP2; `fsdp_units` tells it
 which sub-modules to shard individually (transformer blocks, usually).
+
+`build_configured_model` is the one way a configured model is made -- the builder, then LoRA
+adapters and saved weights when asked -- for training, export and evaluation alike.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
+import torch
 import torch.nn as nn
+
+from .lora import apply_lora, load_adapters_checked
+
+if TYPE_CHECKING:
+    from stages.core.config import SFTConfig
 
 _MODEL_TYPES: dict[str, Callable] = {}
 
@@ -39,6 +48,47 @@ def build_causal_lm(model_cfg: dict, weights_path: str) -> nn.Module:
     return AutoModelForCausalLM.from_pretrained(
         weights_path, trust_remote_code=model_cfg.get("trust_remote_code", False), dtype="float32",
     )
+
+
+class WeightsLoadError(ValueError):
+    """The weights given to `build_configured_model` could not be loaded into the model it built
+    (they don't fit it, or reading them failed with a ValueError); the message is the original one.
+    Errors of the builder itself are never wrapped."""
+
+
+def build_configured_model(cfg: SFTConfig, weights_path: str | None, *, seed: int | None = None,
+                           device: torch.device | str | None = None, float32: bool = False, lora: bool = False,
+                           weights: dict | Callable[[nn.Module], dict] | None = None, where: str = "") -> nn.Module:
+    """The model `cfg.actor.model` configures, built as training, export and evaluation all build it:
+
+    1. `torch.manual_seed(seed)` when a seed is given, then the registered builder of
+       `model_type` on `weights_path` (UnknownModelType when none is registered);
+    2. moved to `device`, then cast to fp32 (`float32`), when asked;
+    3. with `lora`: wrapped with fresh adapters as `cfg.actor.lora` describes (from torch's RNG);
+    4. with `weights` (a state dict, or a function of the model built so far that reads one):
+       loaded into it -- with `lora` the adapters, every trainable parameter required
+       (`load_adapters_checked`), else the whole model, tied weights aside (`load_state_checked`).
+       A misfit, or a ValueError while reading them, is a WeightsLoadError naming `where`.
+
+    A LoRA model comes back wrapped by peft, its adapters not merged (`merge_and_unload()` merges)."""
+    mc = cfg.actor.model
+    builder = get_model_builder(mc.model_type)
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = builder(mc.model_dump(), weights_path)
+    if device is not None:
+        model.to(device)
+    if float32:
+        model.float()
+    if lora:
+        model = apply_lora(model, cfg.actor.lora)
+    if weights is not None:
+        try:
+            state = weights(model) if callable(weights) else weights
+            (load_adapters_checked if lora else load_state_checked)(model, state, where)
+        except ValueError as e:
+            raise WeightsLoadError(str(e)) from e
+    return model
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:

@@ -6,7 +6,8 @@
 LR schedule, validation, checkpoints, metrics and export. A subclass adapts it to another
 model or data layout by overriding `build_dataset` (or its RLinf name `build_dataloader`),
 `collate`, `get_train_model_output` and `get_eval_model_output` (docs/adding-a-model.md).
-Evaluate uses the same subclass through `SFTWorker.for_eval`.
+Evaluate uses the same subclass through `SFTWorker.for_eval`. What `get_train_model_output`
+returns is read in one place, `as_train_output`, into a `TrainOutput`.
 
 Loss of a global step = (sum of token cross-entropy over all micro-batches on all ranks)
 / (trainable tokens of the whole global step, all-reduced before backward). FSDP averages
@@ -21,7 +22,9 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -37,11 +40,15 @@ from stages.tracking.live import RankZeroMetrics, read_metrics_file
 from . import checkpoint as ckpt
 from .batches import DataPosition, GlobalBatchSampler, SFTDataset, collate_packed, collate_padded
 from .distributed import choose_precision, local_device, log
-from .lora import adapters_off, apply_lora, load_adapters_checked, lora_enabled, unwrap
+from .lora import adapters_off, lora_enabled, unwrap
 from .loss import kl_sum, token_loss_sum
-from .model_types import UnknownModelType, fsdp_units, get_model_builder, load_state_checked
+from .model_types import (UnknownModelType, WeightsLoadError, build_configured_model, fsdp_units, get_model_builder,
+                          load_state_checked)
 from .proctree import descendants, die_with_parent
 from .schedule import lr_lambda
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Dense bf16 peak FLOP/s per device, for the MFU estimate (unknown devices report none).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
@@ -67,6 +74,57 @@ class WorkerSpec(BaseModel):
         return cls.model_validate_json(Path(path).read_text())
 
 
+@dataclass(frozen=True)
+class TrainOutput:
+    """One micro-batch's share of a step, as `get_train_model_output` returns it: the loop adds up
+    `loss_sum` and `n_tokens` over all micro-batches and ranks of the step and divides once."""
+
+    loss_sum: torch.Tensor  # sum of the per-token (per-unit) losses, attached to the graph
+    n_tokens: float         # how many tokens (units) `loss_sum` sums over
+
+    # It reads as the `(loss_sum, n_tokens)` tuple it replaces: overrides that unpack or index
+    # `super().get_train_model_output(batch)` keep working.
+    def __iter__(self):
+        return iter((self.loss_sum, self.n_tokens))
+
+    def __getitem__(self, i):
+        return (self.loss_sum, self.n_tokens)[i]
+
+
+def as_train_output(out, trainable_tokens: float, method: str = "get_train_model_output") -> TrainOutput:
+    """What `get_train_model_output` returned, as a TrainOutput: the one place its accepted forms are
+    read (docs/adding-a-model.md lists them).
+
+    * a `TrainOutput`: as it is (`n_tokens` as a float);
+    * `(loss_sum, n_tokens)`, RLinf's form (a tuple or list of two): a tensor and a count -- a
+      number, or a tensor that is not floating;
+    * a tensor: a mean loss over the micro-batch's trainable tokens, `trainable_tokens` (the
+      dataset's count); its loss sum is the mean times that count;
+    * a list/tuple of tensors (a pair whose second is a floating tensor included): summed, then
+      a mean loss as above.
+
+    Anything else is a TypeError naming `method` (e.g. "MyWorker.get_train_model_output")."""
+    if isinstance(out, TrainOutput):
+        return TrainOutput(out.loss_sum, float(out.n_tokens))
+    if isinstance(out, (tuple, list)) and len(out) == 2 and torch.is_tensor(out[0]) and not (
+            torch.is_tensor(out[1]) and out[1].is_floating_point()):
+        return TrainOutput(out[0], float(out[1]))
+    if isinstance(out, (tuple, list)):
+        out = sum(out)
+    if not torch.is_tensor(out):
+        raise TypeError(f"{method} returned {type(out).__name__}; expected a TrainOutput, (loss_sum, n_tokens), "
+                        "a tensor (a mean loss) or a list/tuple of tensors (summed into one)")
+    return TrainOutput(out * trainable_tokens, trainable_tokens)
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How `build_model` wrapped the model with FSDP2."""
+
+    fsdp: bool           # sharded at all (one fp32 process is not: nothing to shard, reduce or cast)
+    keep_gathered: bool  # gathered weights stay until a step's last backward (`reshard_after_forward` off)
+
+
 def _fault(point: str, step: int) -> None:
     """Test hook: SFTFLOW_FAULT=<point>:<step> SIGKILLs torchrun and every worker at that point,
     as an OOM killer or a lost node would."""
@@ -82,6 +140,55 @@ def _fault(point: str, step: int) -> None:
 
 
 class SFTWorker:
+    """One rank's training (`fit`), or a scorer around a loaded model (`for_eval`).
+
+    Every attribute is declared here. `__init__` sets the first group; training sets the others in
+    `setup`, each group in one block there; `for_eval` sets placement, tokenizer, model and
+    sharding, the rest of what scoring reads."""
+
+    # What the run is (__init__).
+    spec: WorkerSpec
+    cfg: SFTConfig              # spec.config
+    out: Path                   # the stage folder being built
+    ckpt_dir: Path              # out/checkpoints
+
+    # Where this rank runs (init_distributed, assigned in setup).
+    device: torch.device
+    rank: int
+    world: int
+    precision: str              # "bf16" or "fp32": actor.precision resolved for the device
+
+    # The tokenizer of Hugging Face models (load_tokenizer); other model types have none, and
+    # export writes their bare state dict.
+    tokenizer: PreTrainedTokenizerBase | None
+    pad_id: int                 # pads padded micro-batches
+
+    # The model and how FSDP2 wraps it (build_model, assigned in setup).
+    model: torch.nn.Module
+    fsdp: bool                  # see Sharding
+    keep_gathered: bool         # see Sharding
+    packing: bool               # packed micro-batches: asked for, and the model's logits allow it
+
+    # Data (setup). The datasets are what build_dataset returns (see there).
+    train_ds: Any
+    val_ds: Any | None          # None without a validation set
+    sample_lengths: np.ndarray  # train_ds.lengths, tokens per sample: balances ranks and micro-batches
+    sample_trainable_tokens: np.ndarray  # train_ds.trainable, loss tokens per sample: each step's exact divisor
+    sampler: GlobalBatchSampler  # which samples each rank's micro-batches of a step hold
+    total_steps: int            # optimizer steps of the whole run
+
+    # Optimization (setup).
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+
+    # The MFU estimate in the metrics (setup).
+    n_params: int               # all parameters, LoRA's frozen base included (a DTensor counts whole)
+    peak_flops: float | None    # the device's dense bf16 peak (PEAK_FLOPS); unknown devices: None
+
+    # The KL sum of the last micro-batch when get_train_model_output adds actor.kl_to_base's term;
+    # None otherwise. forward_backward clears it before each micro-batch and adds it up.
+    last_kl: torch.Tensor | None
+
     def __init__(self, spec: WorkerSpec | dict):
         self.spec = spec if isinstance(spec, WorkerSpec) else WorkerSpec.model_validate(spec)
         self.cfg = self.spec.config
@@ -89,7 +196,7 @@ class SFTWorker:
         self.ckpt_dir = self.out / "checkpoints"
         self.tokenizer = None
         self.pad_id = 0
-        self.last_kl = None  # set by get_train_model_output under actor.kl_to_base
+        self.last_kl = None
 
     @classmethod
     def for_eval(cls, spec: WorkerSpec, model: torch.nn.Module, device: torch.device, rank: int, world: int) -> "SFTWorker":
@@ -97,31 +204,30 @@ class SFTWorker:
         optimizer or FSDP of its own; its tokenizer, `build_dataset`, `collate` and
         `get_eval_model_output` are the subclass's."""
         w = cls(spec)
-        w.device, w.rank, w.world, w.fsdp, w.packing = device, rank, world, False, False
+        w.device, w.rank, w.world = device, rank, world
         w.precision = "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32"
-        w.load_tokenizer()
-        w.model = model
+        w.tokenizer, w.pad_id = w.load_tokenizer()
+        w.model, w.fsdp, w.keep_gathered, w.packing = model, False, False, False
         return w
 
     # ------------------------------------------------------------------ setup
-    def init_distributed(self) -> None:
-        self.device = local_device()
-        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.precision = choose_precision(self.cfg.actor.precision, self.device)
+    def init_distributed(self) -> tuple[torch.device, int, int, str]:
+        """Starts this rank's process group; (device, rank, world size, precision)."""
+        device = local_device()
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        return device, dist.get_rank(), dist.get_world_size(), choose_precision(self.cfg.actor.precision, device)
 
-    def build_model(self) -> torch.nn.Module:
+    def build_model(self) -> tuple[torch.nn.Module, Sharding]:
+        """The configured model on this rank's device, with LoRA, activation checkpointing and
+        compilation as configured, wrapped with FSDP2 unless one fp32 process has nothing to shard;
+        and how it was wrapped. Reads `device`, `world` and `precision`."""
         actor = self.cfg.actor
         try:
-            builder = get_model_builder(actor.model.model_type)
-        except KeyError as e:
+            model = build_configured_model(self.cfg, self.spec.model_path, seed=self.cfg.runner.seed,
+                                           device=self.device, lora=lora_enabled(self.cfg))
+        except UnknownModelType as e:
             raise SystemExit(str(e)) from None
-        torch.manual_seed(self.cfg.runner.seed)
-        model = builder(actor.model.model_dump(), self.spec.model_path)
-        model.to(self.device)
-        units = fsdp_units(model)  # the blocks themselves: peft swaps layers inside them, not the blocks
-        if lora_enabled(self.cfg):
-            model = apply_lora(model, actor.lora)
+        units = fsdp_units(unwrap(model))  # the blocks themselves: peft swaps layers inside them, not the blocks
         if actor.activation_checkpointing:
             if not hasattr(model, "gradient_checkpointing_enable"):
                 raise SystemExit("actor.activation_checkpointing needs a model with gradient_checkpointing_enable()")
@@ -131,20 +237,18 @@ class SFTWorker:
                 unit.compile()
         # One fp32 process has nothing to shard, reduce or cast: FSDP would only add per-layer hooks.
         # DCP checkpoints stay interchangeable with sharded runs (they reshard on load).
-        self.fsdp = self.world > 1 or self.precision == "bf16"
-        self.keep_gathered = False
-        if not self.fsdp:
-            return model
+        if not (self.world > 1 or self.precision == "bf16"):
+            return model, Sharding(fsdp=False, keep_gathered=False)
         mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if self.precision == "bf16" else MixedPrecisionPolicy())
         # gloo on a few cores is bound by collectives, not memory: gathering each layer once per
         # step instead of twice per micro-batch is most of what FSDP costs there
         reshard = actor.reshard_after_forward
-        self.keep_gathered = not (reshard if reshard is not None else self.device.type != "cpu")
+        keep_gathered = not (reshard if reshard is not None else self.device.type != "cpu")
         for unit in units:
-            fully_shard(unit, mp_policy=mp, reshard_after_forward=not self.keep_gathered)
-        fully_shard(model, mp_policy=mp, reshard_after_forward=not self.keep_gathered)
-        return model
+            fully_shard(unit, mp_policy=mp, reshard_after_forward=not keep_gathered)
+        fully_shard(model, mp_policy=mp, reshard_after_forward=not keep_gathered)
+        return model, Sharding(fsdp=True, keep_gathered=keep_gathered)
 
     def build_dataset(self, data_paths: str, eval_dataset: bool = False):
         """A dataset with len(), ds[i], and int arrays `lengths` (tokens per sample, for balancing)
@@ -156,13 +260,13 @@ class SFTWorker:
         """RLinf's name for `build_dataset`; the prepared Arrow shards by default."""
         return SFTDataset(data_paths)
 
-    def load_tokenizer(self) -> None:
+    def load_tokenizer(self) -> tuple[PreTrainedTokenizerBase | None, int]:
+        """(the base model's tokenizer, the pad id) for a causal LM; (None, 0) for other model types."""
         if not self.spec.model_path or self.cfg.actor.model.model_type != "causal_lm":
-            return
+            return None, 0
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(self.spec.model_path, trust_remote_code=self.cfg.actor.model.trust_remote_code)
-        self.tokenizer = tok
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        return tok, tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
 
     def supports_packing(self) -> bool:
         """Packed logits must equal unpacked ones; checked once on two short sequences, on every rank."""
@@ -198,14 +302,15 @@ class SFTWorker:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         return token_loss_sum(self.model(**inputs, use_cache=False).logits, batch["labels"])
 
-    def get_train_model_output(self, batch: dict):
-        """The micro-batch's loss: `(loss_sum, n_tokens)`, the loop divides by the global step's
-        summed `n_tokens`; or a mean loss (a tensor, or a list/tuple of tensors that are summed),
-        weighted by the micro-batch's `trainable` count from the dataset. With `actor.kl_to_base`
-        the loss sum includes beta x KL(base || tuned) and `self.last_kl` holds the KL sum."""
+    def get_train_model_output(self, batch: dict) -> TrainOutput:
+        """The micro-batch's loss sum and token count; the loop divides by the global step's summed
+        `n_tokens`. An override may also return `(loss_sum, n_tokens)` or a mean loss (a tensor, or
+        a list/tuple of tensors that are summed): `as_train_output` lists what is accepted. With
+        `actor.kl_to_base` the loss sum includes beta x KL(base || tuned) and `self.last_kl` holds
+        the KL sum."""
         beta = self.cfg.actor.kl_to_base
         if not beta:
-            return self._token_loss_sum(batch)
+            return TrainOutput(*self._token_loss_sum(batch))
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         with torch.no_grad(), adapters_off(self.model):
             base_logits = self.model(**inputs, use_cache=False).logits
@@ -213,7 +318,7 @@ class SFTWorker:
         loss_sum, n = token_loss_sum(logits, batch["labels"])
         kl = kl_sum(logits, base_logits, batch["labels"])
         self.last_kl = kl.detach()
-        return loss_sum + beta * kl, n
+        return TrainOutput(loss_sum + beta * kl, n)
 
     def get_eval_model_output(self, batch: dict):
         """`(loss_sum, n_tokens)` or a dict of summable numbers (`loss_sum`, `n_tokens`, `correct`, `total`, ...)."""
@@ -226,19 +331,6 @@ class SFTWorker:
             out = {"loss_sum": out[0], "n_tokens": out[1]}
         for key, v in out.items():
             sums[key] = sums.get(key, 0.0) + float(v)
-
-    @staticmethod
-    def as_loss_sum(out, trainable: float) -> tuple[torch.Tensor, float]:
-        """What get_train_model_output returned, as (sum of per-token losses, number of tokens)."""
-        if isinstance(out, (tuple, list)) and len(out) == 2 and torch.is_tensor(out[0]) and not (
-                torch.is_tensor(out[1]) and out[1].is_floating_point()):
-            return out[0], float(out[1])
-        if isinstance(out, (tuple, list)):
-            out = sum(out)
-        if not torch.is_tensor(out):
-            raise TypeError(f"get_train_model_output returned {type(out).__name__}; expected a tensor, "
-                            "a list/tuple of tensors, or (loss_sum, n_tokens)")
-        return out * trainable, trainable  # a mean over the micro-batch's trainable tokens
 
     # ------------------------------------------------------------------ loop pieces
     def micro_batch(self, indices) -> tuple[dict, bool]:
@@ -303,30 +395,40 @@ class SFTWorker:
 
     # ------------------------------------------------------------------ main loop
     def setup(self) -> None:
-        self.init_distributed()
-        self.load_tokenizer()
+        """Everything `fit` needs, in this order: process group, tokenizer, data, model, optimizer,
+        packing, MFU constants."""
         run, actor = self.cfg.runner, self.cfg.actor
+        self.device, self.rank, self.world, self.precision = self.init_distributed()
+        self.tokenizer, self.pad_id = self.load_tokenizer()
+
         self.train_ds = self.build_dataset(self.spec.train_dir)
         if len(self.train_ds) == 0:  # 0 steps would export the base model as if it were trained
             raise SystemExit(f"no training samples in {self.spec.train_dir} ({type(self).__name__}.build_dataset)")
         self.val_ds = self.build_dataset(self.spec.val_dir, eval_dataset=True) if self.spec.val_dir else None
-        self.lengths = np.asarray(getattr(self.train_ds, "lengths", np.ones(len(self.train_ds))), dtype=np.int64)
-        self.trainable = np.asarray(getattr(self.train_ds, "trainable", np.ones(len(self.train_ds))), dtype=np.int64)
-        self.sampler = GlobalBatchSampler(self.lengths, actor.global_batch_size, actor.micro_batch_size, self.world,
-                                          run.seed, actor.max_tokens_per_micro_batch, interleave=actor.packing)
+        ones = np.ones(len(self.train_ds))  # a dataset without the arrays: every sample counts one
+        self.sample_lengths = np.asarray(getattr(self.train_ds, "lengths", ones), dtype=np.int64)
+        self.sample_trainable_tokens = np.asarray(getattr(self.train_ds, "trainable", ones), dtype=np.int64)
+        self.sampler = GlobalBatchSampler(self.sample_lengths, actor.global_batch_size, actor.micro_batch_size,
+                                          self.world, run.seed, actor.max_tokens_per_micro_batch,
+                                          interleave=actor.packing)
         steps_all_epochs = self.sampler.steps_per_epoch * run.max_epochs
         self.total_steps = min(run.max_steps, steps_all_epochs) if run.max_steps > 0 else steps_all_epochs
-        self.model = self.build_model()
+
+        self.model, sharding = self.build_model()
+        self.fsdp, self.keep_gathered = sharding.fsdp, sharding.keep_gathered
         self.model.train()
+
         o = actor.optim
         # Before any forward: FSDP2 keeps the root unsharded after a no-grad forward, and the
         # optimizer must hold the sharded parameters.
-        trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
+        trainable_params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
         # foreach: one op over all parameters instead of one per parameter. CPU's default is the
         # per-parameter loop, whose DTensor dispatch under FSDP2 cost ~5% of a 2-process step.
-        self.optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, foreach=True)
+        self.optimizer = torch.optim.AdamW(trainable_params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay,
+                                           foreach=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(self.total_steps, o.warmup, o.scheduler, o.min_lr_ratio))
+
         self.packing = False
         if actor.packing:
             self.packing = self.supports_packing()
@@ -334,9 +436,10 @@ class SFTWorker:
             if not self.packing:
                 log(f"packing: {type(self.model).__name__} can't be packed (packed logits differ from unpacked or "
                     "no position_ids); using padded micro-batches")
+
         self.n_params = sum(p.numel() for p in self.model.parameters())  # a DTensor's numel is the global size
         if lora_enabled(self.cfg):
-            n_train = sum(p.numel() for p in trainable)
+            n_train = sum(p.numel() for p in trainable_params)
             log(f"LoRA r={actor.lora.r}: {n_train:,} trainable of {self.n_params:,} parameters "
                 f"({100 * n_train / self.n_params:.2f}%)")
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
@@ -346,12 +449,13 @@ class SFTWorker:
         """Accumulates the gradient of one global batch; loss normalized by its total trainable tokens.
 
         The normalizer must be known before the first backward, so it comes from the dataset's
-        `trainable` counts; when the model outputs' own `n_tokens` add up to a different total,
-        the gradients are rescaled once at the end, so the step divides by what the outputs said."""
+        `trainable` counts (`sample_trainable_tokens`); when the model outputs' own `n_tokens` add up
+        to a different total, the gradients are rescaled once at the end, so the step divides by
+        what the outputs said."""
         micro = self.sampler.rank_micro_batches(batch_idx, self.rank)
         share = np.concatenate(micro) if micro else np.zeros(0, dtype=np.int64)
-        counts = torch.tensor([float(self.trainable[share].sum()), float(self.lengths[share].sum())],
-                              dtype=torch.float64, device=self.device)
+        counts = torch.tensor([float(self.sample_trainable_tokens[share].sum()),
+                               float(self.sample_lengths[share].sum())], dtype=torch.float64, device=self.device)
         n_micro = torch.tensor([float(len(micro))], dtype=torch.float64, device=self.device)
         dist.all_reduce(counts)
         dist.all_reduce(n_micro, op=dist.ReduceOp.MAX)
@@ -366,7 +470,10 @@ class SFTWorker:
                 if self.keep_gathered:
                     self.model.set_reshard_after_backward(k == len(micro) - 1)
             self.last_kl = None
-            ls, n = self.as_loss_sum(self.get_train_model_output(batch), float(self.trainable[idx].sum()) if real else 0.0)
+            out = as_train_output(self.get_train_model_output(batch),
+                                  float(self.sample_trainable_tokens[idx].sum()) if real else 0.0,
+                                  f"{type(self).__name__}.get_train_model_output")
+            ls, n = out.loss_sum, out.n_tokens
             if not real:
                 ls, n = ls * 0.0, 0.0
             elif self.last_kl is not None:
@@ -493,14 +600,12 @@ class SFTWorker:
         return self._merged_state_dict(full)
 
     def _merged_state_dict(self, adapters: dict) -> dict:
-        """A fresh base model (as `build_model` makes it, on CPU) with the trained adapters: saved
-        in peft's format to `adapter/`, then merged; its plain state dict."""
-        actor = self.cfg.actor
-        base = get_model_builder(actor.model.model_type)(actor.model.model_dump(), self.spec.model_path)
-        peft_model = apply_lora(base.to("cpu").float(), actor.lora)
+        """A fresh base model (as `build_model` makes it, on CPU in fp32) with the trained adapters:
+        saved in peft's format to `adapter/`, then merged; its plain state dict."""
         try:
-            load_adapters_checked(peft_model, adapters, "the trained model")
-        except ValueError as e:
+            peft_model = build_configured_model(self.cfg, self.spec.model_path, device="cpu", float32=True, lora=True,
+                                                weights=adapters, where="the trained model")
+        except WeightsLoadError as e:
             raise RuntimeError(f"export: {e}") from None
         peft_model.save_pretrained(self.out / "adapter")
         log(f"exported LoRA adapters to {self.out / 'adapter'}")

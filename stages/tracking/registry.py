@@ -28,7 +28,7 @@ def registry_version(ref: str, tracking_uri: str, key: str = "eval.model") -> tu
             version = client.get_model_version(name, number)
         else:
             raise ValueError("expected models:/name@alias or models:/name/version")
-    except Exception as e:  # unknown name/alias/version, unreachable server
+    except Exception as e:  # noqa: BLE001 - unknown name/alias/version, unreachable server
         raise ConfigError(f"{key}: {ref}: {str(e).strip().splitlines()[0]}") from None
     return name, str(version.version)
 
@@ -41,7 +41,7 @@ def download_model(ref: str, tracking_uri: str | None, dst_path: str | None = No
         mlflow.set_tracking_uri(tracking_uri)
     try:
         local = Path(mlflow.artifacts.download_artifacts(ref, dst_path=dst_path))
-    except Exception as e:  # unknown name/alias/version, unreachable server
+    except Exception as e:  # noqa: BLE001 - unknown name/alias/version, unreachable server
         raise ValueError(f"{ref}: {str(e).splitlines()[0]}") from None
     found = next((p.parent for p in sorted(local.rglob("config.json")) if (p.parent / "tokenizer_config.json").is_file()), None)
     if found is None:
@@ -64,7 +64,7 @@ def current_champion(tracking_uri: str, name: str, alias: str = CHAMPION) -> dic
     from mlflow.tracking import MlflowClient
     try:
         version = MlflowClient(tracking_uri=tracking_uri).get_model_version_by_alias(name, alias)
-    except Exception:  # no model, no alias, unreachable server
+    except Exception:  # noqa: BLE001 - no model, no alias, unreachable server
         return None
     return {"registry": tracking_uri, "name": name, "version": str(version.version),
             **{k: version.tags.get(TAG + k, "") for k in VERSION_TAGS}}
@@ -104,5 +104,5 @@ def version_aliases(tracking_uri: str, name: str, version: str | int) -> list[st
     from mlflow.tracking import MlflowClient
     try:
         return sorted(MlflowClient(tracking_uri=tracking_uri).get_model_version(name, str(version)).aliases)
-    except Exception:
+    except Exception:  # noqa: BLE001 - no such version, unreachable server: the report keeps what it has
         return None
