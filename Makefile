@@ -6,7 +6,7 @@ CONFIG  ?= configs/default.yaml
 ARGS    ?=
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: run test test-fast lint ui serve-model serve install clean
+.PHONY: run test test-fast lint ui prefect-ui serve-model serve install clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -37,6 +37,10 @@ lint: $(STAMP)
 UI_PORT ?= 5000
 ui: $(STAMP)
 	@$(BIN)/python -m stages.tracking.ui $(CONFIG) --port $(UI_PORT)
+
+# The Prefect UI over the config's past flow runs (the kept server, held until Ctrl-C); schedules nothing.
+prefect-ui: $(STAMP)
+	$(BIN)/sftflow ui -c $(CONFIG)
 
 # A registered model over REST on 127.0.0.1:PORT (POST /invocations). MLflow starts uvicorn by
 # name, so the venv's bin goes first on PATH.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import time
 import sys
 from pathlib import Path
 from typing import Callable, Optional
@@ -363,6 +364,36 @@ def stop_server(config: Path = ConfigOpt) -> None:
     except RuntimeError as e:
         _fail(str(e), code=1)
     console.print(f"stopped the kept Prefect server at {api}" if api else "no kept Prefect server is running")
+
+
+@app.command()
+def ui(config: Path = ConfigOpt) -> None:
+    """The Prefect UI over this config's flow runs (its Prefect home), without scheduling anything:
+    the server kept from earlier runs, or one started and kept now, held until Ctrl-C."""
+    cfg = _load(config, [])
+    if os.environ.get("PREFECT_API_URL"):
+        console.print(f"Prefect UI: {os.environ['PREFECT_API_URL'].removesuffix('/api').rstrip('/')}/runs "
+                      "(PREFECT_API_URL's server)", highlight=False)
+        return
+    _prefect_home(cfg)
+    from flows import prefect_server as ps
+    home = Path(os.environ["PREFECT_HOME"])
+    with ps.lease(home):  # the server stays up while this command runs
+        found = ps.running_server(home)
+        if found is not None and not ps.serves_ui(found):
+            _fail(f"the Prefect server kept on {home} serves no UI (an earlier sftflow started it); "
+                  f"`sftflow stop-server -c {config}` then `sftflow ui -c {config}`", code=1)
+        try:
+            api = found["api"] if found else ps.start_kept_server(home, max(ps.keep_seconds(), ps.DEFAULT_KEEP_S))
+        except (ps.KeepSettingError, ps.ServerDidNotStart) as e:
+            _fail(str(e), code=1)
+        console.print(f"Prefect UI: {api.removesuffix('/api')}/runs (flow runs of {home}); Ctrl-C stops "
+                      "holding it (the server then stops once unused)", highlight=False)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
 
 
 def _stop(signum, frame) -> None:

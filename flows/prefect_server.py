@@ -39,7 +39,7 @@ from filelock import FileLock
 
 KEEP_ENV = "SFTFLOW_KEEP_SERVER"
 DEFAULT_KEEP_S = 600.0
-# Set by the CLI around a server that has no UI (temporary or kept): links to its pages would be dead.
+# Set by the CLI around a server that has no UI (a temporary one): links to its pages would be dead.
 TEMPORARY_SERVER_ENV = "SFTFLOW_TEMPORARY_PREFECT"
 RUNNING_SERVER = "server.json"  # in the Prefect home: a long-lived server (`serve --start-server`, kept)
 LEASE = "server.lease"          # in the Prefect home: shared-locked by every CLI call while it runs
@@ -242,6 +242,12 @@ def start_kept_server(home: Path, keep_s: float, meanwhile: Callable[[], object]
             time.sleep(0.2)
 
 
+def serves_ui(marker: dict) -> bool:
+    """Whether the server a marker names serves the UI: `serve --start-server`'s does, a kept one since
+    it records so (a kept server of an earlier sftflow did not)."""
+    return marker.get("kind") != "kept" or bool(marker.get("ui"))
+
+
 def stop_kept_server(home: Path, timeout: float = 60) -> str | None:
     """Stops the kept server on this home now (SIGTERM to its keeper, which stops the server and
     removes its marker); returns its API URL, or None when none runs. A `serve --start-server`
@@ -266,10 +272,12 @@ def keep(home: Path, port: int, idle_s: float) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stopping.append(True))
     api = f"http://127.0.0.1:{port}/api"
-    cmd, env = _server_command("127.0.0.1", port, home, ui=False)
+    # it serves the UI: the "View at" links of the runs on it, and `sftflow ui`, open while it runs
+    cmd, env = _server_command("127.0.0.1", port, home, ui=True)
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
     marker = home / RUNNING_SERVER
-    ours = {"api": api, "pid": os.getpid(), "kind": "kept", "prefect": version("prefect"), "idle_s": idle_s}
+    ours = {"api": api, "pid": os.getpid(), "kind": "kept", "ui": True, "prefect": version("prefect"),
+            "idle_s": idle_s}
     try:
         _wait_healthy(api, proc, time.time() + 180, home / KEPT_LOG)
         tmp = home / f".{RUNNING_SERVER}.{os.getpid()}"
@@ -340,22 +348,25 @@ def prefect_api(home: Path, meanwhile: Callable[[], object] | None = None,
         found = running_server(home)
         if found:
             say(f"using the running Prefect server at {found['api']}")
-            server, ui = nullcontext(found["api"]), found.get("kind") != "kept"
+            server, ui = nullcontext(found["api"]), serves_ui(found)
         elif keep_s > 0:
             api = start_kept_server(home, keep_s, meanwhile=meanwhile)
             say(f"started a Prefect server at {api} for this and later runs; it stops after "
                 f"{keep_s:g} s unused ({KEEP_ENV}=0: a temporary server per call)")
-            server, ui = nullcontext(api), False
+            server, ui = nullcontext(api), True
         else:
             server, ui = temporary_server(home, meanwhile=meanwhile), False
-        saved = {name: os.environ.get(name) for name in ("PREFECT_API_URL", TEMPORARY_SERVER_ENV)}
+        saved = {name: os.environ.get(name) for name in ("PREFECT_API_URL", "PREFECT_UI_URL", TEMPORARY_SERVER_ENV)}
         try:
             with server as api:
-                from prefect.settings import PREFECT_API_URL, temporary_settings
+                from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, temporary_settings
                 os.environ["PREFECT_API_URL"] = api
-                if not ui:
+                updates = {PREFECT_API_URL: api}
+                if not ui:  # no "View at" links (Prefect prints none with an empty UI URL) to pages nobody serves
                     os.environ[TEMPORARY_SERVER_ENV] = "1"
-                with temporary_settings(updates={PREFECT_API_URL: api}):
+                    os.environ["PREFECT_UI_URL"] = ""
+                    updates[PREFECT_UI_URL] = ""
+                with temporary_settings(updates=updates):
                     yield api
         finally:  # after the server is done: a temporary one drains Prefect's queues to it first
             for name, value in saved.items():

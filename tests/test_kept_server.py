@@ -106,3 +106,48 @@ def test_stop_server_stops_the_kept_server_now(tmp_path):
     assert not (home / RUNNING_SERVER).exists() and not healthy(kept["api"])
     again = sftflow("stop-server", "-c", str(cfg_path), cwd=tmp_path)
     assert again.returncode == 0 and "no kept Prefect server" in again.stdout
+
+
+def test_links_printed_on_a_kept_server_open_while_it_runs_and_sftflow_ui_browses_the_history(tmp_path):
+    """A run on the kept server prints a "View at" link that its UI serves (the kept server serves the
+    UI); `sftflow ui -c CONFIG` prints the flow-run history of the same server, schedules nothing and
+    holds the server until Ctrl-C. A temporary server (SFTFLOW_KEEP_SERVER=0) prints no link at all."""
+    import re
+    import urllib.request
+    cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path))
+    home = tmp_path / ".prefect"
+    env = {"PREFECT_API_URL": None, "SFTFLOW_KEEP_SERVER": "30"}
+    run = sftflow("stage", "prepare", "-c", str(cfg_path), cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    links = re.findall(r"View at (\S+)", run.stdout + run.stderr)
+    kept = _marker(home)
+    ui = kept["api"].removesuffix("/api")
+    assert links and all(link.startswith(f"{ui}/runs/flow-run/") for link in links)
+    def browse(url: str) -> str:  # as a browser asks (the UI answers page navigations, not bare GETs)
+        return urllib.request.urlopen(urllib.request.Request(url, headers={"Accept": "text/html"}), timeout=30).read().decode()
+    page = browse(links[0])
+    assert page.lstrip().lower().startswith("<!doctype html>") and "/ico/" in page  # the UI's page, not a 404
+    run_id = links[0].rsplit("/", 1)[-1]
+    assert run_id in {r["id"] for r in flow_runs(kept["api"])}
+
+    full_env = {**os.environ, "PREFECT_HOME": str(home), "SFTFLOW_KEEP_SERVER": "30"}
+    full_env.pop("PREFECT_API_URL", None)
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "-c", str(cfg_path)], cwd=tmp_path, env=full_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith(f"Prefect UI: {ui}/runs"), line + proc.stderr.read() if proc.poll() is not None else line
+        assert browse(f"{ui}/runs").lstrip().lower().startswith("<!doctype html>")
+        assert _marker(home)["pid"] == kept["pid"]  # the same server
+        deployments = json.loads(urllib.request.urlopen(urllib.request.Request(
+            f"{kept['api']}/deployments/filter", data=b"{}", headers={"Content-Type": "application/json"}),
+            timeout=30).read())
+        assert deployments == []  # browsing schedules nothing
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) in (0, 130)
+
+    temp = sftflow("stage", "prepare", "-c", str(cfg_path), "--force", cwd=tmp_path,
+                   env={"PREFECT_API_URL": None, "SFTFLOW_KEEP_SERVER": "0", "PREFECT_HOME": str(tmp_path / ".other")})
+    assert temp.returncode == 0, temp.stderr[-3000:]
+    assert "View at" not in temp.stdout + temp.stderr  # its server is gone once the call ends
