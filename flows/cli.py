@@ -299,13 +299,7 @@ def sweep(config: Path = ConfigOpt,
     console.print(f"sweep: {len(trials)} trials over {', '.join(axes)}")
     _prefect_home(trials[0].plan.cfg)
 
-    def sweep_flow():
-        from flows.sweep import sft_sweep
-        if max_parallel == 1:
-            return sft_sweep
-        from prefect.task_runners import ThreadPoolTaskRunner
-        return sft_sweep.with_options(task_runner=ThreadPoolTaskRunner(max_workers=max_parallel))
-    out = _run_flow(sweep_flow, config_path=str(config), args=grid, metric=metric, max_parallel=max_parallel,
+    out = _run_flow(_flow("flows.sweep", "sft_sweep"), config_path=str(config), args=grid, metric=metric, max_parallel=max_parallel,
                     planned=[{"index": t.index, "values": t.values, "plan": t.plan.to_dict()} for t in trials])
     _sweep_summary(out, metric)
 

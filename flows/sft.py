@@ -204,16 +204,20 @@ def flow_run_name(config_path: str | None, fingerprints: dict | None, stage: str
 
 
 def _initial_name() -> str:
-    """The name a run starts with (the CLI's runs come with their plan; a deployment's runs get their
-    fingerprint once they have planned, `_name_flow_run`)."""
+    """The name a run starts with and keeps: `<config>-<fingerprint>` when the CLI passed its plan, the
+    config's name for a deployment's run (its fingerprint becomes a tag, `_name_flow_run`)."""
     params = flow_run.parameters
     return flow_run_name(params.get("config_path"), (params.get("planned") or {}).get("fingerprints"), params.get("stage"))
 
 
 def _name_flow_run(p: Plan, config_path: str | None, stage: str | None = None) -> None:
-    name = flow_run_name(config_path, p.fingerprints, stage)
-    if flow_run.name != name:
-        update_flow_run(name=name)
+    """A run started with its plan (the CLI) is named after its work from the start. A deployment's run
+    plans only once it runs: it keeps the name it started with (renaming it made the UI's run list
+    show one run under two names) and gets its fingerprint as a tag instead."""
+    if flow_run.id is None or flow_run.name == flow_run_name(config_path, p.fingerprints, stage):
+        return
+    tag = f"fingerprint:{p.fingerprints[stage or 'train'][:8]}"
+    update_flow_run(tags=[tag, *(t for t in (flow_run.tags or []) if t != tag)])
 
 
 def run_tags(results: list[dict]) -> list[str]:

@@ -16,6 +16,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
+from prefect.task_runners import ThreadPoolTaskRunner
 
 from stages.core.errors import ConfigError
 from stages.sweep import Trial, lower_is_better, metric_of, parse_grid, plan_trials, ranked
@@ -60,7 +61,9 @@ def _run_shared(trials: list[Trial]) -> dict[tuple[str, str], Any]:
 
 def _train_and_evaluate(trials: list[Trial], done: dict[tuple[str, str], Any], max_parallel: int) -> dict[int, dict]:
     """{trial index: {"train": result, "evaluate": result}}; with max_parallel > 1 every train is
-    submitted before any evaluate, so the pool's threads go to trainings first."""
+    submitted before any evaluate, so the pool's threads go to trainings first. The pool is the
+    sweep's own (max_parallel threads), whatever task runner the flow has: a sweep started by a
+    deployment runs as many at once as one started from the CLI."""
     out: dict[int, dict] = {t.index: {} for t in trials}
     if max_parallel <= 1:
         for t in trials:
@@ -69,15 +72,16 @@ def _train_and_evaluate(trials: list[Trial], done: dict[tuple[str, str], Any], m
             out[t.index]["evaluate"] = run_stage_task("evaluate", t.plan, False, states, t.label)
         return out
     futures: dict[tuple[int, str], Any] = {}
-    for stage in ("train", "evaluate"):
-        for t in trials:
-            task, kwargs = configured_task(stage, t.plan, False, t.label)
-            shared = _shared_states(t, done)
-            upstream = [shared["prepare"]] if stage == "train" else [*shared.values(), futures[(t.index, "train")]]
-            futures[(t.index, stage)] = task.submit(wait_for=upstream, **kwargs)
-    for (i, stage), future in futures.items():
-        future.wait()
-        out[i][stage] = dict(future.state.result())
+    with ThreadPoolTaskRunner(max_workers=max_parallel) as pool:
+        for stage in ("train", "evaluate"):
+            for t in trials:
+                task, kwargs = configured_task(stage, t.plan, False, t.label)
+                shared = _shared_states(t, done)
+                upstream = [shared["prepare"]] if stage == "train" else [*shared.values(), futures[(t.index, "train")]]
+                futures[(t.index, stage)] = pool.submit(task, parameters=kwargs, wait_for=upstream)
+        for (i, stage), future in futures.items():
+            future.wait()
+            out[i][stage] = dict(future.state.result())
     return out
 
 

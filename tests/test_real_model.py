@@ -90,7 +90,12 @@ def test_smollm2_quickstart_path_end_to_end(quickstart):
     assert set(metrics["sets"]) == {"identity", "retention"} and metrics["primary_set"] == "identity"
     for name, m in metrics["sets"].items():
         assert m["total"] == 4 and "base_accuracy" in m, name
-    assert metrics["sets"]["retention"]["base_accuracy"] == 1.0  # chosen as questions the base model gets right
+    # chosen as questions the base model gets right (all 244 as evaluate batches them; these 4 are batched
+    # differently, and greedy answers can turn on padding, so one may flip)
+    assert metrics["sets"]["retention"]["base_accuracy"] >= 0.75
+    for name, m in metrics["sets"].items():  # paired with the baseline stage's answers, item by item
+        assert m["vs_base"]["n"] == 4 and m["delta_low"] <= m["delta"] <= m["delta_high"], name
+    assert len((p.folder("baseline") / "predictions.jsonl").read_text().splitlines()) == 8
     assert "retention" in proc.stdout and "identity" in proc.stdout  # the before/after table
 
     import mlflow
@@ -98,7 +103,8 @@ def test_smollm2_quickstart_path_end_to_end(quickstart):
     mlflow.set_tracking_uri(uri)
     run_id = json.loads((p.folder("register") / "registration.json").read_text())["run_id"]
     logged = mlflow.MlflowClient().get_run(run_id).data.metrics
-    assert {"eval/identity/accuracy", "eval/retention/accuracy", "eval/retention/base_accuracy"} <= set(logged)
+    assert {"eval/identity/accuracy", "eval/retention/accuracy", "eval/retention/base_accuracy",
+            "eval/retention/delta_low", "eval/retention/delta_high"} <= set(logged)
     version = json.loads((p.folder("register") / "registration.json").read_text())["version"]
     model = mlflow.pyfunc.load_model(f"models:/smollm2-identity/{version}")
     reply = model.predict(["What is the capital of France?"], params={"max_new_tokens": 16})[0]
