@@ -253,3 +253,6 @@ def test_registry_reads_from_sqlite_agree_with_mlflow_s_client(tmp_path):
     for version in ("1", "2"):
         assert registry.version_aliases(uri, "m", version) == sorted(client.get_model_version("m", version).aliases)
     assert registry.current_champion(uri, "other") is None
+    # a tracking server that is down: no champion known at planning (register asks again and holds back)
+    assert registry.current_champion("http://127.0.0.1:9", "m") is None
+    assert registry.version_aliases("http://127.0.0.1:9", "m", 1) is None

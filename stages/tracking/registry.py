@@ -7,7 +7,7 @@ from pathlib import Path
 
 from stages.core.errors import ConfigError
 
-from .run import TAG
+from .run import TAG, reachable
 
 REGISTRY_PREFIX = "models:/"
 CHAMPION, CHALLENGER = "champion", "challenger"  # the aliases register moves
@@ -63,6 +63,7 @@ def current_champion(tracking_uri: str, name: str, alias: str = CHAMPION) -> dic
             return found and {"registry": tracking_uri, "name": name, **found}
     from mlflow.tracking import MlflowClient
     try:
+        reachable(tracking_uri)  # a server that is down costs seconds here, not minutes of client retries
         version = MlflowClient(tracking_uri=tracking_uri).get_model_version_by_alias(name, alias)
     except Exception:  # noqa: BLE001 - no model, no alias, unreachable server
         return None
@@ -103,6 +104,7 @@ def version_aliases(tracking_uri: str, name: str, version: str | int) -> list[st
             pass
     from mlflow.tracking import MlflowClient
     try:
+        reachable(tracking_uri)
         return sorted(MlflowClient(tracking_uri=tracking_uri).get_model_version(name, str(version)).aliases)
     except Exception:  # noqa: BLE001 - no such version, unreachable server: the report keeps what it has
         return None
