@@ -121,8 +121,11 @@ def _scoring(cfg: SFTConfig) -> dict:
 
 
 def _reference_fingerprints(cfg: SFTConfig, digests: dict, model_fp: str, scorer, worker, train_fp: str
-                            ) -> tuple[dict[str, str], dict | None]:
-    """Fingerprints of the reference stages this config has, and the champion they saw. A reference's
+                            ) -> tuple[dict[str, str], dict | None, str | None]:
+    """(fingerprints of the reference stages this config has, the champion they saw, the champion stage
+    register's decision depends on: this run's, or, when this training is the champion already, the
+    one its registration compared with, so that the register folder of that decision is the cache
+    hit). A reference's
     scores depend on the model, the eval sets as prepared (their files, the data options, the prepare
     code, the tokenizer: the base model) and how they are scored; never on the training data, so the
     base model is scored once across trials, sweeps and retrains on new data."""
@@ -133,19 +136,13 @@ def _reference_fingerprints(cfg: SFTConfig, digests: dict, model_fp: str, scorer
     fps: dict[str, str] = {}
     if cfg.eval.eval_base and cfg.eval.model != "base":
         fps["baseline"] = fingerprint("baseline", code=code_version("evaluate"), model={"base": model_fp}, **common)
-    champion = None
-    if cfg.eval.model is None:
-        champion = current_champion(cfg.resolved_tracking_uri, cfg.registry.model_name)
-        if champion is not None and champion["train_fingerprint"] == train_fp:
-            # this training is the champion: nothing to compare with; its registration compared it with
-            # the champion stage it names, so the register folder of that decision is the cache hit
-            if champion["champion_fingerprint"]:
-                fps["compared_with"] = champion["champion_fingerprint"]
-            champion = None
+    champion = current_champion(cfg.resolved_tracking_uri, cfg.registry.model_name) if cfg.eval.model is None else None
+    if champion is not None and champion["train_fingerprint"] == train_fp:  # nothing to compare with
+        return fps, None, champion["champion_fingerprint"] or None
     if champion is not None:
         identity = {k: champion[k] for k in ("registry", "name", "version")}
         fps["champion"] = fingerprint("champion", code=code_version("evaluate"), model=identity, **common)
-    return fps, champion
+    return fps, champion, fps.get("champion")
 
 
 def plan(cfg: SFTConfig) -> Plan:
@@ -176,8 +173,7 @@ def _plan(cfg: SFTConfig) -> Plan:
     custom = _custom_scorers(cfg)
     scorer = ({k: import_identity(v) for k, v in custom.items()} if cfg.eval.sets else
               import_identity(custom["eval.scorer"]) if custom else None)
-    references, champion = _reference_fingerprints(cfg, digests, model_fp, scorer, worker, train)
-    compared_with = references.pop("compared_with", None) or references.get("champion")
+    references, champion, compared_with = _reference_fingerprints(cfg, digests, model_fp, scorer, worker, train)
     baseline = {"baseline": references["baseline"]} if "baseline" in references else {}
     evaluate = fingerprint("evaluate", code=code_version("evaluate"), prepare=prepare, eval=hashed(cfg.eval),
                            scorer=scorer, **scored, **baseline)
