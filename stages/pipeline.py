@@ -153,8 +153,25 @@ def plan(cfg: SFTConfig) -> Plan:
         return _plan(cfg)
 
 
+def check_checkpoints(cfg: SFTConfig) -> None:
+    """A checkpoint folder the config names (`eval.model`, `runner.resume`) is read safely before
+    anything runs: its DCP `.metadata` is a pickle, and a crafted one would run code when DCP loads it
+    (`runtime/checkpoint.py` reads it with an allow-listed unpickler)."""
+    named = {"eval.model": cfg.eval.model, "runner.resume": cfg.runner.resume}
+    for key, ref in named.items():
+        folder = Path(ref).expanduser() if ref and ref not in ("auto", "never", "base") else None
+        if folder is None or not (folder / ".metadata").is_file():
+            continue
+        from .runtime.checkpoint import CheckpointError, read_metadata  # torch: only for a named checkpoint
+        try:
+            read_metadata(folder)
+        except CheckpointError as e:
+            raise ConfigError(f"{key}: {e}") from None
+
+
 def _plan(cfg: SFTConfig) -> Plan:
     check_code(cfg)
+    check_checkpoints(cfg)
     root = cfg.artifacts_path
     inputs = {split: [(str(ref), input_digest(ref, root)) for ref in refs] for split, refs in cfg.inputs().items()}
     digests = {split: [d for _, d in items] for split, items in inputs.items()}

@@ -262,3 +262,22 @@ def test_evaluate_model_folder_fails_in_one_line_naming_it(tmp_path, planted):
         load_model(cfg, {"kind": "checkpoint", "path": str(folder)}, base_model(cfg), torch.device("cpu"))
     assert str(e.value).startswith(f"checkpoint {folder}: .metadata references posix.system")
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("how", ["evaluate --model", "runner.resume"])
+def test_a_planted_checkpoint_named_on_the_command_line_is_refused_before_anything_runs(tmp_path, planted, how):
+    """From outside, as a user would hand over a folder: one line naming the key and the folder, exit 2,
+    the payload never runs, and nothing is started or written (no Prefect home, no stage folder)."""
+    from conftest import sftflow, tiny_config_dict, write_config
+    marker, found = planted
+    folder = plant(tmp_path / "downloaded" / "step_00000001", found["os.system"])
+    cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path))
+    args = (["stage", "evaluate", "-c", str(cfg_path), "--model", str(folder)] if how == "evaluate --model" else
+            ["run", "-c", str(cfg_path), f"runner.resume={folder}"])
+    proc = sftflow(*args, cwd=tmp_path, timeout=120, env={"PREFECT_HOME": None})
+    key = "eval.model" if how == "evaluate --model" else "runner.resume"
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {key}: checkpoint {folder}: .metadata references posix.system, which DCP metadata never does: "
+        "not loaded (unpickling it would run code; a crafted or foreign checkpoint?)"], proc.stderr
+    assert not marker.exists() and not (tmp_path / "artifacts").exists()
