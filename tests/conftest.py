@@ -134,6 +134,16 @@ def tiny_config(tmp_path) -> Path:
 from flows.prefect_server import free_port  # noqa: E402  (tests use the CLI's own)
 
 
+@pytest.fixture
+def closed_port():
+    """A loopback port nothing answers on, for as long as the test runs: the socket is bound (so no
+    other process can take the port meanwhile) but never listens, so a connection is refused."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
 def live_processes_mentioning(text: str) -> list[str]:
     """Command lines of live processes that contain `text` (e.g. a stage folder path)."""
     found = []

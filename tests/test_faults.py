@@ -206,14 +206,13 @@ def test_credentials_in_the_tracking_uri_are_never_logged(tmp_path):
     assert not any("s3cret" in v for v in params.values())
 
 
-def test_register_fails_fast_with_one_line_when_mlflow_is_down(tmp_path):
+def test_register_fails_fast_with_one_line_when_mlflow_is_down(tmp_path, closed_port):
     import time
 
-    from conftest import free_port
     from stages.core.errors import StageError
     from stages.register import run_register
     from stages.tracking.run import Lineage
-    cfg = config_from_dict(tiny_config_dict(tmp_path, registry={"tracking_uri": f"http://127.0.0.1:{free_port()}"}))
+    cfg = config_from_dict(tiny_config_dict(tmp_path, registry={"tracking_uri": f"http://127.0.0.1:{closed_port}"}))
     t0 = time.time()
     with pytest.raises(StageError, match=r"register: MLflow at http://127.0.0.1:\d+ can't be reached") as e:
         run_register(cfg, "fp", Lineage({"prepare": "p", "train": "t", "evaluate": "e"}))

@@ -154,9 +154,8 @@ def test_live_metrics_log_each_step_once_across_a_resume(tmp_path, monkeypatch):
     assert broken.failed
 
 
-def test_training_goes_on_when_the_tracking_server_is_down(tmp_path):
-    from conftest import free_port
-    cfg = config_from_dict(tiny_config_dict(tmp_path, registry={"tracking_uri": f"http://127.0.0.1:{free_port()}"}))
+def test_training_goes_on_when_the_tracking_server_is_down(tmp_path, closed_port):
+    cfg = config_from_dict(tiny_config_dict(tmp_path, registry={"tracking_uri": f"http://127.0.0.1:{closed_port}"}))
     lines = []
     with training_run(cfg, Lineage({"prepare": "p", "train": "t"}), on_line=lines.append) as env:
         pass
