@@ -87,8 +87,8 @@ def _marker(home: Path) -> dict | None:
 def running_server(home: Path) -> dict | None:
     """The marker of a long-lived local server on this Prefect home (same database) that answers:
     CLI runs use it (`["api"]`) instead of starting one, and their runs stay visible in its UI (a
-    kept server, `"kind": "kept"`, serves none). A kept server of another Prefect version (an
-    upgrade since it started) is not used."""
+    kept server, `"kind": "kept"`, serves one since its marker says `"ui": true`, `serves_ui`). A kept
+    server of another Prefect version (an upgrade since it started) is not used."""
     found = _marker(home)
     if found is None or found.get("prefect", version("prefect")) != version("prefect"):
         return None

@@ -354,6 +354,8 @@ def sft_stage(stage: str, config_path: str | None = None, overrides: list[str] |
     """One stage. Upstream stages come from their completed folders; with `with_upstream`, the
     missing ones run first (complete ones are reused)."""
     p = _the_plan(config_path, overrides, planned)
+    if stage not in p.stages:
+        raise ConfigError(f"this config has no {stage} stage (stages: {', '.join(p.stages)})")
     _name_flow_run(p, config_path, stage)
     results, states = [], {}
     if with_upstream:

@@ -1,8 +1,9 @@
 """The sweep flow: one Prefect flow run for a grid of trials (`stages/sweep.py` plans them).
 
-prepare once per distinct prepare fingerprint, then train -> evaluate per trial (one at a time,
-or `max_parallel` trainings at once through Prefect's thread-pool task runner), then register the
-best trial by the chosen metric under the config's promotion rules. Trials already trained or
+prepare and the baseline (the base model's scores) once per distinct fingerprint, then train ->
+evaluate per trial (one at a time, or `max_parallel` trainings at once in the sweep's own thread
+pool), then the champion stage and register for the best trial by the chosen metric under the
+config's promotion rules. Trials already trained or
 evaluated are cache hits. MLflow gets a parent run with the trials' runs as its children; the
 flow run's summary is a table of trials, best first.
 """

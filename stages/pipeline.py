@@ -33,7 +33,7 @@ from .core.imports import import_identity, import_object
 from .core.inputs import HUB_PREFIX
 from .models.base import model_fingerprint, resolve_model
 from .models.refs import eval_model_identity
-from .tracking.registry import REGISTRY_PREFIX, current_champion, version_aliases
+from .tracking.registry import REGISTRY_PREFIX, current_champion, version_state
 from .tracking.run import Lineage
 
 __all__ = ["STAGES", "REFERENCES", "UPSTREAM", "KEY_METRIC", "Plan", "plan", "run_stage", "upstream", "requires",
@@ -136,11 +136,14 @@ def _reference_fingerprints(cfg: SFTConfig, digests: dict, model_fp: str, scorer
     fps: dict[str, str] = {}
     if cfg.eval.eval_base and cfg.eval.model != "base":
         fps["baseline"] = fingerprint("baseline", code=code_version("evaluate"), model={"base": model_fp}, **common)
-    champion = current_champion(cfg.resolved_tracking_uri, cfg.registry.model_name) if cfg.eval.model is None else None
+    # only `if_better` compares with the champion; a version number alone may name another model after
+    # the registry was reset, so the identity includes the training the version holds
+    wanted = cfg.eval.model is None and cfg.registry.promote == "if_better"
+    champion = current_champion(cfg.resolved_tracking_uri, cfg.registry.model_name) if wanted else None
     if champion is not None and champion["train_fingerprint"] == train_fp:  # nothing to compare with
         return fps, None, champion["champion_fingerprint"] or None
     if champion is not None:
-        identity = {k: champion[k] for k in ("registry", "name", "version")}
+        identity = {k: champion[k] for k in ("registry", "name", "version", "train_fingerprint")}
         fps["champion"] = fingerprint("champion", code=code_version("evaluate"), model=identity, **common)
     return fps, champion, fps.get("champion")
 
@@ -176,7 +179,8 @@ def _plan(cfg: SFTConfig) -> Plan:
     inputs = {split: [(str(ref), input_digest(ref, root)) for ref in refs] for split, refs in cfg.inputs().items()}
     digests = {split: [d for _, d in items] for split, items in inputs.items()}
     model_fp = model_fingerprint(cfg, digests["train"])
-    sets = {name: digests[eval_split(name)] for name in cfg.eval.sets}
+    # a set's mode picks its reader (choice rows), so prepare's output depends on it
+    sets = {name: {"files": digests[eval_split(name)], "mode": s.mode} for name, s in cfg.eval.sets.items()}
     prepare = fingerprint("prepare", code=code_version("prepare"), model=model_fp,
                           trust_remote_code=cfg.actor.model.trust_remote_code, data=hashed(cfg.data),
                           train=digests["train"], val=digests["val"], **({"sets": sets} if sets else {}))
@@ -247,15 +251,19 @@ def _check_inputs_unchanged(p: Plan) -> None:
                 raise StageError(f"prepare: {ref} changed after the run was planned; run it again")
 
 
-def _registry_now(p: Plan, hit: StageResult) -> StageResult:
-    """A reused registration reports the registry as it is now (its aliases may have moved since), with
-    the decision it made when it ran."""
+def _registry_now(p: Plan, hit: StageResult) -> StageResult | None:
+    """A reused registration, reporting the registry as it is now (its aliases may have moved since) with
+    the decision it made when it ran; None when the registry no longer holds that version of this
+    training (a reset or deleted registry): then register runs again."""
     m = hit.metrics
-    now = version_aliases(p.cfg.resolved_tracking_uri, p.cfg.registry.model_name, m["version"])
+    now = version_state(p.cfg.resolved_tracking_uri, p.cfg.registry.model_name, m["version"])
     if now is None:
         return hit
+    if not now["exists"] or now["train_fingerprint"] != p.fingerprints["train"]:
+        return None
     then = f"{', '.join(m.get('aliases') or []) or 'no alias'}: {m['alias_reason']}" if m.get("alias_reason") else ""
-    m = {**m, "aliases": now, "alias_reason": f"registered by an earlier run ({then})" if then else "registered by an earlier run"}
+    m = {**m, "aliases": now["aliases"],
+         "alias_reason": f"registered by an earlier run ({then})" if then else "registered by an earlier run"}
     return StageResult(hit.stage, hit.fingerprint, hit.path, m, cached=True, seconds=hit.seconds)
 
 
@@ -269,8 +277,10 @@ def run_stage(p: Plan, stage: str, force: bool = False, on_line: Callable[[str],
     # Each stage package imports torch or MLflow: only the one that runs is loaded.
     with stage_lock(root, stage, fp, warn=on_line):
         hit = cached_result(root, stage, fp, warn=on_line)
+        if hit is not None and stage == "register":
+            hit = _registry_now(p, hit)
         if hit is not None and not force:
-            return _registry_now(p, hit) if stage == "register" else hit
+            return hit
         if stage == "prepare":
             from .prepare.stage import run_prepare
             _check_inputs_unchanged(p)

@@ -235,7 +235,8 @@ def test_promotion_policies(flow_run, mlflow_server, tmp_path):
         dirs = {"prepare": stages["prepare"]["path"], "train": stages["train"]["path"],
                 "evaluate": scored(tmp_path / f"evaluate-{train_fp}", correct)}
         if champion is not None:
-            dirs["champion"] = scored(tmp_path / f"champion-{train_fp}", champion[1], version=champion[0])
+            dirs["champion"] = scored(tmp_path / f"champion-{train_fp}", champion[1], version=champion[0],
+                                      train_fingerprint=f"t{champion[0]}")  # v<N> was registered by training t<N>
         return run_register(cfg, fps["register"], Lineage(fps, dirs))
 
     half, quarter = [True, False] * 4, [True, False, False, False] * 2

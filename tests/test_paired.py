@@ -1,4 +1,4 @@
-"""The paired comparison (stages/evaluate/paired.py) against independent references: statsmodels'
+"""The paired comparison (stages/core/paired.py) against independent references: statsmodels'
 McNemar tests, the restricted maximum likelihood found by scipy's optimizer, the closed form of
 the all-ties interval, and the interval's coverage in simulation (fixed seed)."""
 

@@ -29,10 +29,10 @@ class FakeRegistry:
 CURRENT = {"eval_accuracy": 0.8, "train_fingerprint": "old"}
 
 
-def versus(new: list[bool], champion: list[bool], version: str = "3") -> dict:
+def versus(new: list[bool], champion: list[bool], version: str = "3", train: str = "old") -> dict:
     """register's `champion_comparison` of one set: the paired comparison with champion v`version` on the same items."""
     from stages.core.paired import compare
-    return {"version": version, "accuracy": sum(champion) / len(champion), **compare(new, champion)}
+    return {"version": version, "train_fingerprint": train, "accuracy": sum(champion) / len(champion), **compare(new, champion)}
 
 
 SAME = versus([True] * 20 + [False] * 4, [True] * 20 + [False] * 4)
@@ -56,12 +56,13 @@ BIG_SAME = versus([True] * 380 + [False] * 20, [True] * 380 + [False] * 20)   # 
     ("if_better", CURRENT, FIVE_LOSSES, 0.05, "estimate", CHALLENGER),
     ("if_better", CURRENT, None, 0, "estimate", CHALLENGER),            # the champion was not scored in this run
     ("if_better", CURRENT, versus([True], [True], "2"), 0, "estimate", CHALLENGER),  # another champion was
+    ("if_better", CURRENT, versus([True], [True], "3", "reset"), 0, "estimate", CHALLENGER),  # v3 of a reset registry
     ("if_better", {**CURRENT, "train_fingerprint": "t"}, None, 0, "estimate", CHAMPION),  # this training's own
 ])
 def test_decide_alias(policy, champion, vs, tolerance, decide_on, expected):
     alias, why = decide_alias(FakeRegistry(champion), "m", policy, vs, "identity", "t", tolerance, decide_on)
     assert alias == expected and why
-    if vs and policy == "if_better" and champion == CURRENT and vs["version"] == "3":
+    if vs and policy == "if_better" and champion == CURRENT and (vs["version"], vs["train_fingerprint"]) == ("3", "old"):
         assert f"[{vs['delta_low']:+.3f}, {vs['delta_high']:+.3f}] vs champion v3" in why  # the numbers it decided on
 
 
@@ -250,8 +251,11 @@ def test_registry_reads_from_sqlite_agree_with_mlflow_s_client(tmp_path):
                     "champion_fingerprint": "c123"}
     assert registry._sqlite_alias(tmp_path / "mlflow.db", "m", "champion") is not False  # the fast path answered
     for version in ("1", "2"):
-        assert registry.version_aliases(uri, "m", version) == sorted(client.get_model_version("m", version).aliases)
+        v = client.get_model_version("m", version)
+        assert registry.version_state(uri, "m", version) == {"exists": True, "aliases": sorted(v.aliases),
+                                                             "train_fingerprint": v.tags["sftflow.train_fingerprint"]}
+    assert registry.version_state(uri, "m", 3) == {"exists": False}
     assert registry.current_champion(uri, "other") is None
     # a tracking server that is down: no champion known at planning (register asks again and holds back)
     assert registry.current_champion("http://127.0.0.1:9", "m") is None
-    assert registry.version_aliases("http://127.0.0.1:9", "m", 1) is None
+    assert registry.version_state("http://127.0.0.1:9", "m", 1) is None

@@ -123,8 +123,8 @@ def compare_sets(mine: dict[str, list[dict]], theirs: dict[str, list[dict]], wha
     """`compare` per set of two scored folders' records; None for a set without per-item records (a
     worker's own counts). The items must be the same, in the same order: records of other items are a
     ValueError naming `what`, never a comparison of different questions."""
-    def key(r: dict) -> tuple:
-        return r["source"], r["reference"], json.dumps(r["prompt"], sort_keys=True)
+    def key(r: dict) -> tuple:  # what was asked, not where the file was (configs may spell its path differently)
+        return r["reference"], json.dumps(r["prompt"], sort_keys=True), json.dumps(r.get("choices"))
     out: dict[str, dict | None] = {}
     for name, rows in mine.items():
         other = theirs.get(name, [])

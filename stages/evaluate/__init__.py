@@ -172,7 +172,8 @@ def run_reference(cfg: SFTConfig, stage: str, fp: str, base_model: str, model_re
         metrics = _score(cfg, build, base_model, model, prepare_dir, on_line)
     build.commit({"metrics": metrics, "eval_sets": _set_fingerprints(cfg, prepare_dir, metrics.get("mode")),
                   "model": model_ref, "model_dir": model["source"], "model_kind": model["kind"],
-                  **({"version": identity["version"], "model_name": identity["name"]} if identity else {}),
+                  **({"version": identity["version"], "model_name": identity["name"],
+                      "train_fingerprint": identity.get("train_fingerprint", "")} if identity else {}),
                   "base_model": base_model, "prepare_dir": prepare_dir, "world_size": cfg.actor.world_size})
     return metrics
 

@@ -77,7 +77,8 @@ def champion_comparison(eval_metrics: dict, evaluate_dir: str, champion_dir: str
                               f"the champion folder {champion_dir}")
     except ValueError as e:
         raise StageError(f"register: {e}; `sftflow run --force champion -c <config>` scores it again") from None
-    return {name: {"version": str(manifest["version"]), "accuracy": theirs[name]["accuracy"],
+    return {name: {"version": str(manifest["version"]), "train_fingerprint": manifest.get("train_fingerprint", ""),
+                   "accuracy": theirs[name]["accuracy"],
                    **(paired.get(name) or {"delta": m["accuracy"] - theirs[name]["accuracy"]})}
             for name, m in mine.items()}
 
@@ -99,8 +100,9 @@ def decide_alias(client, name: str, policy: str, vs: dict | None, primary: str, 
         return CHAMPION, "no champion yet"
     if current.tags.get(RUN_TAG) == train_fp:
         return CHAMPION, f"v{current.version} is this training's version and the champion already"
-    if vs is None or str(vs.get("version")) != str(current.version):
-        seen = f"v{vs['version']}" if vs else "none"
+    if vs is None or (str(vs.get("version")), vs.get("train_fingerprint")) != (str(current.version), current.tags.get(RUN_TAG)):
+        seen = "none" if vs is None else f"v{vs['version']}" + (
+            "" if vs.get("train_fingerprint") == current.tags.get(RUN_TAG) else " of another training")
         return CHALLENGER, (f"champion v{current.version} was not compared in this run (the run compared with {seen}; "
                             "the alias moved after it was planned): run the flow again to compare with it")
     if "delta_low" not in vs:  # a worker's own counts: no per-item records to pair
@@ -215,8 +217,10 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
     alias, why = decide_alias(client, name, r.promote, (versus or {}).get(primary), primary, fingerprints["train"],
                               r.tolerance, r.decide_on, guards)
     client.set_model_version_tag(name, version.version, TAG + "alias_reason", why)
-    # what this decision compared with: once the version is champion, planning finds this register folder by it
-    client.set_model_version_tag(name, version.version, TAG + "champion_fingerprint", fingerprints.get("champion", ""))
+    if "champion" in fingerprints or existing is None:
+        # what this decision compared with: once the version is champion, planning finds this register
+        # folder by it (a re-registration of the champion itself compared with nothing new: kept)
+        client.set_model_version_tag(name, version.version, TAG + "champion_fingerprint", fingerprints.get("champion", ""))
     aliases = set(client.get_model_version(name, version.version).aliases)
     if alias and alias not in aliases and CHAMPION not in aliases:
         client.set_registered_model_alias(name, alias, version.version)

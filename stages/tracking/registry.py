@@ -88,23 +88,31 @@ def _sqlite_alias(db: Path, name: str, alias: str) -> dict | None | bool:
     return {"version": str(row[0]), **{k: tags.get(TAG + k, "") for k in VERSION_TAGS}}
 
 
-def version_aliases(tracking_uri: str, name: str, version: str | int) -> list[str] | None:
-    """The aliases a registered version holds now (sorted), or None when the registry can't tell."""
+def version_state(tracking_uri: str, name: str, version: str | int) -> dict | None:
+    """`{"exists": False}`, or `{"exists": True, "aliases": [...] (sorted), "train_fingerprint": ...}` for a
+    registered version as the registry has it now; None when the registry can't tell."""
     if tracking_uri.startswith("sqlite:///"):
         import sqlite3
         db = Path(tracking_uri.removeprefix("sqlite:///"))
         if not db.is_file():
-            return None
+            return {"exists": False}
         try:
             with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)) as con:
-                rows = con.execute("SELECT alias FROM registered_model_aliases WHERE name = ? AND version = ?",
-                                   (name, int(version))).fetchall()
-            return sorted(r[0] for r in rows)
+                found = con.execute("SELECT 1 FROM model_versions WHERE name = ? AND version = ?",
+                                    (name, int(version))).fetchone()
+                aliases = con.execute("SELECT alias FROM registered_model_aliases WHERE name = ? AND version = ?",
+                                      (name, int(version))).fetchall()
+                tag = con.execute("SELECT value FROM model_version_tags WHERE name = ? AND version = ? AND key = ?",
+                                  (name, int(version), TAG + "train_fingerprint")).fetchone()
+            if found is None:
+                return {"exists": False}
+            return {"exists": True, "aliases": sorted(r[0] for r in aliases), "train_fingerprint": tag[0] if tag else ""}
         except sqlite3.Error:
             pass
     from mlflow.tracking import MlflowClient
     try:
         reachable(tracking_uri)
-        return sorted(MlflowClient(tracking_uri=tracking_uri).get_model_version(name, str(version)).aliases)
-    except Exception:  # noqa: BLE001 - no such version, unreachable server: the report keeps what it has
+        v = MlflowClient(tracking_uri=tracking_uri).get_model_version(name, str(version))
+    except Exception:  # noqa: BLE001 - unreachable, or no such version (MLflow says so in several ways)
         return None
+    return {"exists": True, "aliases": sorted(v.aliases), "train_fingerprint": v.tags.get(TAG + "train_fingerprint", "")}
