@@ -85,9 +85,11 @@ def _summary(results: list[dict], scored: str = "tuned") -> None:
     ev = next((r for r in results if r["stage"] == "evaluate"), None)
     reg = next((r for r in results if r["stage"] == "register"), None)
     if ev:
+        if scored != "tuned":
+            console.print(f"scored: {escape(scored)} (the 'scored' column; 'base' is the base model)", highlight=False)
         sets = Table(title="eval sets (accuracy; paired change with its 95% interval)")
         for col in COLUMNS:
-            sets.add_column(escape(scored) if col == "tuned" else col)
+            sets.add_column("scored" if col == "tuned" and scored != "tuned" else col)
         for cells in table_cells(ev["metrics"], reg["metrics"].get("vs_champion") if reg else None):
             sets.add_row(*map(escape, cells))
         console.print(sets)

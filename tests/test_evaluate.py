@@ -275,7 +275,7 @@ def test_cli_evaluate_model_with_upstream_prepares_but_never_trains(tmp_path):
                                                                                                 "global_batch_size": 4}))
     proc = sftflow("stage", "evaluate", "-c", str(cfg_path), "--model", "base", "--with-upstream", cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "-> base" in proc.stdout
+    assert "scored: base" in proc.stdout
     art = tmp_path / "artifacts"
     assert list((art / "prepare").glob("[!.]*/manifest.json")) and list((art / "evaluate").glob("[!.]*/manifest.json"))
     assert not (art / "train").exists()
