@@ -99,8 +99,15 @@ def _stage(stage: str, p: Plan, force: bool, tags: dict | None = None):
         logger.info(f"model version {m['version']}, aliases {', '.join(m['aliases']) or 'none'}"
                     + (f"; {m['alias_reason']}" if m.get("alias_reason") else ""))
     if result.cached:
-        return Completed(name="Cached", message=f"stage folder {result.path} is complete", data=result.to_dict())
-    return result.to_dict()
+        return Completed(name="Cached", message=f"stage folder {result.path} is complete", data=_fresh(result.to_dict()))
+    return _fresh(result.to_dict())
+
+
+def _fresh(value: dict) -> dict:
+    """A copy that shares no object with the plan. Prefect links a task's result and the items in it to
+    the task run by identity, and the plan every later task gets holds the same fingerprint strings:
+    a shared one would draw an edge from this task to every task after it."""
+    return json.loads(json.dumps(value))
 
 
 # The stage folders are the cache (see stages/core/artifacts.py); Prefect keeps none.
@@ -234,8 +241,10 @@ def run_tags(results: list[dict]) -> list[str]:
     return tags
 
 
-def _tag_flow_run(p: Plan, results: list[dict]) -> None:
+def _tag_flow_run(p: Plan, results: list[dict], config_path: str | None = None, stage: str | None = None) -> None:
     new = run_tags(results) + [f"model:{p.cfg.registry.model_name}"]
+    if flow_run.name != flow_run_name(config_path, p.fingerprints, stage):  # a deployment's run: see _name_flow_run
+        new.append(f"fingerprint:{p.fingerprints[stage or 'train'][:8]}")
     update_flow_run(tags=new + [t for t in (flow_run.tags or []) if t not in new])
 
 
@@ -344,7 +353,7 @@ def sft_pipeline(config_path: str | None = None, overrides: list[str] | None = N
         if redo:
             forced.add(stage)
     _publish_summary(results)
-    _tag_flow_run(p, results)
+    _tag_flow_run(p, results, config_path)
     return results
 
 
@@ -364,5 +373,5 @@ def sft_stage(stage: str, config_path: str | None = None, overrides: list[str] |
             results.append(run_stage_task(up, p, False, states))
     results.append(run_stage_task(stage, p, force, states))
     _publish_summary(results)
-    _tag_flow_run(p, results)
+    _tag_flow_run(p, results, config_path, stage)
     return results

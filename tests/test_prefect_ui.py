@@ -68,14 +68,18 @@ def test_the_run_graph_draws_the_pipeline(ui_runs):
     """Each stage's task waits on the stages it reads, so the graph has those edges (and no others): the
     baseline is a branch beside train."""
     from prefect.client.orchestration import get_client
-    _, (first, _) = ui_runs
-    with get_client(sync_client=True) as client:
-        graph = client._client.get(f"/flow_runs/{first.id}/graph-v2").json()
-    label = {node_id: node["label"].rsplit("-", 1)[0] for node_id, node in graph["nodes"]}
-    assert sorted(label.values()) == sorted(STAGES)
-    edges = {(label[parent["id"]], label[node_id]) for node_id, node in graph["nodes"] for parent in node["parents"]}
-    assert edges == {("prepare", "train"), ("prepare", "baseline"), ("prepare", "evaluate"), ("train", "evaluate"),
-                     ("baseline", "evaluate"), ("prepare", "register"), ("train", "register"), ("evaluate", "register")}
+    _, runs = ui_runs
+    for run in runs:  # the training run and the fully cached one draw the same graph
+        with get_client(sync_client=True) as client:
+            graph = client._client.get(f"/flow_runs/{run.id}/graph-v2").json()
+        label = {node_id: node["label"].rsplit("-", 1)[0] for node_id, node in graph["nodes"]}
+        assert sorted(label.values()) == sorted(STAGES)
+        edges = {(label[parent["id"]], label[node_id]) for node_id, node in graph["nodes"] for parent in node["parents"]}
+        assert edges == {("prepare", "train"), ("prepare", "baseline"), ("prepare", "evaluate"), ("train", "evaluate"),
+                         ("baseline", "evaluate"), ("prepare", "register"), ("train", "register"),
+                         ("evaluate", "register")}, run.name
+        starts = {label[node_id]: node["start_time"] for node_id, node in graph["nodes"]}
+        assert sorted(starts, key=lambda s: starts[s]) == ["prepare", "baseline", "train", "evaluate", "register"]
 
 
 def artifacts_of(flow_run_id) -> dict:
