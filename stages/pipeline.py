@@ -14,7 +14,7 @@ re-runs, never an evaluation).
 
 `baseline` and `champion` are in a plan only when there is something to score: the base model
 unless `eval.eval_base` is off or `eval.model` is the base model; the champion when `eval.model` is
-unset and the registry has one that another training produced.
+unset, `registry.promote` is `if_better` and the registry has one that another training produced.
 """
 
 from __future__ import annotations
