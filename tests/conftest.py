@@ -175,10 +175,9 @@ def wait_healthy(health_url: str, proc: subprocess.Popen, log: Path, timeout: fl
 
 
 @pytest.fixture(scope="session")
-def prefect_session_server(tmp_path_factory):
-    """One real `prefect server start` on loopback for the session (its API URL): each CLI call of a
-    test that asks for `prefect_api` then skips the ~6 s temporary-server start it needs on its own
-    (tests/test_demo.py still covers that path). Changes no environment variable itself."""
+def prefect_api(tmp_path_factory):
+    """One real `prefect server start` on loopback for the session: each CLI call then skips the
+    ~6 s temporary-server start it needs on its own (tests/test_demo.py still covers that path)."""
     home = tmp_path_factory.mktemp("prefect-server")
     port = free_port()
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "false",
@@ -191,42 +190,14 @@ def prefect_session_server(tmp_path_factory):
                             stdout=open(home / "server.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}/api"
     wait_healthy(f"{url}/health", proc, home / "server.log")
+    os.environ["PREFECT_API_URL"] = url  # every CLI call the tests make from now on uses it
     yield url
+    os.environ.pop("PREFECT_API_URL", None)
     proc.terminate()
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
-
-
-# PREFECT_API_URL as the session started (normally unset): what every test that doesn't ask for
-# `prefect_api` runs with, whatever ran before it.
-_PREFECT_API_URL_AT_START = os.environ.get("PREFECT_API_URL")
-
-
-@pytest.fixture(scope="module")
-def prefect_api(prefect_session_server):
-    """PREFECT_API_URL -> the session's server, for the tests that ask for it (usefixtures, module-wide
-    or per test), restored when their module ends. Module-scoped so that a module's own module-scoped
-    fixtures (a flow run the whole module reads) run on it too: they come after it in the module's
-    setup order when the module asks for it in `pytestmark`. `_prefect_api_only_where_asked` takes it
-    away again from the module's other tests."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PREFECT_API_URL", prefect_session_server)
-        yield prefect_session_server
-
-
-@pytest.fixture(autouse=True)
-def _prefect_api_only_where_asked(request, monkeypatch):
-    """A test that doesn't ask for `prefect_api` runs with PREFECT_API_URL as the session began, even
-    after a test in its module did ask (CLI calls then start their own temporary server): whether a
-    test talks to the session's server never depends on the order tests run in."""
-    if "prefect_api" in request.fixturenames or os.environ.get("PREFECT_API_URL") == _PREFECT_API_URL_AT_START:
-        return
-    if _PREFECT_API_URL_AT_START is None:
-        monkeypatch.delenv("PREFECT_API_URL")
-    else:
-        monkeypatch.setenv("PREFECT_API_URL", _PREFECT_API_URL_AT_START)
 
 
 def descendants(pid: int) -> list:
