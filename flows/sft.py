@@ -325,7 +325,7 @@ def _publish_summary(results: list[dict]) -> None:
                       f"tracking at `{reg['tracking_uri']}`"]
         why = by_stage["register"]["metrics"].get("alias_reason")
         if why:
-            lines += ["", f"**Alias**: {why}"]
+            lines += ["", f"**Why these aliases**: {why}"]
     elif "train" in by_stage:
         train = json.loads((Path(by_stage["train"]["path"]) / "manifest.json").read_text())
         run_id = train.get("mlflow_run_id")
