@@ -6,6 +6,12 @@
     .venv/bin/python bench/train_throughput.py --model smollm2 [--lora 16] --steps 4 --global-batch 8 --micro-batch 4
                                              # the real model (SmolLM2-135M-Instruct, as the second quickstart
                                              # fetches it); --lora R: LoRA on every side, else full fine-tuning
+    .venv/bin/python bench/train_throughput.py --shape smollm2-135m --activation-checkpointing --methods worker-packed,bare-packed
+                                             # a model of that shape built from its transformers config, random
+                                             # init (smollm2-135m: Llama dims of SmolLM2-135M; 0.5b: Qwen2-0.5B's;
+                                             # tiny: seconds), the builtin tokenizer's ids (all < its vocab);
+                                             # with and without activation checkpointing
+    .venv/bin/python bench/gpu_check.py      # the whole GPU check (tests + this bench, both shapes), see there
 
 The same model (the builtin tiny Qwen2) is trained on the same global batches (same sample
 indices per step, from `GlobalBatchSampler` with the same seed) in up to six ways:
@@ -23,6 +29,15 @@ indices per step, from `GlobalBatchSampler` with the same seed) in up to six way
   * TRL SFTTrainer (padded)  the peer users would otherwise pick, when `trl` is installed: the
                              same tokenized rows and masks in the same micro-batches, the same
                              optimizer, schedule and clipping, TRL's own collator and loop.
+
+On CUDA (detected) every method runs on the GPU in bf16 (the worker as `actor.precision: auto`
+picks it, the bare loops under `torch.autocast(bf16)` over fp32 weights: the same mixed precision)
+with the attention kernel `actor.attn_implementation: auto` resolves (`--attn` overrides; CPU: the
+model's default), and the table adds MFU (6 x parameters x tokens/s over the GPU's dense bf16 peak,
+`PEAK_FLOPS` of stages/runtime/worker.py). Every method runs in a process of its own, so its peak
+memory is its own: `torch.cuda.max_memory_allocated` on a GPU, else the peak RSS
+(`getrusage(RUSAGE_SELF).ru_maxrss`, the largest over the ranks; it includes the ~0.5 GB that Python,
+torch and transformers take before the model is built).
 
 Throughput is real (non-pad) tokens per second: the tokens of the timed steps divided by the
 wall time of their data fetch + collate + forward + backward + optimizer step, after
@@ -42,6 +57,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -61,12 +77,27 @@ from stages.runtime.loss import IGNORE_INDEX  # noqa: E402
 from stages.runtime.batches import DataPosition, GlobalBatchSampler, collate_packed, collate_padded  # noqa: E402
 
 BARE = "bare loop (packed)"
+CUDA = torch.cuda.is_available()
+
+# Shapes built from a transformers config with random init (--shape): the dimensions of real models,
+# so FLOPs, memory and kernel shapes are theirs; the weights don't matter to throughput.
+SHAPES = {
+    "tiny": ("llama", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                       "num_key_value_heads": 2, "vocab_size": 2048, "max_position_embeddings": 4096}),
+    "smollm2-135m": ("llama", {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                               "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+                               "max_position_embeddings": 8192, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
+                               "tie_word_embeddings": True}),
+    "0.5b": ("qwen2", {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+                       "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
+                       "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}),
+}
 
 
 # --------------------------------------------------------------------------- synthetic data
 
 
-def synthetic_rows(n: int, seed: int) -> list[dict]:
+def synthetic_rows(n: int, seed: int, scale: int = 1) -> list[dict]:
     """Chat rows over a Zipf-distributed pseudo-word vocabulary, so the BPE tokenizer the builtin
     model trains on this corpus learns real merges and a word costs about one token."""
     rng = np.random.default_rng(seed)
@@ -84,7 +115,7 @@ def synthetic_rows(n: int, seed: int) -> list[dict]:
         reply = int(np.clip(rng.lognormal(np.log(12), 0.5), 3, 40))
         if rng.random() < 0.1:  # the long tail that padding pays for
             reply = int(reply * rng.uniform(10, 30))
-        reply = min(reply, 380)  # the builtin model has 512 positions
+        reply = min(reply, 380) * scale  # the builtin model has 512 positions; shapes have thousands
         rows.append({"messages": [{"role": "user", "content": text(int(rng.integers(4, 16)))},
                                   {"role": "assistant", "content": text(reply)}]})
     return rows
@@ -116,27 +147,61 @@ def prepare(tmp: Path, args) -> tuple:
         "actor": {"nproc_per_node": args.nproc, "micro_batch_size": args.micro_batch,
                   "global_batch_size": args.global_batch, "packing": True, "model": model,
                   "lora": {"r": args.lora, "alpha": 2 * args.lora} if args.lora else {}},
-        "data": {"train_data_paths": [write_jsonl(tmp / "train.jsonl", synthetic_rows(n_rows, args.seed))],
+        "data": {"train_data_paths": [write_jsonl(tmp / "train.jsonl", synthetic_rows(n_rows, args.seed, args.seq_scale))],
                  "val_data_paths": [write_jsonl(tmp / "val.jsonl", synthetic_rows(8, args.seed + 1))],
                  # 512 = the builtin model's max_position_embeddings; a real tokenizer spends more tokens per word
-                 "format": "messages", "max_length": 2048 if args.model else 512},
+                 "format": "messages", "max_length": 2048 if args.model else 512 * args.seq_scale},
     })
     p = plan(cfg)
     run_stage(p, "prepare")
-    return cfg, resolve_model(cfg, p.fingerprints["models"]), p.folder("prepare") / "train"
+    model_path = resolve_model(cfg, p.fingerprints["models"])
+    if args.shape:  # the builtin's tokenizer (its ids are all below the shape's vocabulary) on a model of that shape
+        model_path = shaped_model(model_path, args.shape, tmp / f"shape-{args.shape}", args.seed)
+    return cfg, model_path, p.folder("prepare") / "train"
+
+
+def shaped_model(tokenizer_path: str, shape: str, dest: Path, seed: int) -> str:
+    """A Hugging Face folder: a randomly initialized model of `shape` (SHAPES) and the tokenizer of
+    `tokenizer_path`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
+
+    kind, dims = SHAPES[shape]
+    tok = AutoTokenizer.from_pretrained(tokenizer_path)
+    if len(tok) > dims["vocab_size"]:
+        raise SystemExit(f"--shape {shape}: the tokenizer has {len(tok)} tokens, more than the shape's vocabulary")
+    config = (LlamaConfig if kind == "llama" else Qwen2Config)(
+        **dims, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(dest, safe_serialization=True)
+    tok.save_pretrained(dest)
+    return str(dest)
+
+
+def peak_memory(device: torch.device) -> int:
+    """Bytes: the CUDA caching allocator's peak on a GPU, else this process's peak RSS (Linux: KiB)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_flops() -> float | None:
+    from stages.runtime.worker import PEAK_FLOPS
+    name = torch.cuda.get_device_name() if CUDA else ""
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
 
 # --------------------------------------------------------------------------- sftflow worker (torchrun)
 
 
 def run_worker(cfg, model_path: str, shards: Path, tmp: Path, args, packing: bool, env: dict,
-               reshard_after_forward: bool | None = None) -> dict:
-    from stages.runtime.launcher import kill_group
-
+               reshard_after_forward: bool | None = None, ckpt: bool = False) -> dict:
     cfg = cfg.model_copy(deep=True)
     cfg.actor.packing = packing
     cfg.actor.reshard_after_forward = reshard_after_forward
-    name = ("packed" if packing else "padded") + ("-freed" if reshard_after_forward else "")
+    cfg.actor.activation_checkpointing = ckpt
+    cfg.actor.attn_implementation = args.attn
+    name = ("packed" if packing else "padded") + ("-freed" if reshard_after_forward else "") + ("-ckpt" if ckpt else "")
     job = {"warmup": args.warmup, "steps": args.steps,
            "spec": {"config": cfg.model_dump(mode="json"), "model_path": model_path, "out_dir": str(tmp / f"worker-{name}"),
                     "train_dir": str(shards), "val_dir": None}}
@@ -144,6 +209,13 @@ def run_worker(cfg, model_path: str, shards: Path, tmp: Path, args, packing: boo
     job_path.write_text(json.dumps(job))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            str(Path(__file__).resolve()), "--worker-mode", str(job_path), str(out_path)]
+    return run_child(cmd, env, out_path, f"worker ({name})")
+
+
+def run_child(cmd: list[str], env: dict, out_path: Path, name: str) -> dict:
+    """One method in processes of its own (its peak memory is its own); its result JSON."""
+    from stages.runtime.launcher import kill_group
+
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -152,7 +224,7 @@ def run_worker(cfg, model_path: str, shards: Path, tmp: Path, args, packing: boo
         kill_group(proc)
         raise
     if proc.returncode != 0:
-        raise SystemExit(f"worker ({name}) failed with exit code {proc.returncode}:\n{output[-4000:]}")
+        raise SystemExit(f"{name} failed with exit code {proc.returncode}:\n{output[-4000:]}")
     return json.loads(out_path.read_text())
 
 
@@ -165,34 +237,49 @@ def worker_mode(job_path: str, out_path: str) -> None:
     worker = SFTWorker(job["spec"])
     worker.setup()
     pos, tokens, seconds, losses = DataPosition(), 0, 0.0, []
+    cuda = worker.device.type == "cuda"
     for step in range(job["warmup"] + job["steps"]):
         batch_idx = worker.sampler.global_batch(pos)
         t0 = time.perf_counter()
         row = worker.forward_backward(batch_idx)
         worker.optimizer_step()
+        if cuda:  # the step's kernels done, not only queued
+            torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         pos = worker.sampler.advance(pos, len(batch_idx))
         losses.append(row["loss"])
         if step >= job["warmup"]:
             tokens, seconds = tokens + row["tokens"], seconds + dt
+    peak = torch.tensor([float(peak_memory(worker.device))], device=worker.device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if worker.rank == 0:
         Path(out_path).write_text(json.dumps({
             "tokens": tokens, "seconds": seconds, "losses": losses, "packing": worker.packing,
-            "threads": torch.get_num_threads() * worker.world, "world": worker.world}))
+            "threads": torch.get_num_threads() * worker.world, "world": worker.world, "peak_bytes": int(peak.item()),
+            "n_params": worker.n_params, "precision": worker.precision, "attn": worker.attn_implementation,
+            "device": worker.device.type}))
     dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------- bare PyTorch loop
 
 
-def reference_model(cfg, model_path: str, total_steps: int):
+def reference_model(cfg, model_path: str, total_steps: int, device: torch.device | None = None,
+                    attn_implementation: str | None = None, ckpt: bool = False):
     """(model, trainable params, AdamW, LR schedule) as a plain PyTorch user builds them (peft's own
     wrapping for LoRA), seeded like the worker: the bare loops and TRL start from the same state."""
     from transformers import AutoModelForCausalLM
     from stages.runtime.schedule import lr_lambda
 
     torch.manual_seed(cfg.runner.seed)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attn_implementation)
+    if device is not None:
+        model.to(device)
+    if ckpt:  # transformers 5.24 renamed gradient_checkpointing_enable (the old name warns)
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.actor.lora.r > 0:
         from peft import LoraConfig, get_peft_model
         lo = cfg.actor.lora
@@ -205,13 +292,19 @@ def reference_model(cfg, model_path: str, total_steps: int):
     return model, trainable, optimizer, scheduler
 
 
-def run_bare(cfg, model_path: str, ds, pad_id: int, args, packed: bool) -> dict:
+def run_bare(cfg, model_path: str, ds, pad_id: int, args, packed: bool, ckpt: bool = False) -> dict:
     """The ceiling: no FSDP, no collectives, no hooks. Same micro-batches (the sampler's
     longest-first order, world size 1), same loss normalization, clipping and LR schedule as
     the worker, so the losses must match it step for step."""
+    from stages.runtime.attention import resolve_attn_implementation
+
     total = args.warmup + args.steps
-    model, trainable, optimizer, scheduler = reference_model(cfg, model_path, total)
+    device = torch.device("cuda" if CUDA else "cpu")
+    attn = resolve_attn_implementation(args.attn, device.type, packed)
+    model, trainable, optimizer, scheduler = reference_model(cfg, model_path, total, device, attn, ckpt)
     model.train()
+    # bf16 compute over fp32 weights, gradients and AdamW state on a GPU, as the worker's FSDP2 policy
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=CUDA)
     o = cfg.actor.optim
     # the worker's micro-batch grouping: interleaved when packed, contiguous (least padding) when padded
     sampler = GlobalBatchSampler(ds.lengths, args.global_batch, args.micro_batch, 1, cfg.runner.seed, interleave=packed)
@@ -224,8 +317,10 @@ def run_bare(cfg, model_path: str, ds, pad_id: int, args, packed: bool) -> dict:
         for idx in sampler.rank_micro_batches(batch_idx, 0):
             samples = [ds[int(i)] for i in idx]
             batch = collate_packed(samples) if packed else collate_padded(samples, pad_id)
+            batch = {k: v.to(device) for k, v in batch.items()}
             labels = batch.pop("labels")[:, 1:]
-            logits = model(**batch, use_cache=False).logits
+            with autocast:
+                logits = model(**batch, use_cache=False).logits
             ls = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), labels.reshape(-1),
                                  ignore_index=IGNORE_INDEX, reduction="sum")
             (ls / n_trainable).backward()
@@ -234,12 +329,43 @@ def run_bare(cfg, model_path: str, ds, pad_id: int, args, packed: bool) -> dict:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        if CUDA:
+            torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         pos = sampler.advance(pos, len(batch_idx))
         losses.append(loss_sum / n_trainable)
         if step >= args.warmup:
             tokens, seconds = tokens + int(ds.lengths[batch_idx].sum()), seconds + dt
-    return {"tokens": tokens, "seconds": seconds, "losses": losses, "threads": torch.get_num_threads(), "world": 1}
+    return {"tokens": tokens, "seconds": seconds, "losses": losses, "threads": torch.get_num_threads(), "world": 1,
+            "peak_bytes": peak_memory(device), "n_params": sum(p.numel() for p in model.parameters()),
+            "precision": "bf16" if CUDA else "fp32", "attn": model.config._attn_implementation, "device": device.type}
+
+
+def run_bare_child(cfg, model_path: str, shards: Path, pad_id: int, tmp: Path, args, kind: str, packed: bool,
+                   ckpt: bool, threads: int) -> dict:
+    """`run_bare` / `run_trl` in a process of its own (`--bare-mode`)."""
+    name = f"{kind}-{'packed' if packed else 'padded'}{'-ckpt' if ckpt else ''}"
+    job = {"config": cfg.model_dump(mode="json"), "model_path": model_path, "shards": str(shards), "pad_id": pad_id,
+           "kind": kind, "packed": packed, "ckpt": ckpt, "threads": threads,
+           "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    job_path, out_path = tmp / f"job-{name}.json", tmp / f"result-{name}.json"
+    job_path.write_text(json.dumps(job))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--bare-mode", str(job_path), str(out_path)]
+    return run_child(cmd, dict(os.environ), out_path, name)
+
+
+def bare_mode(job_path: str, out_path: str) -> None:
+    from stages.core.config import SFTConfig
+    from stages.runtime.batches import SFTDataset
+
+    job = json.loads(Path(job_path).read_text())
+    torch.set_num_threads(job["threads"])
+    cfg, args, ds = SFTConfig.model_validate(job["config"]), argparse.Namespace(**job["args"]), SFTDataset(job["shards"])
+    if job["kind"] == "trl":
+        r = run_trl(cfg, job["model_path"], ds, job["pad_id"], args)
+    else:
+        r = run_bare(cfg, job["model_path"], ds, job["pad_id"], args, job["packed"], job["ckpt"])
+    Path(out_path).write_text(json.dumps(r))
 
 
 def run_trl(cfg, model_path: str, ds, pad_id: int, args) -> dict:
@@ -298,7 +424,9 @@ def run_trl(cfg, model_path: str, ds, pad_id: int, args) -> dict:
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     timed = clock.seconds[args.warmup:]
     return {"tokens": sum(step_tokens[args.warmup:]), "seconds": sum(timed), "losses": losses,
-            "threads": torch.get_num_threads(), "world": 1}
+            "threads": torch.get_num_threads(), "world": 1, "peak_bytes": peak_memory(model.device),
+            "n_params": sum(p.numel() for p in model.parameters()), "precision": "fp32", "attn": "default",
+            "device": model.device.type}
 
 
 def pad_waste(ds, args, seed: int, sort: bool) -> float:
@@ -326,18 +454,39 @@ def tokens_per_s(r: dict) -> float:
     return r["tokens"] / r["seconds"]
 
 
+def memory(r: dict) -> str:
+    b = r.get("peak_bytes")
+    return "n/a" if not b else f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB"
+
+
+def mfu(r: dict, flops: float | None) -> str:
+    """6 x parameters x tokens/s (forward + backward of every weight, attention left out) over the
+    peak of the GPUs the method used; CPUs have no such table."""
+    if not flops or r.get("device") != "cuda":
+        return "n/a"
+    return f"{6 * r['n_params'] * tokens_per_s(r) / (flops * r['world']):.1%}"
+
+
+def table_rows(results: dict[str, dict]) -> tuple[tuple, list[tuple]]:
+    """(header, rows) of the report; also what bench/gpu_check.py collects."""
+    ceiling = tokens_per_s(results[BARE]) if BARE in results else None
+    flops = peak_flops()
+    rows = []
+    for name, r in results.items():
+        ref = results.get(BARE, r)["losses"]
+        dloss = max(abs(a - b) for a, b in zip(r["losses"], ref))
+        rows.append((name, str(r["world"]), str(r["threads"]) if r.get("device") != "cuda" else "GPU",
+                     f"{tokens_per_s(r):,.0f}", f"{tokens_per_s(r) / ceiling:.2f}x" if ceiling else "n/a",
+                     memory(r), mfu(r, flops), f"{r['losses'][-1]:.4f}", f"{dloss:.1e}"))
+    head = ("method", "procs", "threads", "tokens/s", "vs bare packed", "peak memory", "MFU", "final loss", "max |dloss|")
+    return head, rows
+
+
 def report(results: dict[str, dict], waste_sorted: float, waste_naive: float) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    ceiling = tokens_per_s(results[BARE])
-    rows = []
-    for name, r in results.items():
-        dloss = max(abs(a - b) for a, b in zip(r["losses"], results[BARE]["losses"]))
-        rows.append((name, str(r["world"]), str(r["threads"]), f"{tokens_per_s(r):,.0f}", f"{tokens_per_s(r) / ceiling:.2f}x",
-                     f"{r['losses'][-1]:.4f}", f"{dloss:.1e}"))
-    head = ("method", "procs", "threads", "tokens/s", "vs bare packed", "final loss", "max |dloss|")
-
+    head, rows = table_rows(results)
     table = Table(title="trained tokens/s (real tokens, timed steps only)")
     for k, h in enumerate(head):
         table.add_column(h, justify="left" if k == 0 else "right")
@@ -348,16 +497,25 @@ def report(results: dict[str, dict], waste_sorted: float, waste_naive: float) ->
 
     lines = []
     worker = results.get("sftflow worker (packed)")
-    if worker:
-        ratio = tokens_per_s(worker) / ceiling
+    if worker and BARE in results:
+        ratio = tokens_per_s(worker) / tokens_per_s(results[BARE])
         goal = 0.95 if worker["world"] == 1 else 1.0  # the performance issue's: one process, FSDP2 over several
         lines.append(f"sftflow worker / bare packed loop: {ratio:.2f}x (goal >= {goal:.2f}x: "
                      f"{'met' if ratio >= goal else 'NOT met'})")
-    lines.append(f"packing gain, bare loop: {ceiling / tokens_per_s(results['bare loop (padded)']):.2f}x packed vs padded")
+    if BARE in results and "bare loop (padded)" in results:
+        lines.append(f"packing gain, bare loop: {tokens_per_s(results[BARE]) / tokens_per_s(results['bare loop (padded)']):.2f}x "
+                     "packed vs padded")
     if worker and "sftflow worker (padded)" in results:
         lines.append(f"packing gain, sftflow worker: {tokens_per_s(worker) / tokens_per_s(results['sftflow worker (padded)']):.2f}x")
+    for base in ("sftflow worker (packed)", BARE):
+        ck = results.get(f"{base[:-1]}, activation checkpointing)")
+        if base in results and ck and ck.get("peak_bytes") and results[base].get("peak_bytes"):
+            lines.append(f"activation checkpointing, {base}: peak memory {memory(results[base])} -> {memory(ck)}, "
+                         f"tokens/s x{tokens_per_s(ck) / tokens_per_s(results[base]):.2f}")
     lines.append(f"padding waste: {waste_sorted:.0%} of padded micro-batch tokens are pad "
                  f"({waste_naive:.0%} if micro-batches were cut in sampling order instead of longest-first)")
+    attn = sorted({f"{r.get('precision', '?')}/{r.get('attn', '?')}" for r in results.values()})
+    lines.append(f"device {'cuda: ' + torch.cuda.get_device_name() if CUDA else 'cpu'}; precision/attention: {', '.join(attn)}")
     for line in lines:
         console.print(line)
 
@@ -374,7 +532,42 @@ def report(results: dict[str, dict], waste_sorted: float, waste_naive: float) ->
 # --------------------------------------------------------------------------- main
 
 
-def main() -> None:
+METHODS = {  # --methods key -> (report name, runner kind, packed, activation checkpointing)
+    "worker-packed": ("sftflow worker (packed)", "worker", True, False),
+    "bare-packed": (BARE, "bare", True, False),
+    "bare-padded": ("bare loop (padded)", "bare", False, False),
+    "worker-packed-freed": ("sftflow worker (packed), reshard_after_forward", "worker", True, False),
+    "worker-padded": ("sftflow worker (padded)", "worker", False, False),
+    "worker-packed-ckpt": ("sftflow worker (packed, activation checkpointing)", "worker", True, True),
+    "bare-packed-ckpt": ("bare loop (packed, activation checkpointing)", "bare", True, True),
+    "trl": ("TRL SFTTrainer (padded)", "trl", False, False),
+}
+
+
+def chosen_methods(args) -> list[str]:
+    """--methods, or the defaults: everything but the optional rows their flags leave out."""
+    if args.methods:
+        keys = [k.strip() for k in args.methods.split(",") if k.strip()]
+        unknown = [k for k in keys if k not in METHODS]
+        if unknown:
+            raise SystemExit(f"--methods: unknown {unknown}; known: {', '.join(METHODS)}")
+        return keys
+    keys = ["worker-packed", "bare-packed", "bare-padded"]
+    if args.nproc > 1:  # FSDP2's other setting: weights freed after each forward, gathered again for backward
+        keys.append("worker-packed-freed")
+    if not args.no_worker_padded:
+        keys.append("worker-padded")
+    if args.activation_checkpointing:
+        keys += ["worker-packed-ckpt", "bare-packed-ckpt"]
+    try:
+        import trl  # noqa: F401 - the peer, when installed (not a dependency of sftflow)
+        keys.append("trl")
+    except ImportError:
+        print("TRL is not installed: `.venv/bin/pip install trl` adds TRL's SFTTrainer to the comparison")
+    return keys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20, help="timed optimizer steps per method")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
@@ -384,15 +577,35 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1, help="interleaved rounds; each method reports its fastest")
     ap.add_argument("--no-worker-padded", action="store_true", help="skip the sftflow worker with packing off")
+    ap.add_argument("--activation-checkpointing", action="store_true",
+                    help="add the packed worker and bare loop with activation checkpointing (peak memory vs speed)")
+    ap.add_argument("--methods", default=None, help=f"comma-separated subset, in this order: {', '.join(METHODS)}")
     ap.add_argument("--model", default=None, help="smollm2 (the real-model quickstart's), or any actor.model.model_path; "
                                                   "default: the builtin tiny model")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                    help="a randomly initialized model of that shape instead (the builtin tokenizer)")
+    ap.add_argument("--seq-scale", type=int, default=1, help="replies this many times longer (shapes: realistic "
+                                                             "packed lengths on a GPU)")
+    ap.add_argument("--attn", default="auto", help="actor.attn_implementation for every method (default auto)")
     ap.add_argument("--lora", type=int, default=0, help="LoRA rank (alpha = 2 x rank) for every method; 0: full")
     ap.add_argument("--artifacts", type=Path, default=None, help="artifacts folder to keep the fetched/converted "
                                                                  "model between runs (default: a temporary one)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results (and the table) to this file")
     ap.add_argument("--worker-mode", nargs=2, metavar=("JOB_JSON", "OUT_JSON"), help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    ap.add_argument("--bare-mode", nargs=2, metavar=("JOB_JSON", "OUT_JSON"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.model and args.shape:
+        ap.error("--model and --shape exclude each other")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.worker_mode:
         worker_mode(*args.worker_mode)
+        return
+    if args.bare_mode:
+        bare_mode(*args.bare_mode)
         return
 
     from transformers import AutoTokenizer
@@ -402,6 +615,7 @@ def main() -> None:
 
     hf_logging.disable_progress_bar()  # model save/load bars would interleave with the report
     t_start = time.perf_counter()
+    keys = chosen_methods(args)
     with tempfile.TemporaryDirectory(prefix="sftflow-bench-") as tmp_name:
         tmp = Path(tmp_name)
         cfg, model_path, shards = prepare(tmp, args)
@@ -414,27 +628,21 @@ def main() -> None:
         env = worker_env(args.nproc)
         # The worker gets nproc ranks x OMP_NUM_THREADS; the bare loops get the same total.
         threads = args.nproc * int(env["OMP_NUM_THREADS"])
-        torch.set_num_threads(threads)
         print(f"threads: worker {args.nproc} rank(s) x OMP_NUM_THREADS={env['OMP_NUM_THREADS']}, "
-              f"bare loops torch.set_num_threads({threads}); {os.cpu_count()} CPUs")
+              f"bare loops torch.set_num_threads({threads}); {os.cpu_count()} CPUs"
+              + (f"; GPU {torch.cuda.get_device_name()}" if CUDA else ""))
 
         tok = AutoTokenizer.from_pretrained(model_path)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        methods = {
-            "sftflow worker (packed)": lambda: run_worker(cfg, model_path, shards, tmp, args, True, env),
-            BARE: lambda: run_bare(cfg, model_path, ds, pad_id, args, True),
-            "bare loop (padded)": lambda: run_bare(cfg, model_path, ds, pad_id, args, False),
-        }
-        if args.nproc > 1:  # FSDP2's other setting: weights freed after each forward, gathered again for backward
-            methods["sftflow worker (packed), reshard_after_forward"] = \
-                lambda: run_worker(cfg, model_path, shards, tmp, args, True, env, reshard_after_forward=True)
-        if not args.no_worker_padded:
-            methods["sftflow worker (padded)"] = lambda: run_worker(cfg, model_path, shards, tmp, args, False, env)
-        try:
-            import trl  # noqa: F401 - the peer, when installed (not a dependency of sftflow)
-            methods["TRL SFTTrainer (padded)"] = lambda: run_trl(cfg, model_path, ds, pad_id, args)
-        except ImportError:
-            print("TRL is not installed: `.venv/bin/pip install trl` adds TRL's SFTTrainer to the comparison")
+
+        def runner(key: str):
+            _, kind, packed, ckpt = METHODS[key]
+            if kind == "worker":
+                return lambda: run_worker(cfg, model_path, shards, tmp, args, packed, env,
+                                          reshard_after_forward=True if key.endswith("freed") else None, ckpt=ckpt)
+            return lambda: run_bare_child(cfg, model_path, shards, pad_id, tmp, args, kind, packed, ckpt, threads)
+
+        methods = {METHODS[k][0]: runner(k) for k in keys}
         results: dict[str, dict] = {}
         # Rounds interleave the methods and each keeps its fastest round: another process
         # on the machine only ever slows a method down, so the best round is the least disturbed.
@@ -442,12 +650,17 @@ def main() -> None:
             for name, run in methods.items():
                 print(f"round {rnd + 1}/{args.repeat}: {name} ...", flush=True)
                 r = run()
-                if r.get("packing") is False and name.endswith("(packed)"):
-                    name = "sftflow worker (packing fell back to padded)"
+                if r.get("packing") is False and "(packed" in name:
+                    name = name.replace("(packed", "(packing fell back to padded")
                 if name not in results or tokens_per_s(r) > tokens_per_s(results[name]):
                     results[name] = r
         report(results, pad_waste(ds, args, args.seed, True), pad_waste(ds, args, args.seed, False))
-    print(f"model: {args.model or 'builtin:tiny-chat'}, {'LoRA r=%d' % args.lora if args.lora else 'full fine-tuning'}")
+        if args.json:
+            head, rows = table_rows(results)
+            args.json.write_text(json.dumps({"results": results, "head": head, "rows": rows, "data": {
+                "samples": len(ds), "mean_tokens": float(lengths.mean()), "max_tokens": int(lengths.max())}}))
+    name = args.model or (f"{args.shape} shape (random init)" if args.shape else "builtin:tiny-chat")
+    print(f"model: {name}, {'LoRA r=%d' % args.lora if args.lora else 'full fine-tuning'}")
     print(f"\ntotal bench time {time.perf_counter() - t_start:.0f} s")
 
 

@@ -33,7 +33,7 @@ from flows.prefect_server import KeepSettingError, ServerDidNotStart, prefect_ap
 from stages.core.config import ConfigError, SFTConfig, default_tracking_uri, flatten, load_config
 from stages.core.errors import MissingUpstream, StageError
 from stages.evaluate.report import COLUMNS, table_cells
-from stages.pipeline import KEY_METRIC, STAGES, Plan, plan, require_upstream
+from stages.pipeline import KEY_METRIC, STAGES, Plan, check_memory, plan, require_upstream, train_memory
 from stages.runtime.launcher import request_stop, stop_requested
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -70,6 +70,54 @@ def _plan(config: Path, overrides: Optional[list[str]]) -> Plan:
         return plan(cfg)
     except ConfigError as e:
         _fail(str(e))
+
+
+def _check_memory(p: Plan) -> None:
+    """A training that clearly can't fit the device fails here, before a Prefect server or torchrun
+    (a completed train stage is reused, not run)."""
+    if p.status("train") == "complete":
+        return
+    try:
+        check_memory(p)
+    except ConfigError as e:
+        _fail(str(e))
+
+
+def _memory_table(p: Plan) -> None:
+    from stages.runtime.memory_plan import budget_for, human, visible_device  # arithmetic, no torch
+    device = visible_device()
+    mp, source = train_memory(p, device)
+    if mp is None:
+        console.print(f"memory plan: unknown ({escape(source)})", highlight=False)
+        return
+    budget = budget_for(p.cfg, device)
+    t = Table(title=f"memory plan per rank: {mp.world} process(es), {mp.precision}, longest micro-batch "
+                    f"{mp.batch.tokens} tokens ({mp.batch.rows} x {mp.batch.row_len}; {mp.batch.source})")
+    for col in ("term", "estimate", "note"):
+        t.add_column(col)
+    trained = f"{mp.n_trainable:,} trained of {mp.n_params:,}"
+    sharded = f", sharded over {mp.world}" if mp.fsdp and mp.world > 1 else ""
+    t.add_row("parameters", human(mp.params), f"{mp.n_params:,} (fp32 masters{sharded}"
+              + (f"; {mp.precision} copy gathered" if mp.fsdp else "") + ")")
+    t.add_row("gradients", human(mp.grads), trained)
+    t.add_row("optimizer", human(mp.optimizer), "AdamW, 2 fp32 moments")
+    t.add_row("activations", human(mp.activations_full), "" if mp.checkpointing else "in use")
+    t.add_row("activations, checkpointed", human(mp.activations_checkpointed), "in use" if mp.checkpointing else
+              "with activation_checkpointing")
+    t.add_row("total", human(mp.total), f"model dims: {escape(source)}")
+    if budget is None:
+        t.add_row("budget", "-", "not checked (actor.memory_budget_gb=0)")
+    else:
+        ranks = f" for {budget.ranks} processes" if budget.ranks > 1 else ""
+        # RAM is shared and swaps: on CPU only a plan over all of it fails
+        note = "" if device.kind == "cuda" else "; no accelerator visible"
+        t.add_row("budget", human(budget.bytes), f"{escape(budget.what)}: needs {human(mp.total * budget.ranks)}"
+                  f"{ranks}{note}")
+    console.print(t)
+    try:
+        check_memory(p, device)
+    except ConfigError as e:
+        err.print(f"[bold red]does not fit:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
 
 
 def _summary(results: list[dict], scored: str = "tuned") -> None:
@@ -140,6 +188,7 @@ def run(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
     p = _plan(config, overrides)
     if p.cfg.eval.model is not None:
         _fail("eval.model is for `sftflow stage evaluate --model`: the flow registers the model it trains")
+    _check_memory(p)
     _prefect_home(p.cfg)
     _summary(_run_flow(_flow("flows.sft", "sft_pipeline"), config_path=str(config), overrides=overrides or [], force=force,
                        planned=p.to_dict()))
@@ -172,6 +221,8 @@ def stage(name: str = typer.Argument(..., help="prepare | baseline | champion | 
             _fail(f"{e} (or add --with-upstream)")
         except ConfigError as e:
             _fail(str(e))
+    if name == "train":
+        _check_memory(p)
     _prefect_home(p.cfg)
     _summary(_run_flow(_flow("flows.sft", "sft_stage"), stage=name, config_path=str(config), overrides=overrides or [], force=force,
                        with_upstream=with_upstream, planned=p.to_dict()), scored=model or "tuned")
@@ -204,6 +255,7 @@ def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg
     for s, info in stages.items():
         st.add_row(s, info["fingerprint"], info["status"], info["path"])
     console.print(st)
+    _memory_table(p)
 
 
 def _preview(cfg: SFTConfig, p, n: int) -> None:

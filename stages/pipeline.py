@@ -31,8 +31,9 @@ from .core.config import SCORER_NAMES, SFTConfig, eval_split, hashed
 from .core.errors import ConfigError, MissingUpstream, StageError
 from .core.imports import import_identity, import_object
 from .core.inputs import HUB_PREFIX
-from .models.base import model_fingerprint, resolve_model
+from .models.base import model_config_json, model_fingerprint, resolve_model
 from .models.refs import eval_model_identity
+from .runtime import memory_plan
 from .tracking.registry import REGISTRY_PREFIX, current_champion, version_state
 from .tracking.run import Lineage
 
@@ -172,6 +173,45 @@ def check_checkpoints(cfg: SFTConfig) -> None:
             raise ConfigError(f"{key}: {e}") from None
 
 
+def _memory_inputs(p: Plan) -> tuple[dict, str, list[int] | None] | None:
+    """(the base model's config.json, where it was read, the prepared samples' lengths once prepare
+    has run); None when the config can't be read without building or converting the model."""
+    found = model_config_json(p.cfg, p.fingerprints["models"])
+    if found is None:
+        return None
+    done = p.status("prepare") == "complete"
+    return *found, memory_plan.prepared_lengths(p.folder("prepare") / "train") if done else None
+
+
+def train_memory(p: Plan, device: memory_plan.Device | None = None) -> tuple[memory_plan.MemoryPlan | None, str]:
+    """(the train stage's memory plan per rank, where the model's dimensions came from): the
+    longest micro-batch from the prepared shards once prepare has run, else the config's bound;
+    (None, why) when the dimensions can't be read without building the model."""
+    found = _memory_inputs(p)
+    if found is None:
+        return None, "the model's config.json is not available before the model is built or converted"
+    hf_config, source, lengths = found
+    try:
+        return memory_plan.plan_for(p.cfg, hf_config, device or memory_plan.visible_device(), lengths), source
+    except KeyError as e:
+        return None, f"{source} has no {e.args[0]}"
+
+
+def check_memory(p: Plan, device: memory_plan.Device | None = None) -> None:
+    """A training that clearly can't fit its device is a ConfigError before torchrun starts (from the
+    CLI, before a Prefect server starts too), naming the settings that would fit; docs/operations.md,
+    "Memory plan"."""
+    found = _memory_inputs(p) if p.cfg.actor.memory_budget_gb != 0 else None
+    if found is None:
+        return
+    try:
+        problem = memory_plan.check_fits(p.cfg, found[0], device or memory_plan.visible_device(), found[2])
+    except KeyError:  # a config.json without a decoder's dimensions: nothing to estimate
+        return
+    if problem:
+        raise ConfigError(problem)
+
+
 def _plan(cfg: SFTConfig) -> Plan:
     check_code(cfg)
     check_checkpoints(cfg)
@@ -287,6 +327,7 @@ def run_stage(p: Plan, stage: str, force: bool = False, on_line: Callable[[str],
             metrics = run_prepare(cfg, fp, resolve_model(cfg, p.fingerprints["models"], on_line))
         elif stage == "train":
             from .train import run_train
+            check_memory(p)  # the model is built and the data prepared: the exact longest micro-batch
             metrics = run_train(cfg, fp, resolve_model(cfg, p.fingerprints["models"], on_line), dirs["prepare"],
                                 p.lineage(dirs, tags), on_line=on_line)
         elif stage in REFERENCES:

@@ -89,6 +89,7 @@ FLOWS_MAY_IMPORT_LAZILY = {
     "stages.models.refs": "`sftflow chat -m`: a train folder, checkpoint or models:/ ref -> a model folder",
     "stages.models.base": "`sftflow show --preview`: the base model's tokenizer (builds a builtin one on first use)",
     "stages.prepare.stage": "`sftflow show --preview`: prepared samples (tokenizers)",
+    "stages.runtime.memory_plan": "`sftflow show`: the memory plan table (arithmetic, no torch)",
     "stages.tracking.sweep": "the sweep flow's MLflow parent run",
 }
 # The lazy imports that load torch, and the only functions they may be in.

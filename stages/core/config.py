@@ -124,6 +124,15 @@ class ActorConfig(_Section):
     packing: bool = Field(True, description="padding-free packed micro-batches when the model supports them")
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     activation_checkpointing: bool = unhashed(False)
+    memory_budget_gb: float | None = unhashed(
+        None, ge=0, description="GiB the memory plan must fit before training launches: per GPU, or on CPU the RAM "
+                                "the node's processes share; default: the GPU's memory, or system RAM; 0: no check")
+    # Unhashed like `compile`: every implementation computes the same attention (tests/test_attention.py
+    # holds their logits equal, packed and not); only rounding and speed differ, as between devices.
+    attn_implementation: Literal["auto", "eager", "sdpa", "flex_attention", "flash_attention_2",
+                                 "flash_attention_3"] = unhashed(
+        "auto", description="auto: flash-attention varlen on CUDA when installed, else flex_attention when "
+                            "packing on CUDA; the model's default (sdpa) on CPU")
     compile: bool = unhashed(False)
     reshard_after_forward: bool | None = unhashed(
         None, description="FSDP2: free gathered weights after each forward (least memory) or keep them "

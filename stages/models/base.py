@@ -9,6 +9,7 @@ Everything downstream loads the result with `AutoTokenizer` / `AutoModelForCausa
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from stages.core.artifacts import StageBuild, damage, file_digest, fingerprint, is_complete, stage_dir, stage_lock
@@ -71,3 +72,25 @@ def resolve_model(cfg: SFTConfig, model_fp: str, say=to_stderr) -> str:
                 build_tiny_chat(build.partial, corpus, fmt=cfg.data.format, columns=cfg.data.columns, **BUILTINS[name])
                 build.commit({"builtin": name, "corpus": [str(p) for p in corpus]})
     return str(folder)
+
+
+def model_config_json(cfg: SFTConfig, model_fp: str) -> tuple[dict, str] | None:
+    """(the base model's Hugging Face config, where it was read) without building or loading
+    anything: a built or converted model folder, a local folder, or a builtin's spec (its vocabulary
+    is then the tokenizer's target size, an upper bound). None for a GGUF file not converted yet,
+    a hub id, or a model type other than `causal_lm`."""
+    if cfg.actor.model.model_type != "causal_lm":
+        return None
+    path = cfg.actor.model.model_path
+    built = stage_dir(cfg.artifacts_path, "models", model_fp)
+    if (path.startswith(BUILTIN_PREFIX) or is_gguf_ref(path)) and is_complete(built):
+        folder = built
+    elif path.startswith(BUILTIN_PREFIX):
+        spec = {k: v for k, v in BUILTINS[path[len(BUILTIN_PREFIX):]].items() if k != "seed"}
+        return {**spec, "model_type": "qwen2", "tie_word_embeddings": True}, f"the {path} spec"
+    else:
+        folder = Path(path).expanduser()
+    config = folder / "config.json"
+    if not config.is_file():
+        return None
+    return json.loads(config.read_text()), str(config)

@@ -45,8 +45,10 @@ def get_model_builder(name: str) -> Callable:
 @register_model_type("causal_lm")
 def build_causal_lm(model_cfg: dict, weights_path: str) -> nn.Module:
     from transformers import AutoModelForCausalLM
+    # None leaves transformers' own choice (sdpa where the model supports it)
     return AutoModelForCausalLM.from_pretrained(
         weights_path, trust_remote_code=model_cfg.get("trust_remote_code", False), dtype="float32",
+        attn_implementation=model_cfg.get("attn_implementation"),
     )
 
 
@@ -58,7 +60,8 @@ class WeightsLoadError(ValueError):
 
 def build_configured_model(cfg: SFTConfig, weights_path: str | None, *, seed: int | None = None,
                            device: torch.device | str | None = None, float32: bool = False, lora: bool = False,
-                           weights: dict | Callable[[nn.Module], dict] | None = None, where: str = "") -> nn.Module:
+                           weights: dict | Callable[[nn.Module], dict] | None = None, where: str = "",
+                           attn_implementation: str | None = None) -> nn.Module:
     """The model `cfg.actor.model` configures, built as training, export and evaluation all build it:
 
     1. `torch.manual_seed(seed)` when a seed is given, then the registered builder of
@@ -70,12 +73,15 @@ def build_configured_model(cfg: SFTConfig, weights_path: str | None, *, seed: in
        (`load_adapters_checked`), else the whole model, tied weights aside (`load_state_checked`).
        A misfit, or a ValueError while reading them, is a WeightsLoadError naming `where`.
 
+    `attn_implementation` (resolved by `attention.resolve_attn_implementation`) reaches the builder
+    as `model_cfg["attn_implementation"]`; builders of other model types may ignore it.
+
     A LoRA model comes back wrapped by peft, its adapters not merged (`merge_and_unload()` merges)."""
     mc = cfg.actor.model
     builder = get_model_builder(mc.model_type)
     if seed is not None:
         torch.manual_seed(seed)
-    model = builder(mc.model_dump(), weights_path)
+    model = builder({**mc.model_dump(), "attn_implementation": attn_implementation}, weights_path)
     if device is not None:
         model.to(device)
     if float32:

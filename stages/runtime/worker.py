@@ -38,6 +38,7 @@ from stages.core.imports import import_object
 from stages.tracking.live import RankZeroMetrics, read_metrics_file
 
 from . import checkpoint as ckpt
+from .attention import effective_attn_implementation, resolve_attn_implementation
 from .batches import DataPosition, GlobalBatchSampler, SFTDataset, collate_packed, collate_padded
 from .distributed import choose_precision, local_device, log
 from .lora import adapters_off, lora_enabled, unwrap
@@ -50,6 +51,7 @@ from .schedule import lr_lambda
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+RUNTIME_FILE = "runtime.json"  # the settings `auto` resolved to, written by rank 0 in the output folder
 # Dense bf16 peak FLOP/s per device, for the MFU estimate (unknown devices report none).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
 
@@ -157,6 +159,7 @@ class SFTWorker:
     rank: int
     world: int
     precision: str              # "bf16" or "fp32": actor.precision resolved for the device
+    attn_implementation: str    # what the built model runs (actor.attn_implementation resolved; "n/a": not transformers)
 
     # The tokenizer of Hugging Face models (load_tokenizer); other model types have none, and
     # export writes their bare state dict.
@@ -223,15 +226,22 @@ class SFTWorker:
         and how it was wrapped. Reads `device`, `world` and `precision`."""
         actor = self.cfg.actor
         try:
+            attn = resolve_attn_implementation(actor.attn_implementation, self.device.type, actor.packing)
             model = build_configured_model(self.cfg, self.spec.model_path, seed=self.cfg.runner.seed,
-                                           device=self.device, lora=lora_enabled(self.cfg))
-        except UnknownModelType as e:
+                                           device=self.device, lora=lora_enabled(self.cfg), attn_implementation=attn)
+        except (UnknownModelType, ConfigError) as e:
             raise SystemExit(str(e)) from None
         units = fsdp_units(unwrap(model))  # the blocks themselves: peft swaps layers inside them, not the blocks
         if actor.activation_checkpointing:
-            if not hasattr(model, "gradient_checkpointing_enable"):
-                raise SystemExit("actor.activation_checkpointing needs a model with gradient_checkpointing_enable()")
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # transformers renamed gradient_checkpointing_enable (5.24 warns that the alias goes in v6);
+            # older transformers and custom models may have only the old name
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            elif hasattr(model, "gradient_checkpointing_enable"):
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                raise SystemExit("actor.activation_checkpointing needs a model with activation_checkpointing_enable() "
+                                 "or gradient_checkpointing_enable()")
         if actor.compile:
             for unit in units or [model]:
                 unit.compile()
@@ -416,6 +426,7 @@ class SFTWorker:
 
         self.model, sharding = self.build_model()
         self.fsdp, self.keep_gathered = sharding.fsdp, sharding.keep_gathered
+        self.attn_implementation = effective_attn_implementation(self.model)
         self.model.train()
 
         o = actor.optim
@@ -519,7 +530,11 @@ class SFTWorker:
         metrics_f = open(metrics_path, "a") if self.rank == 0 else None
         log(f"training {self.total_steps} steps: {len(self.train_ds)} samples, world {self.world}, "
             f"accum {self.sampler.accum}, precision {self.precision}, device {self.device.type}, "
-            f"{'packed' if self.packing else 'padded'} micro-batches")
+            f"attention {self.attn_implementation}, {'packed' if self.packing else 'padded'} micro-batches")
+        if self.rank == 0:  # what `auto` resolved to on this machine: the train stage logs it to MLflow
+            (self.out / RUNTIME_FILE).write_text(json.dumps({
+                "attn_implementation": self.attn_implementation, "precision": self.precision,
+                "device": self.device.type, "packing": self.packing, "world_size": self.world}))
         bar = self._progress_bar(step)
         while step < self.total_steps:
             t0 = time.perf_counter()
@@ -660,6 +675,9 @@ def check_worker_config(cfg: SFTConfig) -> type[SFTWorker]:
         get_model_builder(cfg.actor.model.model_type)
     except UnknownModelType as e:
         raise ConfigError(str(e)) from None
+    # the workers' device is this machine's (single-node launches): an unavailable kernel fails before torchrun
+    resolve_attn_implementation(cfg.actor.attn_implementation, "cuda" if torch.cuda.is_available() else "cpu",
+                                cfg.actor.packing)
     return cls
 
 

@@ -255,6 +255,22 @@ def find_or_create_run(cfg: SFTConfig, lineage: Lineage, extra_tags: dict[str, s
     return run_id, True
 
 
+def log_runtime_params(cfg: SFTConfig, run_id: str, runtime: dict, on_line: Callable[[str], None] = print) -> None:
+    """The settings the workers resolved (`runtime.json`: attention kernel, precision, ...) as
+    `runtime.*` params beside the config's own `auto`. A resumed run that resolved differently (on
+    another machine) keeps the first value: MLflow params are write-once. Reported, never raised."""
+    from mlflow.entities import Param
+    from mlflow.tracking import MlflowClient
+    try:
+        client = MlflowClient(cfg.resolved_tracking_uri)
+        have = client.get_run(run_id).data.params
+        new = [Param(f"runtime.{k}", str(v)) for k, v in runtime.items() if f"runtime.{k}" not in have]
+        if new:
+            client.log_batch(run_id, params=new)
+    except Exception as e:  # noqa: BLE001 - tracking must never fail a trained model
+        on_line(f"mlflow: could not log the runtime params ({type(e).__name__}: {e})")
+
+
 OWNER_HOST, OWNER_PID = TAG + "owner_host", TAG + "owner_pid"
 
 

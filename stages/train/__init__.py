@@ -5,6 +5,8 @@ Output folder:
     checkpoints/step_*/  DCP checkpoints (resume)
     metrics.jsonl        one row per optimizer step
     train.log            torchrun's output
+    runtime.json         what the workers resolved `auto` to (attention kernel, precision, device), also
+                         in the manifest's `runtime` and the MLflow params `runtime.*`
     spec.json            exactly what the workers were given (`WorkerSpec`)
 
 The stage opens the model's MLflow run before torchrun starts, so rank 0 logs into it live
@@ -13,6 +15,7 @@ The stage opens the model's MLflow run before torchrun starts, so rank 0 logs in
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Callable
 
@@ -21,9 +24,9 @@ from stages.core.artifacts import StageBuild
 from stages.core.config import SFTConfig
 from stages.core.errors import StageError
 from stages.runtime.launcher import run_torchrun, torchrun_command
-from stages.runtime.worker import WorkerSpec
+from stages.runtime.worker import RUNTIME_FILE, WorkerSpec
 from stages.tracking.live import read_metrics_file
-from stages.tracking.run import training_run
+from stages.tracking.run import log_runtime_params, training_run
 
 
 class TrainingFailed(StageError):
@@ -50,6 +53,10 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
         mlflow_run_id = env.get("MLFLOW_RUN_ID") or None
         run_torchrun(torchrun_command(cfg, spec_path, module="stages.train"), build.partial / "train.log",
                      TrainingFailed, "training", on_line, cfg.actor.nproc_per_node, env)
+        runtime_file = build.partial / RUNTIME_FILE
+        runtime = json.loads(runtime_file.read_text()) if runtime_file.is_file() else {}
+        if mlflow_run_id and runtime:
+            log_runtime_params(cfg, mlflow_run_id, runtime, on_line)
     rows = read_metrics_file(metrics_file)
     if not (build.partial / "model").is_dir():
         raise TrainingFailed(f"train: torchrun finished but exported no model in {build.partial / 'model'}")
@@ -60,5 +67,5 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
                "first_loss": rows[0]["loss"] if rows else None,
                "mean_tokens_per_s": sum(r["tokens_per_s"] for r in rows) / len(rows) if rows else None}
     build.commit({"metrics": metrics, "model_dir": str(build.final / "model"), "base_model": model_path,
-                  "prepare_dir": prepare_dir, "mlflow_run_id": mlflow_run_id})
+                  "prepare_dir": prepare_dir, "mlflow_run_id": mlflow_run_id, "runtime": runtime})
     return metrics

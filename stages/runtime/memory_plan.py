@@ -1,0 +1,380 @@
+"""A training run's memory per rank, estimated before launch from the model's config (no weights
+are built), the precision, the world size and the longest micro-batch; and whether it fits.
+
+Pure arithmetic, no torch: `sftflow show` and planning run it in the CLI process.
+
+What one rank holds during a step (P parameters, Pt of them trained: all, or LoRA's adapters;
+`act` the bytes of the compute dtype, 4 fp32 / 2 bf16; `W` the world size):
+
+* parameters: fp32 masters, sharded by FSDP2 (4P / W); with FSDP2 also the gathered compute copy,
+  the whole model when gathered weights are kept (`reshard_after_forward` off, the CPU default),
+  else the root (embeddings, head) and two blocks (the one running and the one prefetched);
+* gradients: fp32, sharded (4Pt / W); with FSDP2 also the unsharded ones being reduced (all of them
+  when gathered weights are kept: accumulation without sync holds them), else two blocks' worth;
+* optimizer: AdamW's two fp32 moments (8Pt / W), plus one temporary the size of a moment that the foreach
+  step makes (after backward, so it counts only when larger than the activations);
+* activations for T tokens: per layer and token, what autograd saves (derivation at
+  `layer_bytes_per_token`), SDPA's dense mask per layer (rows x row length^2; eager attention also
+  keeps every head's scores; flash kernels neither), and the loss: T x vocab fp32 log-probabilities
+  and the two gradients of that size backward makes while they are held. With activation
+  checkpointing a layer keeps only its input (h per token); backward recomputes one at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Arch", "Batch", "Budget", "Device", "MemoryPlan", "estimate", "fits", "human", "longest_batch_bound",
+           "longest_batch_of", "plan_for", "budget_for", "check_fits", "visible_device", "prepared_lengths"]
+
+GIB = 1024 ** 3
+FLASH_KERNELS = ("flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The dimensions of a decoder-only transformer (Llama / Qwen2 / Mistral layout)."""
+
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    qkv_bias: bool = False
+
+    @classmethod
+    def from_hf_config(cls, c: dict) -> "Arch":
+        """From a Hugging Face `config.json`; a KeyError names a missing dimension."""
+        heads = c["num_attention_heads"]
+        return cls(vocab=c["vocab_size"], hidden=c["hidden_size"], intermediate=c["intermediate_size"],
+                   layers=c["num_hidden_layers"], heads=heads, kv_heads=c.get("num_key_value_heads") or heads,
+                   head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+                   tied=bool(c.get("tie_word_embeddings", True)),
+                   # Qwen2 always biases q, k and v; Llama-likes say so in `attention_bias`
+                   qkv_bias=bool(c.get("attention_bias", c.get("model_type") in ("qwen2", "qwen2_moe"))))
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """A block's linear layers: name -> (in features, out features)."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, self.intermediate), "up_proj": (h, self.intermediate),
+                "down_proj": (self.intermediate, h)}
+
+    def block_params(self) -> int:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        bias = q + 2 * kv if self.qkv_bias else 0
+        return sum(i * o for i, o in self.linears().values()) + bias + 2 * self.hidden  # + two RMSNorms
+
+    def root_params(self) -> int:
+        """Embeddings, the final norm and an untied head: what FSDP2's root unit holds."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    def n_params(self) -> int:
+        return self.layers * self.block_params() + self.root_params()
+
+    def lora_params(self, r: int, targets: str | list[str]) -> int:
+        """Adapter parameters: r x (in + out) per adapted linear; 'all-linear' is every block linear
+        (peft leaves the output head out)."""
+        names = self.linears() if targets == "all-linear" else {n: d for n, d in self.linears().items() if n in targets}
+        return self.layers * sum(r * (i + o) for i, o in names.values())
+
+    def layer_bytes_per_token(self, act: int) -> int:
+        """Bytes autograd keeps per token for one block, `act` the bytes of the compute dtype:
+
+        * each RMSNorm upcasts its input to fp32 and keeps it (4h), its normalized value for the
+          weight's product (act x h) and its output, the next linears' input (act x h);
+        * attention with a mask (padding or packed rows) keeps q, k and v after RoPE, k and v
+          repeated to every head (q's width, heads x head_dim, here `q`), its output, and that
+          output made contiguous for o_proj: 5 x act x q;
+        * the MLP keeps gate's and up's outputs, SiLU(gate) and their product (down_proj's
+          input): 4 x act x intermediate.
+
+        Measured (saved-tensor hooks, the builtin model, fp32): within 3% of what autograd keeps
+        (tests/test_memory_plan.py).
+        """
+        h, q = self.hidden, self.heads * self.head_dim
+        return 2 * (4 + 2 * act) * h + 5 * act * q + 4 * act * self.intermediate
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The longest micro-batch: `rows` rows of `row_len` tokens (a packed one is 1 row)."""
+
+    rows: int
+    row_len: int
+    source: str  # how it was found: the prepared shards, or the bound from the config
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.row_len
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per rank."""
+
+    world: int
+    precision: str
+    fsdp: bool
+    keep_gathered: bool
+    checkpointing: bool
+    dense_attention: bool
+    batch: Batch
+    n_params: int
+    n_trainable: int
+    params: int
+    grads: int
+    optimizer: int
+    optimizer_step: int  # the foreach step's temporary: after backward, so it overlaps no activation
+    activations_full: int
+    activations_checkpointed: int
+
+    @property
+    def activations(self) -> int:
+        return self.activations_checkpointed if self.checkpointing else self.activations_full
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + max(self.activations, self.optimizer_step)
+
+
+def longest_batch_bound(max_length: int, micro_batch_size: int, max_tokens: int, packing: bool) -> Batch:
+    """The longest micro-batch the config allows before the data is prepared: `micro_batch_size`
+    samples of `data.max_length`, or, with `max_tokens_per_micro_batch`, that many tokens (a sample
+    longer than it is a micro-batch of its own)."""
+    src = "bound: "
+    if max_tokens > 0:
+        return Batch(1, max(max_tokens, max_length), src + "max(actor.max_tokens_per_micro_batch, data.max_length)")
+    if packing:
+        return Batch(1, micro_batch_size * max_length, src + "actor.micro_batch_size x data.max_length, packed")
+    return Batch(micro_batch_size, max_length, src + "actor.micro_batch_size x data.max_length, padded")
+
+
+def longest_batch_of(lengths, micro_batch_size: int, max_tokens: int, packing: bool) -> Batch:
+    """The longest micro-batch of prepared samples with these lengths: micro-batches are cut from
+    longest-first shares (runtime/batches.py), so a padded one is at most `micro_batch_size` rows of
+    the longest sample, a packed one at most the longest samples' sum."""
+    ordered = sorted((int(n) for n in lengths), reverse=True)
+    if not ordered:
+        return Batch(1, 1, "prepared shards (empty)")
+    longest = ordered[0]
+    if max_tokens > 0:
+        return Batch(1, max(max_tokens, longest), "prepared shards, max_tokens_per_micro_batch")
+    if packing:
+        return Batch(1, sum(ordered[:micro_batch_size]), "prepared shards, packed")
+    return Batch(min(micro_batch_size, len(ordered)), longest, "prepared shards, padded")
+
+
+def estimate(arch: Arch, *, world: int, precision: str, batch: Batch, checkpointing: bool,
+             lora_r: int = 0, lora_targets: str | list[str] = "all-linear", keep_gathered: bool = True,
+             attn_implementation: str | None = None, kl_to_base: bool = False) -> MemoryPlan:
+    """The per-rank plan (see the module's docstring for each term)."""
+    P = arch.n_params()
+    Pt = arch.lora_params(lora_r, lora_targets) if lora_r > 0 else P
+    act = 2 if precision == "bf16" else 4
+    fsdp = world > 1 or precision == "bf16"  # the worker wraps one fp32 process in nothing
+    block = arch.block_params()
+    if fsdp:
+        gathered = P if keep_gathered else arch.root_params() + 2 * block
+        params = 4 * P // world + act * gathered
+        # LoRA's unsharded gradients are the adapters' (tiny); a full model's are its units'
+        grads = 4 * Pt // world + act * (Pt if keep_gathered or lora_r > 0 else min(Pt, arch.root_params() + 2 * block))
+    else:
+        params, grads = 4 * P, 4 * Pt
+    optimizer = 8 * Pt // world
+    T = batch.tokens
+    # The attention kernel: eager keeps every head's scores and probabilities; SDPA (the default)
+    # keeps no scores but a dense mask per layer (rows x row length^2, the compute dtype) whenever
+    # there is padding or packing; flash and flex kernels keep neither.
+    square = batch.rows * batch.row_len ** 2
+    mask = 0 if attn_implementation in FLASH_KERNELS else square * act
+    scores = 2 * arch.heads * square * act if attn_implementation == "eager" else 0
+    layer = T * arch.layer_bytes_per_token(act) + mask + scores
+    # The loss keeps the fp32 log-softmax (T x V x 4); backward adds its gradient and the logits'
+    # (fp32, plus the compute dtype's copy under bf16) while it is still held.
+    logits = T * arch.vocab * (12 + (act if act < 4 else 0))
+    if kl_to_base:  # the base model's logits (no grad) and their fp32 log-softmax
+        logits += T * arch.vocab * (act + 4)
+    head = T * (4 + 2 * act) * arch.hidden  # the final norm
+    full = arch.layers * layer + logits + head
+    # checkpointed: each block keeps its input; backward recomputes one block at a time
+    checkpointed = arch.layers * T * arch.hidden * act + layer + logits + head
+    return MemoryPlan(world=world, precision=precision, fsdp=fsdp, keep_gathered=fsdp and keep_gathered,
+                      checkpointing=checkpointing, dense_attention=mask > 0 or scores > 0, batch=batch,
+                      n_params=P, n_trainable=Pt, params=params, grads=grads, optimizer=optimizer,
+                      optimizer_step=4 * Pt // world, activations_full=full, activations_checkpointed=checkpointed)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The memory a plan must fit: `bytes` shared by `ranks` processes (a GPU: 1; system RAM: the
+    node's processes)."""
+
+    bytes: int
+    what: str
+    ranks: int = 1
+
+
+@dataclass(frozen=True)
+class Device:
+    """What training will run on, as seen before launch (no torch): a GPU or the CPU."""
+
+    kind: str  # "cuda" | "cpu"
+    name: str
+    bytes: int  # a GPU's total memory, or the RAM this machine (or its cgroup) allows
+
+
+def human(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 1024 ** 2:.1f} MiB"
+
+
+def fits(plan: MemoryPlan, budget: Budget, alternatives: dict[str, int] | None = None) -> str | None:
+    """None when the plan fits the budget; else one line: what it needs, what there is, and the
+    settings that would fit (`alternatives`: setting -> the bytes the budget would then have to hold)."""
+    if plan.total * budget.ranks <= budget.bytes:
+        return None
+    per = f" per process x {budget.ranks}" if budget.ranks > 1 else ""
+    parts = (f"params {human(plan.params)}, grads {human(plan.grads)}, optimizer {human(plan.optimizer)}, "
+             f"activations {human(plan.activations)} for {plan.batch.tokens} tokens")
+    ok = [k for k, n in (alternatives or {}).items() if n <= budget.bytes]
+    hint = ("; would fit: " + " or ".join(ok)) if ok else (
+        "; no single change fits: combine actor.micro_batch_size or actor.max_tokens_per_micro_batch, "
+        "actor.activation_checkpointing=true, actor.lora.r, more processes (actor.nproc_per_node, actor.nnodes)")
+    return (f"actor: training needs ~{human(plan.total)}{per} ({parts}) but {budget.what} has "
+            f"{human(budget.bytes)}{hint} (actor.memory_budget_gb sets the budget, 0 skips this check)")
+
+
+def largest_fitting(lo: int, hi: int, fits_at) -> int | None:
+    """The largest n in [lo, hi] with fits_at(n), fits_at true up to some n; None if none."""
+    if hi < lo or not fits_at(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits_at(mid) else (lo, mid - 1)
+    return lo
+
+
+# --------------------------------------------------------------------------- a config's plan
+
+
+def visible_device() -> Device:
+    """The first GPU that CUDA_VISIBLE_DEVICES leaves visible, from nvidia-smi (no torch: planning
+    runs in the CLI); else the CPU, with the machine's RAM or its cgroup's limit when smaller."""
+    import os
+    import shutil
+    import subprocess
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    smi = shutil.which("nvidia-smi")
+    if smi and visible not in ("", "-1"):
+        try:
+            out = subprocess.run([smi, "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=20).stdout
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        gpus = [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.count(",") == 2]
+        wanted = [v.strip() for v in (visible or "").split(",") if v.strip()]
+        if wanted and all(v.isdigit() for v in wanted):
+            gpus = [g for g in gpus if g[0] in wanted]
+        if gpus and gpus[0][2].isdigit():
+            return Device("cuda", gpus[0][1], int(gpus[0][2]) * 1024 ** 2)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        ram = min(ram, int(limit)) if limit.isdigit() else ram
+    except OSError:
+        pass
+    return Device("cpu", "CPU", ram)
+
+
+def attention_kernel(requested: str, device: Device, packing: bool) -> str:
+    """What `actor.attn_implementation` resolves to on `device` (runtime/attention.py), guessed
+    without importing torch: flash when its package is installed on a GPU, flex for packing there,
+    else the model's default (sdpa)."""
+    import importlib.util
+    if requested != "auto":
+        return requested
+    if device.kind != "cuda":
+        return "sdpa"
+    if importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "flex_attention" if packing else "sdpa"
+
+
+def prepared_lengths(folder) -> list[int] | None:
+    """Tokens per prepared training sample, or None when the shards are not there."""
+    from pathlib import Path
+    if not Path(folder).is_dir():
+        return None
+    from stages.chatdata.shards import read_shards  # pyarrow: only when prepare has run
+    return read_shards(folder, ["length"]).column("length").to_pylist()
+
+
+def plan_for(cfg, hf_config: dict, device: Device, lengths=None, **changes) -> MemoryPlan:
+    """The plan of config `cfg` (an SFTConfig) on `device`; `changes` override actor settings
+    (micro_batch_size, max_tokens_per_micro_batch, activation_checkpointing, lora_r, world)."""
+    a = cfg.actor
+    mbs = changes.get("micro_batch_size", a.micro_batch_size)
+    max_tokens = changes.get("max_tokens_per_micro_batch", a.max_tokens_per_micro_batch)
+    batch = (longest_batch_of(lengths, mbs, max_tokens, a.packing) if lengths is not None
+             else longest_batch_bound(cfg.data.max_length, mbs, max_tokens, a.packing))
+    precision = a.precision if a.precision != "auto" else ("bf16" if device.kind == "cuda" else "fp32")
+    reshard = a.reshard_after_forward if a.reshard_after_forward is not None else device.kind != "cpu"
+    requested = getattr(a, "attn_implementation", "auto")
+    return estimate(Arch.from_hf_config(hf_config), world=changes.get("world", a.world_size), precision=precision,
+                    batch=batch, checkpointing=changes.get("activation_checkpointing", a.activation_checkpointing),
+                    lora_r=changes.get("lora_r", a.lora.r), lora_targets=a.lora.target_modules,
+                    keep_gathered=not reshard, attn_implementation=attention_kernel(requested, device, a.packing),
+                    kl_to_base=a.kl_to_base > 0)
+
+
+def budget_for(cfg, device: Device) -> Budget | None:
+    """What the plan must fit: `actor.memory_budget_gb`, else the GPU's memory, else system RAM,
+    which a node's processes share. None: no check (`actor.memory_budget_gb: 0`)."""
+    a = cfg.actor
+    ranks = a.nproc_per_node if device.kind == "cpu" else 1
+    if a.memory_budget_gb is not None:
+        return Budget(int(a.memory_budget_gb * GIB), "actor.memory_budget_gb", ranks) if a.memory_budget_gb > 0 else None
+    if device.kind == "cuda":
+        return Budget(device.bytes, f"the GPU ({device.name})")
+    return Budget(device.bytes, "system RAM" + (f" (shared by {ranks} processes)" if ranks > 1 else ""), ranks)
+
+
+def check_fits(cfg, hf_config: dict, device: Device, lengths=None) -> str | None:
+    """None when the config's plan fits its budget; else `fits`' line, with the single changes
+    that would fit, each at the value closest to the config's."""
+    budget = budget_for(cfg, device)
+    plan = plan_for(cfg, hf_config, device, lengths)
+    if budget is None or plan.total * budget.ranks <= budget.bytes:
+        return None
+    a = cfg.actor
+
+    def need(**changes) -> int:
+        world = changes.get("world", a.world_size)
+        ranks = budget.ranks * world // a.world_size
+        return plan_for(cfg, hf_config, device, lengths, **changes).total * ranks
+
+    alternatives: dict[str, int] = {}
+    if a.max_tokens_per_micro_batch == 0:
+        # the largest that fits and still divides the global batch (accumulation makes up the rest)
+        m = next((m for m in range(a.micro_batch_size - 1, 0, -1)
+                  if a.global_batch_size % (m * a.world_size) == 0 and need(micro_batch_size=m) <= budget.bytes), None)
+        if m is not None:
+            alternatives[f"actor.micro_batch_size={m}"] = need(micro_batch_size=m)
+    if a.packing or a.max_tokens_per_micro_batch > 0:
+        t = largest_fitting(cfg.data.max_length, plan.batch.tokens - 1,
+                            lambda t: need(max_tokens_per_micro_batch=t) <= budget.bytes)
+        if t is not None:
+            alternatives[f"actor.max_tokens_per_micro_batch={t}"] = need(max_tokens_per_micro_batch=t)
+    if not a.activation_checkpointing:
+        alternatives["actor.activation_checkpointing=true"] = need(activation_checkpointing=True)
+    if a.lora.r == 0:
+        alternatives["actor.lora.r=16"] = need(lora_r=16)
+    world = a.world_size * 2
+    while world <= 1024 and need(world=world) > budget.bytes:
+        world *= 2
+    if world <= 1024:
+        alternatives[f"{world} processes (actor.nproc_per_node x actor.nnodes)"] = need(world=world)
+    return fits(plan, budget, alternatives)

