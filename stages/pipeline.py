@@ -106,7 +106,15 @@ def check_code(cfg: SFTConfig) -> None:
             raise ConfigError(f"{key}='{path}' is not callable")
     if cfg.actor.worker or cfg.actor.model.model_type != "causal_lm":
         from .runtime.worker import check_worker_config
-        check_worker_config(cfg)
+        check_worker_config(cfg)  # the attention kernel too
+    elif cfg.actor.attn_implementation != "auto":
+        # a kernel this machine lacks fails here, not after prepare inside torchrun (single-node launches:
+        # the workers' device is this machine's)
+        import torch
+
+        from .runtime.attention import resolve_attn_implementation
+        resolve_attn_implementation(cfg.actor.attn_implementation, "cuda" if torch.cuda.is_available() else "cpu",
+                                    cfg.actor.packing)
 
 
 def _scoring(cfg: SFTConfig) -> dict:

@@ -148,6 +148,15 @@ def test_unavailable_implementation_is_a_one_line_error_naming_the_key(monkeypat
         resolve_attn_implementation("flash_attention_2", "cuda", packing=True)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine may have flash_attn")
+def test_planning_refuses_a_kernel_this_machine_lacks_before_anything_runs(tmp_path):
+    from stages.pipeline import plan
+    cfg = load_config(write_config(tmp_path, tiny_config_dict(tmp_path, actor={"attn_implementation": "flash_attention_2"})))
+    with pytest.raises(ConfigError, match=r"^actor.attn_implementation: 'flash_attention_2' is not available on cpu"):
+        plan(cfg)
+    assert not (tmp_path / "artifacts" / "prepare").exists()
+
+
 def test_unknown_implementation_is_a_one_line_error_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"^actor.attn_implementation: unknown 'flash'"):
         resolve_attn_implementation("flash", "cpu", packing=True)
