@@ -300,7 +300,7 @@ def run_bare(cfg, model_path: str, ds, pad_id: int, args, packed: bool, ckpt: bo
 
     total = args.warmup + args.steps
     device = torch.device("cuda" if CUDA else "cpu")
-    attn = resolve_attn_implementation(args.attn, device.type, packed)
+    attn = resolve_attn_implementation(args.attn, device.type, packed, "bf16" if CUDA else "fp32")
     model, trainable, optimizer, scheduler = reference_model(cfg, model_path, total, device, attn, ckpt)
     model.train()
     # bf16 compute over fp32 weights, gradients and AdamW state on a GPU, as the worker's FSDP2 policy
@@ -483,17 +483,21 @@ def table_rows(results: dict[str, dict]) -> tuple[tuple, list[tuple]]:
 
 
 def report(results: dict[str, dict], waste_sorted: float, waste_naive: float) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     head, rows = table_rows(results)
-    table = Table(title="trained tokens/s (real tokens, timed steps only)")
-    for k, h in enumerate(head):
-        table.add_column(h, justify="left" if k == 0 else "right")
-    for r in rows:
-        table.add_row(*r)
-    console = Console()
-    console.print(table)
+    title = "trained tokens/s (real tokens, timed steps only)"
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # rich is a CLI dependency, not the bench's: without it the Markdown below is the table
+        Console = None
+    if Console is not None:
+        table = Table(title=title)
+        for k, h in enumerate(head):
+            table.add_column(h, justify="left" if k == 0 else "right")
+        for r in rows:
+            table.add_row(*r)
+        console = Console()
+        console.print(table)
 
     lines = []
     worker = results.get("sftflow worker (packed)")
@@ -516,8 +520,11 @@ def report(results: dict[str, dict], waste_sorted: float, waste_naive: float) ->
                  f"({waste_naive:.0%} if micro-batches were cut in sampling order instead of longest-first)")
     attn = sorted({f"{r.get('precision', '?')}/{r.get('attn', '?')}" for r in results.values()})
     lines.append(f"device {'cuda: ' + torch.cuda.get_device_name() if CUDA else 'cpu'}; precision/attention: {', '.join(attn)}")
-    for line in lines:
-        console.print(line)
+    if Console is not None:
+        for line in lines:
+            console.print(line)
+    else:
+        print(title)
 
     print("\nMarkdown:\n")
     print("| " + " | ".join(head) + " |")
@@ -654,11 +661,11 @@ def main(argv: list[str] | None = None) -> None:
                     name = name.replace("(packed", "(packing fell back to padded")
                 if name not in results or tokens_per_s(r) > tokens_per_s(results[name]):
                     results[name] = r
-        report(results, pad_waste(ds, args, args.seed, True), pad_waste(ds, args, args.seed, False))
-        if args.json:
+        if args.json:  # first: the numbers survive a failing report
             head, rows = table_rows(results)
             args.json.write_text(json.dumps({"results": results, "head": head, "rows": rows, "data": {
                 "samples": len(ds), "mean_tokens": float(lengths.mean()), "max_tokens": int(lengths.max())}}))
+        report(results, pad_waste(ds, args, args.seed, True), pad_waste(ds, args, args.seed, False))
     name = args.model or (f"{args.shape} shape (random init)" if args.shape else "builtin:tiny-chat")
     print(f"model: {name}, {'LoRA r=%d' % args.lora if args.lora else 'full fine-tuning'}")
     print(f"\ntotal bench time {time.perf_counter() - t_start:.0f} s")

@@ -33,7 +33,7 @@ from flows.prefect_server import KeepSettingError, ServerDidNotStart, prefect_ap
 from stages.core.config import ConfigError, SFTConfig, default_tracking_uri, flatten, load_config
 from stages.core.errors import MissingUpstream, StageError
 from stages.evaluate.report import COLUMNS, table_cells
-from stages.pipeline import KEY_METRIC, STAGES, Plan, check_memory, plan, require_upstream, train_memory
+from stages.pipeline import KEY_METRIC, STAGES, Plan, check_launch, check_memory, plan, require_upstream, train_memory
 from stages.runtime.launcher import request_stop, stop_requested
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -72,13 +72,14 @@ def _plan(config: Path, overrides: Optional[list[str]]) -> Plan:
         _fail(str(e))
 
 
-def _check_memory(p: Plan) -> None:
-    """A training that clearly can't fit the device fails here, before a Prefect server or torchrun
-    (a completed train stage is reused, not run)."""
+def _check_launch(p: Plan) -> None:
+    """A training this machine can't run (an attention kernel it lacks, a plan that clearly can't fit)
+    fails here, before a Prefect server or torchrun; planning alone doesn't check it, so a deployment
+    for a GPU pool is planned on any host (a completed train stage is reused, not run)."""
     if p.status("train") == "complete":
         return
     try:
-        check_memory(p)
+        check_launch(p, warn=_say)
     except ConfigError as e:
         _fail(str(e))
 
@@ -115,7 +116,8 @@ def _memory_table(p: Plan) -> None:
                   f"{ranks}{note}")
     console.print(t)
     try:
-        check_memory(p, device)
+        check_memory(p, device, warn=lambda line: err.print(f"[bold yellow]may not fit:[/] {escape(line)}",
+                                                            highlight=False, soft_wrap=True))
     except ConfigError as e:
         err.print(f"[bold red]does not fit:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
 
@@ -188,7 +190,7 @@ def run(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
     p = _plan(config, overrides)
     if p.cfg.eval.model is not None:
         _fail("eval.model is for `sftflow stage evaluate --model`: the flow registers the model it trains")
-    _check_memory(p)
+    _check_launch(p)
     _prefect_home(p.cfg)
     _summary(_run_flow(_flow("flows.sft", "sft_pipeline"), config_path=str(config), overrides=overrides or [], force=force,
                        planned=p.to_dict()))
@@ -222,7 +224,7 @@ def stage(name: str = typer.Argument(..., help="prepare | baseline | champion | 
         except ConfigError as e:
             _fail(str(e))
     if name == "train":
-        _check_memory(p)
+        _check_launch(p)
     _prefect_home(p.cfg)
     _summary(_run_flow(_flow("flows.sft", "sft_stage"), stage=name, config_path=str(config), overrides=overrides or [], force=force,
                        with_upstream=with_upstream, planned=p.to_dict()), scored=model or "tuned")

@@ -106,15 +106,9 @@ def check_code(cfg: SFTConfig) -> None:
             raise ConfigError(f"{key}='{path}' is not callable")
     if cfg.actor.worker or cfg.actor.model.model_type != "causal_lm":
         from .runtime.worker import check_worker_config
-        check_worker_config(cfg)  # the attention kernel too
-    elif cfg.actor.attn_implementation != "auto":
-        # a kernel this machine lacks fails here, not after prepare inside torchrun (single-node launches:
-        # the workers' device is this machine's)
-        import torch
-
-        from .runtime.attention import resolve_attn_implementation
-        resolve_attn_implementation(cfg.actor.attn_implementation, "cuda" if torch.cuda.is_available() else "cpu",
-                                    cfg.actor.packing)
+        check_worker_config(cfg)
+    # the attention kernel depends on the machine that trains, not the one that plans (a deployment is
+    # planned anywhere): `check_launch` checks it where and when training starts
 
 
 def _scoring(cfg: SFTConfig) -> dict:
@@ -203,21 +197,47 @@ def train_memory(p: Plan, device: memory_plan.Device | None = None) -> tuple[mem
         return memory_plan.plan_for(p.cfg, hf_config, device or memory_plan.visible_device(), lengths), source
     except KeyError as e:
         return None, f"{source} has no {e.args[0]}"
+    except memory_plan.UnknownArchitecture as e:
+        return None, f"{e} in {source}: only dense {', '.join(memory_plan.DENSE_MODEL_TYPES)} layouts are estimated"
+    except ConfigError as e:  # an attention kernel this machine lacks
+        return None, str(e)
 
 
-def check_memory(p: Plan, device: memory_plan.Device | None = None) -> None:
-    """A training that clearly can't fit its device is a ConfigError before torchrun starts (from the
-    CLI, before a Prefect server starts too), naming the settings that would fit; docs/operations.md,
-    "Memory plan"."""
+def check_memory(p: Plan, device: memory_plan.Device | None = None, warn: Callable[[str], None] = print) -> None:
+    """A training that clearly can't fit its device (over budget x MARGIN) is a ConfigError before
+    torchrun starts (from the CLI, before a Prefect server starts too), naming the settings that would
+    fit; one within the margin is a `warn` line; docs/operations.md, "Memory plan"."""
     found = _memory_inputs(p) if p.cfg.actor.memory_budget_gb != 0 else None
     if found is None:
         return
     try:
-        problem = memory_plan.check_fits(p.cfg, found[0], device or memory_plan.visible_device(), found[2])
-    except KeyError:  # a config.json without a decoder's dimensions: nothing to estimate
+        verdict = memory_plan.check_fits(p.cfg, found[0], device or memory_plan.visible_device(), found[2])
+    except (KeyError, memory_plan.UnknownArchitecture):  # a layout the plan doesn't know: nothing to estimate
         return
-    if problem:
-        raise ConfigError(problem)
+    if verdict and verdict.refuse:
+        raise ConfigError(verdict.line)
+    if verdict:
+        warn(verdict.line)
+
+
+def check_attention(cfg: SFTConfig, device: memory_plan.Device | None = None) -> None:
+    """An explicit `actor.attn_implementation` that can't run on the machine that trains (package
+    missing, no CUDA, fp32, an older GPU) is a ConfigError there, before torchrun; torch-free, as
+    the worker's own rule (runtime/attention.py) on the packages installed here."""
+    if cfg.actor.attn_implementation == "auto":
+        return  # auto always resolves to something that runs
+    device = device or memory_plan.visible_device()
+    memory_plan.attention_kernel(cfg.actor.attn_implementation, device, cfg.actor.packing,
+                                 device.precision(cfg.actor.precision))
+
+
+def check_launch(p: Plan, device: memory_plan.Device | None = None, warn: Callable[[str], None] = print) -> None:
+    """What only the machine that trains can tell, checked on it right before training launches
+    (the CLI's run/stage train, and the train stage itself on a worker): the attention kernel, then
+    the memory plan. Planning alone (`sftflow show`, a deployment) checks neither."""
+    device = device or memory_plan.visible_device()
+    check_attention(p.cfg, device)
+    check_memory(p, device, warn)
 
 
 def _plan(cfg: SFTConfig) -> Plan:
@@ -335,7 +355,7 @@ def run_stage(p: Plan, stage: str, force: bool = False, on_line: Callable[[str],
             metrics = run_prepare(cfg, fp, resolve_model(cfg, p.fingerprints["models"], on_line))
         elif stage == "train":
             from .train import run_train
-            check_memory(p)  # the model is built and the data prepared: the exact longest micro-batch
+            check_launch(p, warn=on_line)  # the model is built and the data prepared: the exact longest micro-batch
             metrics = run_train(cfg, fp, resolve_model(cfg, p.fingerprints["models"], on_line), dirs["prepare"],
                                 p.lineage(dirs, tags), on_line=on_line)
         elif stage in REFERENCES:

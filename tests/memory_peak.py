@@ -18,9 +18,23 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
+def peak_resettable() -> str | None:
+    """None when this machine lets a process reset its VmHWM; else why not (a container may mount
+    /proc read-only, or a kernel lack clear_refs' "5"): without it the peak is the setup's, not the step's."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError as e:
+        return f"/proc/self/clear_refs is not writable here ({e.strerror or e}): a step's peak can't be isolated"
+    return None
+
+
 def main(spec_path: str) -> None:
     from stages.runtime.batches import DataPosition
     from stages.runtime.worker import SFTWorker, WorkerSpec
+    why = peak_resettable()
+    if why:
+        raise SystemExit(why)
     before = _status("VmRSS")  # torch and transformers imported, nothing built
     w = SFTWorker(WorkerSpec.read(spec_path))
     w.setup()

@@ -159,20 +159,73 @@ def test_over_budget_names_the_settings_that_fit_at_the_values_that_do(tmp_path)
     hf = SMOLLM2
     full = mp.plan_for(cfg, hf, gpu)
     assert full.precision == "bf16" and full.fsdp and not full.keep_gathered
-    budget = full.total - 1  # just under: something fits, not everything
+    budget = int(full.total / mp.MARGIN) - 1  # just past the margin: refused; something fits, not everything
     cfg.actor.memory_budget_gb = budget / mp.GIB
-    line = mp.check_fits(cfg, hf, gpu)
-    assert line is not None and "\n" not in line and line.startswith("actor: training needs")
+    verdict = mp.check_fits(cfg, hf, gpu)
+    assert verdict is not None and verdict.refuse
+    line = verdict.line
+    assert "\n" not in line and line.startswith("actor: training needs") and "margin" not in line
     fit = line.split("would fit: ")[1].split(" (actor.memory_budget_gb")[0].split(" or ")
     assert "actor.micro_batch_size=4" in fit  # 7, 6, 5 don't divide 16; 4 is the largest that does
     assert "actor.activation_checkpointing=true" in fit and "actor.lora.r=16" in fit
-    for setting in fit:  # each named change fits on its own
-        if setting.startswith("actor.micro_batch_size="):
-            assert mp.plan_for(cfg, hf, gpu, micro_batch_size=int(setting.split("=")[1])).total <= budget
+    for setting in fit:  # each named change, applied alone and planned again, fits the budget itself
+        key, _, value = setting.partition("=")
+        changes = {"actor.micro_batch_size": lambda v: {"micro_batch_size": int(v)},
+                   "actor.max_tokens_per_micro_batch": lambda v: {"max_tokens_per_micro_batch": int(v)},
+                   "actor.activation_checkpointing": lambda v: {"activation_checkpointing": v == "true"},
+                   "actor.lora.r": lambda v: {"lora_r": int(v)}}.get(key)
+        change = changes(value) if changes else {"world": int(setting.split()[0])}
+        assert mp.plan_for(cfg, hf, gpu, **change).total <= budget, setting
     cfg.actor.memory_budget_gb = 0.001  # nothing alone fits: the line says to combine them
-    assert "no single change fits" in mp.check_fits(cfg, hf, gpu)
+    assert "no single change fits" in mp.check_fits(cfg, hf, gpu).line
     cfg.actor.memory_budget_gb = 0  # 0: no check
     assert mp.check_fits(cfg, hf, gpu) is None
+
+
+def test_over_budget_within_the_margin_warns_and_past_it_refuses(tmp_path):
+    """The estimate runs up to 16% over the measured CPU peak: a plan up to MARGIN x the budget is a
+    warning (the run goes on), past it a refusal; both sides of the edge, and through check_memory."""
+    from stages.core.errors import ConfigError
+    from stages.pipeline import check_memory, train_memory
+    cfg = config(tmp_path)
+    gpu = mp.Device("cuda", "test GPU", 10 * mp.GIB)
+    total = mp.plan_for(cfg, SMOLLM2, gpu).total
+    for budget, refused in [(total, None), (total - 1, False), (total / mp.MARGIN + 1, False),
+                            (total / mp.MARGIN - 1, True)]:
+        cfg.actor.memory_budget_gb = budget / mp.GIB
+        verdict = mp.check_fits(cfg, SMOLLM2, gpu)
+        assert (verdict.refuse if verdict else None) is refused, budget
+        if refused is False:
+            assert "within the estimate's 1.2x margin, so it runs" in verdict.line
+    p = plan(cfg)
+    total = train_memory(p, gpu)[0].total
+    warned: list[str] = []
+    cfg.actor.memory_budget_gb = total / 1.1 / mp.GIB
+    check_memory(p, gpu, warn=warned.append)
+    assert len(warned) == 1 and warned[0].startswith("actor: training needs") and "margin" in warned[0]
+    cfg.actor.memory_budget_gb = total / 1.3 / mp.GIB
+    with pytest.raises(ConfigError, match=r"^actor: training needs"):
+        check_memory(p, gpu, warn=warned.append)
+    assert len(warned) == 1
+
+
+def test_unknown_layouts_are_not_estimated_and_never_refused(tmp_path, monkeypatch):
+    """A MoE config.json would be undercounted by the dense layout: no estimate, no refusal."""
+    moe = {**SMOLLM2, "model_type": "qwen2_moe", "num_experts": 60}
+    with pytest.raises(mp.UnknownArchitecture, match="model_type qwen2_moe"):
+        mp.Arch.from_hf_config(moe)
+    for known in mp.DENSE_MODEL_TYPES:
+        assert mp.Arch.from_hf_config({**SMOLLM2, "model_type": known}).n_params() > 0
+    cfg = config(tmp_path, memory_budget_gb=1e-4)
+    gpu = mp.Device("cuda", "test GPU", 10 * mp.GIB)
+    with pytest.raises(mp.UnknownArchitecture):
+        mp.check_fits(cfg, moe, gpu)
+    import stages.pipeline as pipeline
+    monkeypatch.setattr(pipeline, "model_config_json", lambda cfg, fp: (moe, "the test's config.json"))
+    p = plan(cfg)
+    assert pipeline.train_memory(p, gpu) == (None, "model_type qwen2_moe in the test's config.json: only dense "
+                                                   "llama, qwen2, qwen3, mistral layouts are estimated")
+    pipeline.check_launch(p, gpu, warn=pytest.fail)  # a budget of 0.1 MB, yet no refusal and no warning
 
 
 def test_cli_refuses_an_over_budget_run_before_anything_starts(tmp_path):
@@ -214,7 +267,11 @@ def test_train_stage_checks_again_with_the_prepared_lengths_before_torchrun(tmp_
 
 
 def measure_steps(cfg, model_dir: str, prepare_dir: Path, tmp: Path) -> dict:
+    from memory_peak import peak_resettable
     from stages.runtime.worker import WorkerSpec
+    why = peak_resettable()
+    if why:
+        pytest.skip(why)
     out = tmp / "out"
     out.mkdir()
     spec = WorkerSpec(config=cfg, model_path=model_dir, out_dir=str(out), train_dir=str(prepare_dir / "train"))
@@ -244,7 +301,7 @@ def step_errors(cfg, hf: dict, lengths: np.ndarray, measured: dict) -> list[floa
                        mp.Batch(len(mb), int(lengths[mb].max()), "step") for mb in micro), key=lambda b: b.tokens)
         est = mp.estimate(mp.Arch.from_hf_config(hf), world=1, precision="fp32", batch=longest,
                           checkpointing=a.activation_checkpointing, lora_r=a.lora.r, lora_targets=a.lora.target_modules,
-                          keep_gathered=True, attn_implementation=mp.attention_kernel("auto", cpu, a.packing),
+                          keep_gathered=True, attn_implementation=mp.attention_kernel("auto", cpu, a.packing, "fp32"),
                           kl_to_base=a.kl_to_base > 0)
         if k:
             errors.append((est.grads + max(est.activations, est.optimizer_step)) / (step["peak"] - step["start"]) - 1)
@@ -305,3 +362,26 @@ def test_smollm2_estimate_within_25_percent_of_the_measured_step_peak(tmp_path, 
           f"vs process peak over its start {process / 2**20:.0f} MiB ({whole.total / process - 1:+.2f})")
     assert all(abs(e) < 0.25 for e in errors), errors
     assert abs(whole.total / process - 1) < 0.3
+
+
+def test_the_plan_takes_precision_as_the_runtime_does_from_nvidia_smi(tmp_path, monkeypatch):
+    """A T4 (compute capability 7.5) has no bf16 for torch.cuda.is_bf16_supported(): the plan of
+    `auto` is fp32 there, as the worker's; an H200 (9.0) bf16; a driver without compute_cap: bf16."""
+    smi = tmp_path / "nvidia-smi"
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    (tmp_path / "cfg").mkdir()
+    cfg = config(tmp_path / "cfg")
+    for reply, capability, precision in [("0, Tesla T4, 15360, 7.5", (7, 5), "fp32"),
+                                         ("0, NVIDIA H200, 143771, 9.0", (9, 0), "bf16")]:
+        smi.write_text(f"#!/bin/sh\necho '{reply}'\n")
+        smi.chmod(0o755)
+        device = mp.visible_device()
+        assert (device.kind, device.capability, device.bytes) == ("cuda", capability, int(reply.split(", ")[2]) * 1024 ** 2)
+        assert mp.plan_for(cfg, SMOLLM2, device).precision == precision
+    # an old driver rejects the compute_cap field: the query without it still finds the GPU
+    smi.write_text("#!/bin/sh\ncase \"$1\" in *compute_cap*) echo 'Field \"compute_cap\" is not a valid field' >&2; "
+                   "exit 2;; esac\necho '0, Tesla V100, 16384'\n")
+    device = mp.visible_device()
+    assert (device.kind, device.name, device.capability) == ("cuda", "Tesla V100", None)
+    assert mp.plan_for(cfg, SMOLLM2, device).precision == "bf16"  # unknown: assumed, as documented

@@ -28,6 +28,11 @@ KEY = "actor.attn_implementation"
 CHOICES = ("auto", "eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 
+FLASH = ("flash_attention_3", "flash_attention_2")  # FA3's package builds for Hopper only, where it is faster
+FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+FLASH_MIN_CAPABILITY = (8, 0)  # flash-attn 2/3 kernels exist for Ampere and newer only
+
+
 def _flash_available(version: int) -> bool:
     """transformers' own check (package installed, right distribution and version, CUDA present),
     without its fallback to hub kernels: nothing is downloaded at training time."""
@@ -50,33 +55,78 @@ def available_attn_implementations(device_type: str) -> list[str]:
     return out
 
 
-def resolve_attn_implementation(requested: str, device_type: str, packing: bool) -> str | None:
-    """What to hand `from_pretrained(attn_implementation=...)`; None keeps the model's own default.
+def installed_attn_implementations(device_type: str) -> list[str]:
+    """`available_attn_implementations` guessed without importing torch or transformers (planning
+    and `sftflow show` run in the CLI): the packages' presence only; the worker checks again with
+    transformers' stricter test before it builds the model."""
+    from importlib import metadata
+    out = ["eager", "sdpa"]
+    try:
+        major, minor = (int(x) for x in metadata.version("torch").split(".")[:2])
+        if (major, minor) >= (2, 5):  # flex_attention's BlockMask API as transformers uses it
+            out.append("flex_attention")
+    except (metadata.PackageNotFoundError, ValueError):
+        pass
+    if device_type == "cuda":
+        out += [impl for impl in reversed(FLASH) if importlib.util.find_spec(FLASH_PACKAGES[impl]) is not None]
+    return out
 
-    auto: on CUDA a flash-attention varlen kernel when its package is installed (packed or not:
-    it unpads padded batches too); else, when packing, flex_attention (block-sparse, no dense
-    mask); else the model's default (sdpa for most). On CPU the model's default, as before this
-    key existed: CPU kernels gain nothing from the others, and flex would compile for a minute.
+
+def choose_attn_implementation(requested: str, device_type: str, packing: bool, precision: str,
+                               capability: tuple[int, int] | None, available: list[str]) -> str | None:
+    """The one rule, shared by the worker (`resolve_attn_implementation`) and the memory plan /
+    launch check (torch-free): what to hand `from_pretrained(attn_implementation=...)`; None keeps
+    the model's own default.
+
+    auto: on CUDA a flash-attention varlen kernel (FA3, then FA2; packed or not: it unpads padded
+    batches too) when its package is installed, training runs in bf16/fp16 (flash-attn has no fp32
+    kernel) and the GPU is Ampere or newer (`capability` None: not known, assumed so); else, when
+    packing, flex_attention (block-sparse, no dense mask); else the model's default (sdpa for most).
+    On CPU the model's default, as before this key existed: CPU kernels gain nothing from the
+    others, and flex would compile for a minute.
     An explicit choice that is unknown or does not run here is a ConfigError naming the key."""
     if requested not in CHOICES:
         raise ConfigError(f"{KEY}: unknown '{requested}'; one of {', '.join(CHOICES)}")
-    available = available_attn_implementations(device_type)
+    old_gpu = capability is not None and tuple(capability) < FLASH_MIN_CAPABILITY
     if requested != "auto":
         if requested not in available:
-            why = ("needs CUDA" if device_type != "cuda" and requested.startswith("flash")
-                   else f"its package ({'flash_attn' if requested == 'flash_attention_2' else 'flash_attn_interface'}) "
-                        "is not installed" if requested.startswith("flash") else "this torch has no flex_attention")
+            if requested.startswith("flash") and device_type != "cuda":
+                why = "needs CUDA"
+            elif requested.startswith("flash"):
+                why = f"its package ({FLASH_PACKAGES[requested]}) is not installed"
+            else:
+                why = "this torch has no flex_attention"
             raise ConfigError(f"{KEY}: '{requested}' is not available on {device_type} ({why}); "
                               f"available: {', '.join(available)}")
+        if requested.startswith("flash") and precision == "fp32":
+            raise ConfigError(f"{KEY}: '{requested}' has no fp32 kernel but actor.precision resolves to fp32 "
+                              "here; set actor.precision=bf16 or another actor.attn_implementation")
+        if requested.startswith("flash") and old_gpu:
+            raise ConfigError(f"{KEY}: '{requested}' needs a GPU of compute capability >= 8.0, this one has "
+                              f"{capability[0]}.{capability[1]}; choose sdpa or flex_attention")
         return requested
     if device_type != "cuda":
         return None
-    for impl in ("flash_attention_3", "flash_attention_2"):  # FA3's package builds for Hopper only, where it is faster
-        if impl in available:
-            return impl
+    if precision != "fp32" and not old_gpu:
+        for impl in FLASH:
+            if impl in available:
+                return impl
     if packing and "flex_attention" in available:
         return "flex_attention"
     return None
+
+
+def resolve_attn_implementation(requested: str, device_type: str, packing: bool, precision: str = "fp32",
+                                capability: tuple[int, int] | None = None) -> str | None:
+    """`choose_attn_implementation` with what this process really has (transformers' checks; on
+    CUDA the device's compute capability when not given): the worker's call before it builds the model."""
+    if requested not in CHOICES:
+        raise ConfigError(f"{KEY}: unknown '{requested}'; one of {', '.join(CHOICES)}")
+    if device_type == "cuda" and capability is None:
+        import torch
+        capability = torch.cuda.get_device_capability()
+    return choose_attn_implementation(requested, device_type, packing, precision, capability,
+                                      available_attn_implementations(device_type))
 
 
 def effective_attn_implementation(model) -> str:

@@ -24,10 +24,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Arch", "Batch", "Budget", "Device", "MemoryPlan", "estimate", "fits", "human", "longest_batch_bound",
+__all__ = ["MARGIN", "Arch", "Batch", "Budget", "Device", "MemoryPlan", "UnknownArchitecture", "Verdict", "estimate", "fits", "human", "longest_batch_bound",
            "longest_batch_of", "plan_for", "budget_for", "check_fits", "visible_device", "prepared_lengths"]
 
 GIB = 1024 ** 3
+# A plan refuses only above budget x MARGIN: the estimate measured up to 16% over the CPU peak
+# (docs/operations.md, "Memory plan"), and its GPU terms (allocator caching, NCCL buffers, kernel
+# workspaces) are unmeasured; inside the band it warns and runs.
+MARGIN = 1.2
+# The layouts `Arch` describes (dense decoder, Llama-style MLP): the builtin model (qwen2), SmolLM2
+# (llama) and their kin. Others (MoE, hybrid) would be undercounted: no estimate, never a refusal.
+DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+class UnknownArchitecture(ValueError):
+    """A config.json whose layout the plan does not know; str() is "model_type X"."""
 FLASH_KERNELS = ("flash_attention_2", "flash_attention_3", "flex_attention")
 
 
@@ -47,7 +58,10 @@ class Arch:
 
     @classmethod
     def from_hf_config(cls, c: dict) -> "Arch":
-        """From a Hugging Face `config.json`; a KeyError names a missing dimension."""
+        """From a Hugging Face `config.json`; a KeyError names a missing dimension, an
+        UnknownArchitecture a model type outside DENSE_MODEL_TYPES."""
+        if c.get("model_type") not in DENSE_MODEL_TYPES:
+            raise UnknownArchitecture(f"model_type {c.get('model_type') or 'missing'}")
         heads = c["num_attention_heads"]
         return cls(vocab=c["vocab_size"], hidden=c["hidden_size"], intermediate=c["intermediate_size"],
                    layers=c["num_hidden_layers"], heads=heads, kv_heads=c.get("num_key_value_heads") or heads,
@@ -225,17 +239,38 @@ class Device:
     kind: str  # "cuda" | "cpu"
     name: str
     bytes: int  # a GPU's total memory, or the RAM this machine (or its cgroup) allows
+    capability: tuple[int, int] | None = None  # a GPU's compute capability (nvidia-smi's compute_cap); None: unknown
+
+    @property
+    def bf16(self) -> bool:
+        """What `choose_precision`'s torch.cuda.is_bf16_supported() answers there: a GPU of
+        compute capability >= 8.0 (T4, V100 train in fp32); unknown capability: assumed bf16."""
+        return self.kind == "cuda" and (self.capability is None or tuple(self.capability) >= (8, 0))
+
+    def precision(self, requested: str) -> str:
+        return requested if requested != "auto" else ("bf16" if self.bf16 else "fp32")
 
 
 def human(n: float) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 1024 ** 2:.1f} MiB"
 
 
-def fits(plan: MemoryPlan, budget: Budget, alternatives: dict[str, int] | None = None) -> str | None:
-    """None when the plan fits the budget; else one line: what it needs, what there is, and the
-    settings that would fit (`alternatives`: setting -> the bytes the budget would then have to hold)."""
-    if plan.total * budget.ranks <= budget.bytes:
+@dataclass(frozen=True)
+class Verdict:
+    """An over-budget plan: `refuse` above budget x MARGIN (a ConfigError), else a warning; `line` says why."""
+
+    refuse: bool
+    line: str
+
+
+def fits(plan: MemoryPlan, budget: Budget, alternatives: dict[str, int] | None = None) -> Verdict | None:
+    """None when the plan fits the budget; else a Verdict whose line says what it needs, what there
+    is, and the settings that would fit (`alternatives`: setting -> the bytes the budget would then
+    have to hold)."""
+    need = plan.total * budget.ranks
+    if need <= budget.bytes:
         return None
+    refuse = need > budget.bytes * MARGIN
     per = f" per process x {budget.ranks}" if budget.ranks > 1 else ""
     parts = (f"params {human(plan.params)}, grads {human(plan.grads)}, optimizer {human(plan.optimizer)}, "
              f"activations {human(plan.activations)} for {plan.batch.tokens} tokens")
@@ -243,8 +278,10 @@ def fits(plan: MemoryPlan, budget: Budget, alternatives: dict[str, int] | None =
     hint = ("; would fit: " + " or ".join(ok)) if ok else (
         "; no single change fits: combine actor.micro_batch_size or actor.max_tokens_per_micro_batch, "
         "actor.activation_checkpointing=true, actor.lora.r, more processes (actor.nproc_per_node, actor.nnodes)")
-    return (f"actor: training needs ~{human(plan.total)}{per} ({parts}) but {budget.what} has "
-            f"{human(budget.bytes)}{hint} (actor.memory_budget_gb sets the budget, 0 skips this check)")
+    band = ("" if refuse else f"; within the estimate's {MARGIN:g}x margin, so it runs, but may run out of memory")
+    return Verdict(refuse, f"actor: training needs ~{human(plan.total)}{per} ({parts}) but {budget.what} has "
+                           f"{human(budget.bytes)}{band}{hint} (actor.memory_budget_gb sets the budget, 0 skips "
+                           "this check)")
 
 
 def largest_fitting(lo: int, hi: int, fits_at) -> int | None:
@@ -269,17 +306,25 @@ def visible_device() -> Device:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     smi = shutil.which("nvidia-smi")
     if smi and visible not in ("", "-1"):
-        try:
-            out = subprocess.run([smi, "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=20).stdout
-        except (OSError, subprocess.SubprocessError):
-            out = ""
-        gpus = [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.count(",") == 2]
+        gpus = []
+        # compute_cap needs a driver from 2021 or later: without it, the same query less that field
+        for fields in ("index,name,memory.total,compute_cap", "index,name,memory.total"):
+            try:
+                out = subprocess.run([smi, f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, timeout=20).stdout
+            except (OSError, subprocess.SubprocessError):
+                out = ""
+            n = fields.count(",")
+            gpus = [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.count(",") == n]
+            if gpus:
+                break
         wanted = [v.strip() for v in (visible or "").split(",") if v.strip()]
         if wanted and all(v.isdigit() for v in wanted):
             gpus = [g for g in gpus if g[0] in wanted]
         if gpus and gpus[0][2].isdigit():
-            return Device("cuda", gpus[0][1], int(gpus[0][2]) * 1024 ** 2)
+            cap = gpus[0][3].split(".") if len(gpus[0]) > 3 else []
+            capability = (int(cap[0]), int(cap[1])) if len(cap) == 2 and all(c.isdigit() for c in cap) else None
+            return Device("cuda", gpus[0][1], int(gpus[0][2]) * 1024 ** 2, capability)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         limit = open("/sys/fs/cgroup/memory.max").read().strip()
@@ -289,18 +334,14 @@ def visible_device() -> Device:
     return Device("cpu", "CPU", ram)
 
 
-def attention_kernel(requested: str, device: Device, packing: bool) -> str:
-    """What `actor.attn_implementation` resolves to on `device` (runtime/attention.py), guessed
-    without importing torch: flash when its package is installed on a GPU, flex for packing there,
-    else the model's default (sdpa)."""
-    import importlib.util
-    if requested != "auto":
-        return requested
-    if device.kind != "cuda":
-        return "sdpa"
-    if importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "flex_attention" if packing else "sdpa"
+def attention_kernel(requested: str, device: Device, packing: bool, precision: str) -> str:
+    """What `actor.attn_implementation` resolves to on `device`: the worker's own rule
+    (`attention.choose_attn_implementation`) on the packages installed here, without importing
+    torch; None (the model's default) reads as sdpa. A ConfigError for an explicit choice that
+    can't run there."""
+    from .attention import choose_attn_implementation, installed_attn_implementations
+    return choose_attn_implementation(requested, device.kind, packing, precision, device.capability,
+                                      installed_attn_implementations(device.kind)) or "sdpa"
 
 
 def prepared_lengths(folder) -> list[int] | None:
@@ -320,13 +361,13 @@ def plan_for(cfg, hf_config: dict, device: Device, lengths=None, **changes) -> M
     max_tokens = changes.get("max_tokens_per_micro_batch", a.max_tokens_per_micro_batch)
     batch = (longest_batch_of(lengths, mbs, max_tokens, a.packing) if lengths is not None
              else longest_batch_bound(cfg.data.max_length, mbs, max_tokens, a.packing))
-    precision = a.precision if a.precision != "auto" else ("bf16" if device.kind == "cuda" else "fp32")
+    precision = device.precision(a.precision)
     reshard = a.reshard_after_forward if a.reshard_after_forward is not None else device.kind != "cpu"
-    requested = getattr(a, "attn_implementation", "auto")
+    kernel = attention_kernel(a.attn_implementation, device, a.packing, precision)
     return estimate(Arch.from_hf_config(hf_config), world=changes.get("world", a.world_size), precision=precision,
                     batch=batch, checkpointing=changes.get("activation_checkpointing", a.activation_checkpointing),
                     lora_r=changes.get("lora_r", a.lora.r), lora_targets=a.lora.target_modules,
-                    keep_gathered=not reshard, attn_implementation=attention_kernel(requested, device, a.packing),
+                    keep_gathered=not reshard, attn_implementation=kernel,
                     kl_to_base=a.kl_to_base > 0)
 
 
@@ -342,9 +383,9 @@ def budget_for(cfg, device: Device) -> Budget | None:
     return Budget(device.bytes, "system RAM" + (f" (shared by {ranks} processes)" if ranks > 1 else ""), ranks)
 
 
-def check_fits(cfg, hf_config: dict, device: Device, lengths=None) -> str | None:
-    """None when the config's plan fits its budget; else `fits`' line, with the single changes
-    that would fit, each at the value closest to the config's."""
+def check_fits(cfg, hf_config: dict, device: Device, lengths=None) -> Verdict | None:
+    """None when the config's plan fits its budget; else `fits`' verdict, naming the single changes
+    that would fit (within the budget itself, no margin), each at the value closest to the config's."""
     budget = budget_for(cfg, device)
     plan = plan_for(cfg, hf_config, device, lengths)
     if budget is None or plan.total * budget.ranks <= budget.bytes:

@@ -226,7 +226,8 @@ class SFTWorker:
         and how it was wrapped. Reads `device`, `world` and `precision`."""
         actor = self.cfg.actor
         try:
-            attn = resolve_attn_implementation(actor.attn_implementation, self.device.type, actor.packing)
+            attn = resolve_attn_implementation(actor.attn_implementation, self.device.type, actor.packing,
+                                               self.precision)
             model = build_configured_model(self.cfg, self.spec.model_path, seed=self.cfg.runner.seed,
                                            device=self.device, lora=lora_enabled(self.cfg), attn_implementation=attn)
         except (UnknownModelType, ConfigError) as e:
@@ -675,9 +676,6 @@ def check_worker_config(cfg: SFTConfig) -> type[SFTWorker]:
         get_model_builder(cfg.actor.model.model_type)
     except UnknownModelType as e:
         raise ConfigError(str(e)) from None
-    # the workers' device is this machine's (single-node launches): an unavailable kernel fails before torchrun
-    resolve_attn_implementation(cfg.actor.attn_implementation, "cuda" if torch.cuda.is_available() else "cpu",
-                                cfg.actor.packing)
     return cls
 
 
