@@ -63,9 +63,40 @@ def healthy(api_url: str) -> bool:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, for a server that must be told its port before it starts (the kept one: its
+    UI is given its API URL at start). Another process may take it before the server binds it, so
+    prefer `--port 0` and `listening_port` wherever the URL can be learnt after the start."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def port_taken(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+        return False
+
+
+def listening_port(pid: int, host: str = "127.0.0.1") -> int | None:
+    """The TCP port that process `pid` (or a process it started) listens on at `host`; None while
+    none does. For a server started with `--port 0`: the kernel picks the port as the server binds
+    it, so nothing can take it in between, as it can a number picked beforehand (`free_port`)."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return None
+    for proc in procs:
+        try:
+            for conn in proc.net_connections(kind="tcp"):
+                if conn.status == psutil.CONN_LISTEN and conn.laddr.ip == host:
+                    return conn.laddr.port
+        except psutil.Error:  # it ended meanwhile
+            continue
+    return None
 
 
 def _alive(pid: int) -> bool:
@@ -105,17 +136,29 @@ def keep_seconds() -> float:
 
 
 def _server_command(host: str, port: int, home: Path, ui: bool) -> tuple[list[str], dict]:
-    """`prefect server start` through the orphan guard (it dies with the process that starts it)."""
-    api = f"http://{host}:{port}/api"
-    # the UI calls the API it was served with, not 4200 (its default): on another port it would
-    # show "can't connect", or another server's runs
+    """`prefect server start` through the orphan guard (it dies with the process that starts it).
+    Port 0: the kernel picks one as the server binds it (`listening_port` reads it back)."""
+    if ui and not port:
+        raise ValueError("a Prefect server that serves the UI needs its port before it starts (the UI's API URL)")
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_UI_ENABLED": "true" if ui else "false", "PREFECT_UI_API_URL": api,
+           "PREFECT_UI_ENABLED": "true" if ui else "false",
            "PREFECT_SERVER_API_HOST": host, "PREFECT_SERVER_API_PORT": str(port)}
+    if ui:  # the UI calls the API it was served with, not 4200 (its default): on another port it
+        # would show "can't connect", or another server's runs
+        env["PREFECT_UI_API_URL"] = f"http://{host}:{port}/api"
     env.pop("PREFECT_API_URL", None)
     prefect = Path(sys.executable).with_name("prefect")
     return [sys.executable, "-m", "stages.runtime.orphan_guard", str(prefect), "server", "start",
             "--host", host, "--port", str(port)], env
+
+
+def _wait_listening(host: str, proc: subprocess.Popen, deadline: float, log_path: Path) -> str:
+    """The API URL of a server started on port 0, once it listens."""
+    while (port := listening_port(proc.pid, host)) is None:
+        if proc.poll() is not None or time.time() > deadline:
+            raise ServerDidNotStart(f"prefect server did not start; see {log_path}")
+        time.sleep(0.3)
+    return f"http://{host}:{port}/api"
 
 
 def _wait_healthy(api: str, proc: subprocess.Popen, deadline: float, log_path: Path) -> None:
@@ -129,6 +172,7 @@ def _wait_healthy(api: str, proc: subprocess.Popen, deadline: float, log_path: P
 def local_server(host: str, port: int, home: Path, log_path: Path, timeout: float = 180,
                  ui: bool = True, shared: bool = False, meanwhile: Callable[[], object] | None = None) -> Iterator[str]:
     """`prefect server start` on host:port for the duration of the block; yields the API URL.
+    Port 0 (a server without the UI): the kernel picks a free port, read back once it listens.
     `meanwhile` runs while a server it starts comes up (the caller's own imports take seconds too).
 
     The server runs in a session of its own, so a Ctrl-C to the terminal's process group reaches
@@ -137,7 +181,7 @@ def local_server(host: str, port: int, home: Path, log_path: Path, timeout: floa
     behind. Servers sharing one Prefect home start one at a time: the first one migrates the
     database, and two migrations at once fail."""
     api = f"http://{host}:{port}/api"
-    if healthy(api):  # already running (e.g. a second `make serve`): share it
+    if port and healthy(api):  # already running (e.g. a second `make serve`): share it
         yield api
         return
     home.mkdir(parents=True, exist_ok=True)
@@ -147,9 +191,12 @@ def local_server(host: str, port: int, home: Path, log_path: Path, timeout: floa
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                     cwd=str(Path(__file__).resolve().parents[1]))
         try:
+            deadline = time.time() + timeout
             if meanwhile is not None:
                 meanwhile()
-            _wait_healthy(api, proc, time.time() + timeout, log_path)
+            if not port:
+                api = _wait_listening(host, proc, deadline, log_path)
+            _wait_healthy(api, proc, deadline, log_path)
         except BaseException:
             _stop(proc)
             raise
@@ -177,8 +224,7 @@ def _stop(proc: subprocess.Popen) -> None:
 def temporary_server(home: Path, meanwhile: Callable[[], object] | None = None) -> Iterator[str]:
     """A Prefect server for one CLI call (what Prefect's own temporary server does, but surviving a
     Ctrl-C to the terminal and dying with the CLI)."""
-    with local_server("127.0.0.1", free_port(), home, home / "temporary-server.log", ui=False,
-                      meanwhile=meanwhile) as api:
+    with local_server("127.0.0.1", 0, home, home / "temporary-server.log", ui=False, meanwhile=meanwhile) as api:
         try:
             yield api
         finally:
@@ -271,15 +317,13 @@ def keep(home: Path, port: int, idle_s: float) -> int:
     stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stopping.append(True))
-    api = f"http://127.0.0.1:{port}/api"
-    # it serves the UI: the "View at" links of the runs on it, and `sftflow ui`, open while it runs
-    cmd, env = _server_command("127.0.0.1", port, home, ui=True)
-    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
     marker = home / RUNNING_SERVER
-    ours = {"api": api, "pid": os.getpid(), "kind": "kept", "ui": True, "prefect": version("prefect"),
-            "idle_s": idle_s}
+    ours: dict = {}
+    proc = None
     try:
-        _wait_healthy(api, proc, time.time() + 180, home / KEPT_LOG)
+        proc, api = _start_ui_server(home, port, time.time() + 180)
+        ours = {"api": api, "pid": os.getpid(), "kind": "kept", "ui": True, "prefect": version("prefect"),
+                "idle_s": idle_s}
         tmp = home / f".{RUNNING_SERVER}.{os.getpid()}"
         tmp.write_text(json.dumps(ours))
         tmp.replace(marker)
@@ -304,10 +348,39 @@ def keep(home: Path, port: int, idle_s: float) -> int:
         print(e, flush=True)
         return 1
     finally:
-        _forget(marker, ours)
-        if proc.poll() is None:
+        if ours:
+            _forget(marker, ours)
+        if proc is not None and proc.poll() is None:
             _stop(proc)
     return 0
+
+
+def _start_ui_server(home: Path, port: int, deadline: float, tries: int = 3) -> tuple[subprocess.Popen, str]:
+    """The keeper's server, which serves the UI (the "View at" links of the runs on it, and `sftflow
+    ui`, open while it runs), and its API URL. The UI is given that URL when it starts, so the port
+    is picked before (not `--port 0`), and another process may take it first: the server then exits
+    at once ("Port N is already in use") and is started again on another free port."""
+    for attempt in range(tries):
+        api = f"http://127.0.0.1:{port}/api"
+        cmd, env = _server_command("127.0.0.1", port, home, ui=True)
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+        try:
+            _wait_healthy(api, proc, deadline, home / KEPT_LOG)
+        except ServerDidNotStart:
+            if proc.poll() is None:  # still starting at the deadline
+                _stop(proc)
+                raise
+            if attempt == tries - 1 or not port_taken(port):
+                raise
+        else:
+            if listening_port(proc.pid) == port:  # not another process's server answering on it
+                return proc, api
+            _stop(proc)
+            if attempt == tries - 1:
+                raise ServerDidNotStart(f"port {port} is another server's; see {home / KEPT_LOG}")
+        print(f"port {port} was taken before the server bound it: trying another", flush=True)
+        port = free_port()
+    raise AssertionError("unreachable")
 
 
 def _forget(marker: Path, ours: dict) -> None:

@@ -1,7 +1,9 @@
 import json
 import os
+import signal
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # A CLI call without PREFECT_API_URL gets a temporary server that dies with it, not one kept for
 # minutes in the background (tests/test_kept_server.py covers that path).
 os.environ["SFTFLOW_KEEP_SERVER"] = "0"
+# A server of the developer's shell is none of the tests' business: tests that want one ask for
+# `prefect_api` (the session's server, for that test only).
+os.environ.pop("PREFECT_API_URL", None)
 
 # Hypothesis profiles (tests/test_masking.py, tests/test_shapes.py). `ci`: derandomized, so a CI run
 # explores the same examples every time and a red build is the code's doing, never the draw's; no
@@ -131,7 +136,7 @@ def tiny_config(tmp_path) -> Path:
     return write_config(tmp_path, tiny_config_dict(tmp_path))
 
 
-from flows.prefect_server import free_port  # noqa: E402  (tests use the CLI's own)
+from flows.prefect_server import free_port, listening_port  # noqa: E402, F401  (tests use the CLI's own)
 
 
 @pytest.fixture
@@ -174,30 +179,86 @@ def wait_healthy(health_url: str, proc: subprocess.Popen, log: Path, timeout: fl
         time.sleep(0.5)
 
 
+def start_server(cmd: list[str], log: Path, health_path: str, env: dict | None = None,
+                 timeout: float = 180) -> tuple[subprocess.Popen, str]:
+    """Starts a server told to listen on port 0 and waits until it answers; it and its
+    base URL. The kernel picks the port as the server binds it, read back from the socket the
+    server's process (or a child) listens on: a number picked beforehand and released could be
+    taken by another process (5 agents, parallel CI jobs) before the server binds it."""
+    import time
+    proc = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + timeout
+    try:
+        while (port := listening_port(proc.pid)) is None:
+            if proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"server did not start ({' '.join(cmd[:3])}):\n" + log.read_text()[-3000:])
+            time.sleep(0.3)
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url + health_path, proc, log, timeout=max(deadline - time.time(), 1))
+    except BaseException:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # its session: a server a launcher (make) started too
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        raise
+    return proc, url
+
+
 @pytest.fixture(scope="session")
-def prefect_api(tmp_path_factory):
-    """One real `prefect server start` on loopback for the session: each CLI call then skips the
-    ~6 s temporary-server start it needs on its own (tests/test_demo.py still covers that path)."""
+def prefect_server(tmp_path_factory) -> str:
+    """One real `prefect server start` on loopback for the session (started once: ~6 s); its API URL.
+    It changes no environment: a test runs on it by asking for `prefect_api` (or a module-scoped
+    fixture for `prefect_api_module`)."""
     home = tmp_path_factory.mktemp("prefect-server")
-    port = free_port()
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "false",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            # schedules become runs within seconds (default: a 60 s loop) so the schedule test is short
            "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2"}
     env.pop("PREFECT_API_URL", None)
     prefect = Path(sys.executable).with_name("prefect")
-    proc = subprocess.Popen([str(prefect), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
-                            stdout=open(home / "server.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}/api"
-    wait_healthy(f"{url}/health", proc, home / "server.log")
-    os.environ["PREFECT_API_URL"] = url  # every CLI call the tests make from now on uses it
-    yield url
-    os.environ.pop("PREFECT_API_URL", None)
+    proc, url = start_server([str(prefect), "server", "start", "--host", "127.0.0.1", "--port", "0"],
+                             home / "server.log", "/api/health", env=env)
+    yield f"{url}/api"
     proc.terminate()
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+@contextmanager
+def using_prefect_api(url: str):
+    """PREFECT_API_URL is `url` inside the block, for child processes (the environment: CLI calls,
+    workers) and for Prefect in this process, whose settings were built from the environment when
+    it was imported (a change of os.environ alone does not reach them); both restored after."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    saved = os.environ.get("PREFECT_API_URL")
+    os.environ["PREFECT_API_URL"] = url
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: url}):
+            yield url
+    finally:
+        if saved is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = saved
+
+
+@pytest.fixture
+def prefect_api(prefect_server):
+    """This test runs on the session's Prefect server: each CLI call skips the ~6 s temporary-server
+    start it needs on its own (tests/test_demo.py still covers that path). Tests that don't ask see
+    no PREFECT_API_URL, whatever ran before them."""
+    with using_prefect_api(prefect_server) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def prefect_api_module(prefect_server):
+    """`prefect_api` for a module-scoped fixture (runs it makes once for the module's tests)."""
+    with using_prefect_api(prefect_server) as url:
+        yield url
 
 
 def descendants(pid: int) -> list:

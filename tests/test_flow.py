@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, sftflow, tiny_config_dict, wait_healthy, write_config
+from conftest import sftflow, start_server, tiny_config_dict, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api")]
 
@@ -23,15 +23,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api")]
 def mlflow_server(tmp_path_factory):
     """`mlflow server` on loopback with its own sqlite store and served artifacts; its tracking URI."""
     home = tmp_path_factory.mktemp("mlflow-server")
-    port = free_port()
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no job-runner processes
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port", str(port),
+    proc, uri = start_server(
+        [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port", "0",
          "--workers", "1", "--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}",
-         "--artifacts-destination", str(home / "artifacts")],
-        env=env, stdout=open(home / "server.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    uri = f"http://127.0.0.1:{port}"
-    wait_healthy(f"{uri}/health", proc, home / "server.log")
+         "--artifacts-destination", str(home / "artifacts")], home / "server.log", "/health", env=env)
     yield uri
     proc.terminate()
     try:
@@ -83,7 +79,7 @@ def run_and_see(tmp: Path, cfg_path: Path, *args: str, command=("run",)) -> dict
 
 
 @pytest.fixture(scope="module")
-def flow_run(tmp_path_factory, mlflow_server):
+def flow_run(tmp_path_factory, mlflow_server, prefect_api_module):
     tmp = tmp_path_factory.mktemp("flow")
     # live from the first step (default: once training looks >= 10 s long), system metrics every second
     # (default 10 s), so that the few seconds of training show both

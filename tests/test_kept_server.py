@@ -151,3 +151,53 @@ def test_links_printed_on_a_kept_server_open_while_it_runs_and_sftflow_ui_browse
                    env={"PREFECT_API_URL": None, "SFTFLOW_KEEP_SERVER": "0", "PREFECT_HOME": str(tmp_path / ".other")})
     assert temp.returncode == 0, temp.stderr[-3000:]
     assert "View at" not in temp.stdout + temp.stderr  # its server is gone once the call ends
+
+
+def test_listening_port_reads_the_port_a_child_bound_to_port_0():
+    """The port `listening_port` reads from a process's sockets is the one the process itself
+    reports (getsockname in the child): how servers started with `--port 0` are found."""
+    from flows.prefect_server import listening_port
+    child = subprocess.Popen([sys.executable, "-c", "import socket, sys, time\n"
+                              "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+                              "print(s.getsockname()[1], flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        reported = int(child.stdout.readline())
+        assert listening_port(child.pid) == reported
+        assert listening_port(child.pid, host="127.0.0.2") is None  # only a socket on the host asked for
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_kept_server_whose_port_was_taken_starts_on_another_and_its_ui_calls_that_one(tmp_path):
+    """The kept server's port is picked before it starts (its UI is told its API URL then), so another
+    process can take it first: the server is started again on a free port, and the UI's settings
+    name the port the server's process really listens on, never the taken one."""
+    import socket
+    import urllib.request
+    from flows.prefect_server import _start_ui_server, _stop, listening_port
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc, api = _start_ui_server(tmp_path / ".prefect", port, time.time() + 180)
+        try:
+            served = listening_port(proc.pid)
+            assert served != port and api == f"http://127.0.0.1:{served}/api" and healthy(api)
+            settings = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{served}/ui-settings", timeout=10).read())
+            assert settings["api_url"] == api
+        finally:
+            _stop(proc)
+
+
+def test_prefect_api_points_this_test_and_prefect_in_process_at_the_session_server(prefect_api):
+    from prefect.settings import PREFECT_API_URL
+    assert os.environ["PREFECT_API_URL"] == prefect_api == PREFECT_API_URL.value() and healthy(prefect_api)
+
+
+def test_a_test_that_does_not_ask_for_the_server_sees_none_of_it(prefect_server):
+    """After the test above (file order) or any other: the CLI calls of a test that does not ask for
+    `prefect_api` start their own server, in every order the tests run in."""
+    from prefect.settings import PREFECT_API_URL
+    assert "PREFECT_API_URL" not in os.environ and PREFECT_API_URL.value() != prefect_server

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from conftest import ROOT, base_model, sftflow, tiny_config_dict, write_config, write_jsonl
-from flows.prefect_server import free_port
 from stages.core.config import LoraConfig, load_config
 from stages.pipeline import plan, run_stage
 from stages.runtime import memory_plan as mp
@@ -277,7 +276,7 @@ def measure_steps(cfg, model_dir: str, prepare_dir: Path, tmp: Path) -> dict:
     spec = WorkerSpec(config=cfg, model_path=model_dir, out_dir=str(out), train_dir=str(prepare_dir / "train"))
     spec.write(tmp / "spec.json")
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "MALLOC_MMAP_THRESHOLD_": "65536",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0", "MALLOC_MMAP_THRESHOLD_": "65536",
            "PYTHONPATH": str(ROOT)}
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "memory_peak.py"), str(tmp / "spec.json")], env=env,
                        capture_output=True, text=True, timeout=1200, cwd=ROOT)

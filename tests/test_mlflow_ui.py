@@ -15,13 +15,13 @@ import urllib.request
 
 import pytest
 
-from conftest import ROOT, free_port, sftflow, tiny_config_dict, wait_healthy, write_config
+from conftest import ROOT, sftflow, start_server, tiny_config_dict, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api")]
 
 
 @pytest.fixture(scope="module")
-def flow(tmp_path_factory):
+def flow(tmp_path_factory, prefect_api_module):
     """(folder the CLI ran in, config, resolved plan) of one tiny flow on the default SQLite store."""
     from stages.core.config import load_config
     from stages.pipeline import plan
@@ -170,15 +170,13 @@ def test_make_serve_model_answers_like_the_pyfunc(flow):
     documented payload equals the pyfunc's own."""
     _, _, p = flow
     import mlflow
-    port = free_port()
     db = p.cfg.resolved_tracking_uri.removeprefix("sqlite:///")
     log = p.cfg.artifacts_path / "serve-model.log"
     env = {**os.environ, "PATH": "/usr/local/bin:/usr/bin:/bin"}
-    proc = subprocess.Popen([shutil.which("make"), "-s", "-C", str(ROOT), "serve-model", "MODEL=models:/test-model@champion",
-                             f"PORT={port}", f"MLFLOW_DB={db}"], env=env, stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc, url = start_server([shutil.which("make"), "-s", "-C", str(ROOT), "serve-model", "MODEL=models:/test-model@champion",
+                              "PORT=0", f"MLFLOW_DB={db}"], log, "/ping", env=env, timeout=240)
+    port = url.rsplit(":", 1)[1]
     try:
-        wait_healthy(f"http://127.0.0.1:{port}/ping", proc, log, timeout=240)
         payload = {"inputs": ["Who are you?"], "params": {"max_new_tokens": 16}}
         request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=json.dumps(payload).encode(),
                                          headers={"Content-Type": "application/json"})

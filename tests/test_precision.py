@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from conftest import ROOT, base_model, free_port, tiny_config_dict, write_config
+from conftest import ROOT, base_model, tiny_config_dict, write_config
 from stages.core.config import load_config
 from stages.pipeline import plan, run_stage
 from stages.runtime import worker as worker_module
@@ -44,7 +44,7 @@ BF16_GRAD_RTOL = 8 * 2 ** -8
 def gloo_world_of_one():
     """The environment torchrun gives a single worker, on a free port; the process group (if the
     worker left one) destroyed and the environment restored after."""
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0", "RANK": "0", "WORLD_SIZE": "1",
            "LOCAL_RANK": "0"}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)

@@ -25,7 +25,7 @@ def flow_runs_named(name: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def ui_runs(tmp_path_factory):
+def ui_runs(tmp_path_factory, prefect_api_module):
     """One config run twice: a training run, then a fully cached one."""
     from stages.core.config import load_config
     from stages.pipeline import plan
@@ -125,6 +125,8 @@ def test_the_train_task_log_holds_training_lines_not_mlflow_logging(ui_runs):
 
 
 def test_a_server_on_another_port_serves_a_ui_that_calls_it(tmp_path):
+    # a port picked beforehand (`free_port`): the UI is told its API URL when it starts, as the kept
+    # server's is (a server started with port 0 could not tell it)
     from flows.prefect_server import free_port, local_server
     port = free_port()
     with local_server("127.0.0.1", port, tmp_path / "home", tmp_path / "server.log", ui=True) as api:
@@ -135,10 +137,10 @@ def test_a_server_on_another_port_serves_a_ui_that_calls_it(tmp_path):
 def test_cli_runs_use_a_running_server_of_their_prefect_home(tmp_path):
     """`serve --start-server` announces its server in the Prefect home; a CLI call on that home (no
     PREFECT_API_URL) runs on it instead of starting a temporary server, and the run is in its database."""
-    from flows.prefect_server import RUNNING_SERVER, free_port, local_server
+    from flows.prefect_server import RUNNING_SERVER, local_server
     cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path))
     home = tmp_path / ".prefect"  # the home `sftflow(...)` gives the CLI
-    with local_server("127.0.0.1", free_port(), home, tmp_path / "server.log", ui=False, shared=True) as api:
+    with local_server("127.0.0.1", 0, home, tmp_path / "server.log", ui=False, shared=True) as api:
         assert (home / RUNNING_SERVER).is_file()
         proc = sftflow("stage", "prepare", "-c", str(cfg_path), cwd=tmp_path, env={"PREFECT_API_URL": None})
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, base_model, free_port, live_processes_mentioning, tiny_config_dict, write_config
+from conftest import ROOT, base_model, live_processes_mentioning, tiny_config_dict, write_config
 from stages.core.config import ConfigError, load_config
 from stages.pipeline import plan, run_stage
 from stages.runtime.batches import DataPosition, GlobalBatchSampler, collate_packed, collate_padded, split_micro_batches
@@ -238,7 +238,11 @@ def test_weights_kept_gathered_between_forward_and_backward_train_like_one_proce
 @pytest.mark.slow
 def test_two_agents_rendezvous_like_one_agent_with_two_processes(tmp_path):
     one = train(make_cfg(subdir(tmp_path, "one")))
-    port = free_port()
+    # The rendezvous store is hosted here, bound to a port the kernel picks (0) and held until both
+    # agents are done: each agent finds the endpoint taken and joins it as a client (torch's c10d
+    # rendezvous backend falls back so), so no port is picked, released, and raced for meanwhile.
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = store.port
     cfgs = [make_cfg(tmp_path, f"node{r}.yaml", actor={"nproc_per_node": 1, "nnodes": 2, "node_rank": r,
                                                         "rdzv_endpoint": f"127.0.0.1:{port}", "micro_batch_size": 4,
                                                         "global_batch_size": 16, "optim": {"lr": 1e-3, "warmup": 1}})

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import base_model, free_port, tiny_config_dict, write_config
+from conftest import base_model, tiny_config_dict, write_config
 from stages.core.config import load_config
 from stages.pipeline import plan, run_stage
 from stages.runtime.model_types import WeightsLoadError, build_configured_model
@@ -35,7 +35,8 @@ class MeanLossWorker(SFTWorker):
 
 @pytest.fixture
 def one_process(monkeypatch):
-    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+    # MASTER_PORT 0: rank 0's store binds a port the kernel picks; with one process nobody else needs it
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0", "RANK": "0", "WORLD_SIZE": "1",
                  "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(k, v)
     yield

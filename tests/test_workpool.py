@@ -39,7 +39,7 @@ def trigger(deployment: str, overrides: list[str]):
 
 
 @pytest.fixture(scope="module")
-def deployed(tmp_path_factory):
+def deployed(tmp_path_factory, prefect_api_module):
     """A config deployed to a new `process` pool (created by `sftflow deploy`) and a worker for it."""
     tmp = tmp_path_factory.mktemp("workpool")
     (tmp / "data").mkdir()
