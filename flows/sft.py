@@ -28,7 +28,7 @@ from flows.prefect_server import TEMPORARY_SERVER_ENV
 from stages.core.config import check_overrides_allowed, load_config
 from stages.core.errors import ConfigError
 from stages.evaluate.report import COLUMNS, table_cells
-from stages.pipeline import KEY_METRIC, UPSTREAM, Plan, plan, requires, run_stage
+from stages.pipeline import KEY_METRIC, UPSTREAM, Plan, plan, requires, run_stage, upstream
 
 STEP_LINE = re.compile(r"^step (\d+)/(\d+)\b")
 # MLflow's own logging ("2026/12/01 06:45:02 INFO mlflow.system_metrics...: ..."), timestamped by
@@ -114,9 +114,19 @@ def _fresh(value: dict) -> dict:
 _opts = dict(cache_policy=NO_CACHE, persist_result=False, retry_condition_fn=_worth_retrying)
 
 
+@task(name="replay", **_opts)
+def replay_task(p: Plan, force: bool = False) -> dict:
+    return _stage("replay", p, force)
+
+
 @task(name="prepare", **_opts)
 def prepare_task(p: Plan, force: bool = False) -> dict:
     return _stage("prepare", p, force)
+
+
+@task(name="prepare_eval", **_opts)
+def prepare_eval_task(p: Plan, force: bool = False) -> dict:
+    return _stage("prepare_eval", p, force)
 
 
 @task(name="baseline", **_opts)
@@ -144,7 +154,7 @@ def register_task(p: Plan, force: bool = False, tags: dict | None = None) -> dic
     return _stage("register", p, force, tags)
 
 
-TASKS = {"prepare": prepare_task, "baseline": baseline_task, "champion": champion_task, "train": train_task,
+TASKS = {"replay": replay_task, "prepare": prepare_task, "prepare_eval": prepare_eval_task, "baseline": baseline_task, "champion": champion_task, "train": train_task,
          "evaluate": evaluate_task, "register": register_task}
 
 
@@ -185,7 +195,7 @@ def run_stage_task(stage: str, p: Plan, force: bool, states: dict, label: str | 
     t, kwargs = configured_task(stage, p, force, label)
     t0 = time.time()
     # the state, not the value: a task that returns a `Cached` state would hand back that state
-    states[stage] = t(return_state=True, wait_for=[states[u] for u in UPSTREAM[stage] if u in states], **kwargs)
+    states[stage] = t(return_state=True, wait_for=[states[u] for u in upstream(p, stage) if u in states], **kwargs)
     result = dict(states[stage].result())
     result["seconds"] = round(time.time() - t0, 2)
     return result

@@ -21,7 +21,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from stages.core.errors import ConfigError
 from stages.sweep import Trial, lower_is_better, metric_of, parse_grid, plan_trials, ranked
-from stages.pipeline import Plan
+from stages.pipeline import Plan, upstream
 
 from flows.sft import run_stage_task, update_flow_run, shown, configured_task, flow_run_url
 
@@ -38,7 +38,8 @@ def _trials(config_path: str, args: list[str], planned: list[dict] | None) -> li
     return plan_trials(config_path, fixed, axes)
 
 
-SHARED = ("prepare", "baseline")  # stages trials share when their fingerprints agree: run once per sweep
+# stages trials share when their fingerprints agree: run once per sweep, in this order
+SHARED = ("replay", "prepare", "prepare_eval", "baseline")
 
 
 def _shared_states(t: Trial, done: dict[tuple[str, str], Any]) -> dict[str, Any]:
@@ -54,7 +55,7 @@ def _run_shared(trials: list[Trial]) -> dict[tuple[str, str], Any]:
         for stage in (s for s in SHARED if s in t.plan.fingerprints):
             key = (stage, t.plan.fingerprints[stage])
             if key not in done:
-                states = {"prepare": done[("prepare", t.plan.fingerprints["prepare"])]} if stage != "prepare" else {}
+                states = {u: done[(u, t.plan.fingerprints[u])] for u in upstream(t.plan, stage) if u in SHARED}
                 run_stage_task(stage, t.plan, False, states)
                 done[key] = states[stage]
     return done
@@ -78,8 +79,8 @@ def _train_and_evaluate(trials: list[Trial], done: dict[tuple[str, str], Any], m
             for t in trials:
                 task, kwargs = configured_task(stage, t.plan, False, t.label)
                 shared = _shared_states(t, done)
-                upstream = [shared["prepare"]] if stage == "train" else [*shared.values(), futures[(t.index, "train")]]
-                futures[(t.index, stage)] = pool.submit(task, parameters=kwargs, wait_for=upstream)
+                after = [shared["prepare"]] if stage == "train" else [*shared.values(), futures[(t.index, "train")]]
+                futures[(t.index, stage)] = pool.submit(task, parameters=kwargs, wait_for=after)
         for (i, stage), future in futures.items():
             future.wait()
             out[i][stage] = dict(future.state.result())
@@ -129,7 +130,7 @@ def sft_sweep(config_path: str, args: list[str], metric: str = "accuracy", max_p
         raise ConfigError(f"--metric {metric}: no trial's evaluation has it (e.g. accuracy, eval_loss, <set>/accuracy)")
     best = next(t for t in trials if t.index == order[0])
     logger.info(f"best trial: {best.label} ({metric} {shown(metric_of(results[best.index]['evaluate']['metrics'], metric))})")
-    states = {"prepare": done[("prepare", best.plan.fingerprints["prepare"])]}
+    states = _shared_states(best, done)
     if "champion" in best.plan.fingerprints:
         run_stage_task("champion", best.plan, False, states, best.label)
     registered = run_stage_task("register", best.plan, False, states, best.label)

@@ -27,7 +27,7 @@ from typing import Callable
 from .core.artifacts import (StageResult, cached_result, damage, deferred_digest_memos, fingerprint, input_digest,
                              is_complete, stage_dir, stage_lock)
 from .core.codeversion import code_version
-from .core.config import SCORER_NAMES, SFTConfig, eval_split, hashed
+from .core.config import REPLAY_PROMPTS, SCORER_NAMES, SFTConfig, eval_split, hashed, mix_split
 from .core.errors import ConfigError, MissingUpstream, StageError
 from .core.imports import import_identity, import_object
 from .core.inputs import HUB_PREFIX
@@ -41,11 +41,16 @@ __all__ = ["STAGES", "REFERENCES", "UPSTREAM", "KEY_METRIC", "Plan", "plan", "ru
            "require_upstream",
            "ConfigError", "MissingUpstream", "StageError"]
 
-STAGES = ("prepare", "baseline", "champion", "train", "evaluate", "register")
+STAGES = ("replay", "prepare", "prepare_eval", "baseline", "champion", "train", "evaluate", "register")
 REFERENCES = ("baseline", "champion")  # models the trained one is compared with, item by item
-UPSTREAM = {"prepare": (), "baseline": ("prepare",), "champion": ("prepare",), "train": ("prepare",),
-            "evaluate": ("baseline", "train", "prepare"), "register": ("champion", "evaluate", "train", "prepare")}
-KEY_METRIC = {"prepare": ("train_rows_kept", "rows"), "baseline": ("accuracy", "accuracy"),
+# What each stage reads. The scoring stages read the named eval sets from prepare_eval (or, without
+# named sets, the val split from prepare); nothing that trains reads prepare_eval.
+UPSTREAM = {"replay": (), "prepare": ("replay",), "prepare_eval": (), "baseline": ("prepare_eval", "prepare"),
+            "champion": ("prepare_eval", "prepare"), "train": ("prepare",),
+            "evaluate": ("baseline", "train", "prepare_eval", "prepare"),
+            "register": ("champion", "evaluate", "train", "prepare")}
+KEY_METRIC = {"replay": ("kept", "answers kept"), "prepare": ("train_rows_kept", "rows"),
+              "prepare_eval": ("rows_kept", "rows"), "baseline": ("accuracy", "accuracy"),
               "champion": ("accuracy", "accuracy"), "train": ("final_loss", "loss"),
               "evaluate": ("accuracy", "accuracy"), "register": ("version", "version")}
 
@@ -70,7 +75,12 @@ class Plan:
         return stage_dir(self.cfg.artifacts_path, stage, self.fingerprints[stage])
 
     def status(self, stage: str) -> str:
-        return "complete" if is_complete(self.folder(stage)) else "missing"
+        """complete | damaged (complete, but fails the check a reuse makes: the flow rebuilds it, so
+        nothing before the flow reads it) | missing."""
+        folder = self.folder(stage)
+        if not is_complete(folder):
+            return "missing"
+        return "complete" if damage(folder) is None else "damaged"
 
     def lineage(self, dirs: dict[str, str], tags: dict[str, str] | None = None) -> Lineage:
         return Lineage(fingerprints={s: self.fingerprints[s] for s in self.stages}, dirs=dirs, inputs=self.inputs,
@@ -134,7 +144,7 @@ def _reference_fingerprints(cfg: SFTConfig, digests: dict, model_fp: str, scorer
     base model is scored once across trials, sweeps and retrains on new data."""
     held_out = {name: digests["val"] or {"from_train": digests["train"]} if name == "val" else digests[eval_split(name)]
                 for name in cfg.eval.set_names}
-    common = dict(prepare_code=code_version("prepare"), tokenizer=model_fp, data=hashed(cfg.data), sets=held_out,
+    common = dict(prepare_code=code_version("prepare"), tokenizer=model_fp, data=_held_out_data(cfg), sets=held_out,
                   eval=_scoring(cfg), scorer=scorer, actor=hashed(cfg.actor.model), worker=worker)
     fps: dict[str, str] = {}
     if cfg.eval.eval_base and cfg.eval.model != "base":
@@ -149,6 +159,57 @@ def _reference_fingerprints(cfg: SFTConfig, digests: dict, model_fp: str, scorer
         identity = {k: champion[k] for k in ("registry", "name", "version", "train_fingerprint")}
         fps["champion"] = fingerprint("champion", code=code_version("evaluate"), model=identity, **common)
     return fps, champion, fps.get("champion")
+
+
+def _held_out_data(cfg: SFTConfig) -> dict:
+    """The data options that shape held-out rows: all of `data` but the mixture, which only trains."""
+    d = hashed(cfg.data)
+    d.pop("mix", None)
+    return d
+
+
+def _training_inputs(cfg: SFTConfig, digests: dict) -> dict:
+    """The digests of what trains and validates (never the eval sets: adding or growing one must not
+    retrain); a mixture source's files under its name."""
+    out = {"train": digests["train"], "val": digests["val"]}
+    out.update({f"mix.{n}": digests[mix_split(n)] for n, m in cfg.data.mix.items() if m.paths})
+    return out
+
+
+def _local_files(refs) -> list[Path]:
+    return [Path(r) for r in refs if not str(r).startswith(HUB_PREFIX)]
+
+
+def check_contamination(cfg: SFTConfig) -> None:
+    """No training or replay prompt equals a named eval set's prompt (chatdata/overlap.py)."""
+    if not cfg.eval.sets:
+        return
+    from .chatdata.overlap import first_collision
+    d, inputs = cfg.data, cfg.inputs()
+    trains = [(p, d.format, d.columns) for p in _local_files(inputs["train"])]
+    for name, m in d.mix.items():
+        if m.paths:
+            trains += [(p, m.format or d.format, m.columns if m.columns is not None else d.columns)
+                       for p in _local_files(inputs[mix_split(name)])]
+    if cfg.replay is not None:
+        trains += [(p, cfg.replay.format, d.columns) for p in _local_files(inputs[REPLAY_PROMPTS])]
+    evals = {name: [(p, "choice" if s.mode == "choice" else d.format, d.columns)
+                    for p in _local_files(inputs[eval_split(name)])] for name, s in cfg.eval.sets.items()}
+    problem = first_collision(trains, evals)
+    if problem:
+        raise ConfigError(problem)
+
+
+def _check_sources_distinct(cfg: SFTConfig) -> None:
+    """A file in two training sources would train twice under two weights."""
+    owner: dict[str, str] = {}
+    keys = ["train", *(mix_split(n) for n, m in cfg.data.mix.items() if m.paths)]
+    for key in keys:
+        for ref in cfg.inputs()[key]:
+            where = "data.train_data_paths" if key == "train" else f"data.mix.{key.split('/', 1)[1]}.paths"
+            if str(ref) in owner:
+                raise ConfigError(f"{ref} is in both {owner[str(ref)]} and {where}; a file belongs to one source")
+            owner[str(ref)] = where
 
 
 def plan(cfg: SFTConfig) -> Plan:
@@ -177,7 +238,8 @@ def check_checkpoints(cfg: SFTConfig) -> None:
 
 def _memory_inputs(p: Plan) -> tuple[dict, str, list[int] | None] | None:
     """(the base model's config.json, where it was read, the prepared samples' lengths once prepare
-    has run); None when the config can't be read without building or converting the model."""
+    has run and its folder is sound: a damaged one is rebuilt by the flow, so its lengths are
+    unknown until then); None when the config can't be read without building or converting the model."""
     found = model_config_json(p.cfg, p.fingerprints["models"])
     if found is None:
         return None
@@ -243,15 +305,27 @@ def check_launch(p: Plan, device: memory_plan.Device | None = None, warn: Callab
 def _plan(cfg: SFTConfig) -> Plan:
     check_code(cfg)
     check_checkpoints(cfg)
+    _check_sources_distinct(cfg)
+    check_contamination(cfg)
     root = cfg.artifacts_path
     inputs = {split: [(str(ref), input_digest(ref, root)) for ref in refs] for split, refs in cfg.inputs().items()}
     digests = {split: [d for _, d in items] for split, items in inputs.items()}
     model_fp = model_fingerprint(cfg, digests["train"])
-    # a set's mode picks its reader (choice rows), so prepare's output depends on it
-    sets = {name: {"files": digests[eval_split(name)], "mode": s.mode} for name, s in cfg.eval.sets.items()}
+    fps: dict[str, str] = {"models": model_fp}
+    if cfg.replay is not None:  # the base model's answers: never the training data
+        fps["replay"] = fingerprint("replay", code=code_version("replay"), model=model_fp,
+                                    trust_remote_code=cfg.actor.model.trust_remote_code,
+                                    prompts=digests[REPLAY_PROMPTS], replay=hashed(cfg.replay),
+                                    columns=cfg.data.columns)
     prepare = fingerprint("prepare", code=code_version("prepare"), model=model_fp,
                           trust_remote_code=cfg.actor.model.trust_remote_code, data=hashed(cfg.data),
-                          train=digests["train"], val=digests["val"], **({"sets": sets} if sets else {}))
+                          **_training_inputs(cfg, digests), **({"replay": fps["replay"]} if "replay" in fps else {}))
+    fps["prepare"] = prepare
+    if cfg.eval.sets:  # a set's mode picks its reader (choice rows), so its prepared rows depend on it
+        sets = {name: {"files": digests[eval_split(name)], "mode": s.mode} for name, s in cfg.eval.sets.items()}
+        fps["prepare_eval"] = fingerprint("prepare_eval", code=code_version("prepare"), model=model_fp,
+                                          trust_remote_code=cfg.actor.model.trust_remote_code,
+                                          data=_held_out_data(cfg), sets=sets)
     worker = import_identity(cfg.actor.worker)
     train = fingerprint("train", code=code_version("train"), prepare=prepare, model=model_fp,
                         actor=hashed(cfg.actor), runner=hashed(cfg.runner), worker=worker)
@@ -264,19 +338,27 @@ def _plan(cfg: SFTConfig) -> Plan:
               import_identity(custom["eval.scorer"]) if custom else None)
     references, champion, compared_with = _reference_fingerprints(cfg, digests, model_fp, scorer, worker, train)
     baseline = {"baseline": references["baseline"]} if "baseline" in references else {}
+    held_out = {"prepare_eval": fps["prepare_eval"]} if "prepare_eval" in fps else {}
     evaluate = fingerprint("evaluate", code=code_version("evaluate"), prepare=prepare, eval=hashed(cfg.eval),
-                           scorer=scorer, **scored, **baseline)
+                           scorer=scorer, **scored, **baseline, **held_out)
     register = fingerprint("register", code=code_version("register", neutral=True), evaluate=evaluate, train=train,
                            prepare=prepare, registry=hashed(cfg.registry), tracking_uri=cfg.resolved_tracking_uri,
                            **({"champion": compared_with} if compared_with else {}))
-    fps = {"models": model_fp, "prepare": prepare, **references, "train": train, "evaluate": evaluate,
-           "register": register}
+    fps.update({**references, "train": train, "evaluate": evaluate, "register": register})
     return Plan(cfg, fps, inputs, identity, champion)
+
+
+def held_out_dir(dirs: dict[str, str]) -> str:
+    """Where the scoring stages find their sets: prepare_eval's folder (named eval sets), else prepare's
+    (the val split)."""
+    return dirs.get("prepare_eval") or dirs["prepare"]
 
 
 def upstream(p: Plan, stage: str) -> tuple[str, ...]:
     """Stages `stage` reads in this plan; evaluate with `eval.model` set needs no training."""
     skip = {"train"} if stage == "evaluate" and p.cfg.eval.model is not None else set()
+    if "prepare_eval" in p.fingerprints and stage in ("baseline", "champion", "evaluate"):
+        skip.add("prepare")  # named sets: the scoring stages read prepare_eval only
     return tuple(u for u in UPSTREAM[stage] if u in p.fingerprints and u not in skip)
 
 
@@ -299,7 +381,7 @@ def require_upstream(p: Plan, stage: str) -> dict[str, str]:
     dirs = {}
     needed = upstream(p, stage)
     for up in (s for s in STAGES if s in needed):  # the earliest missing one is the one to run first
-        if p.status(up) != "complete":
+        if p.status(up) == "missing":
             raise MissingUpstream(f"{stage} needs the {up} stage ({p.fingerprints[up]}), which has not run for this "
                                   f"config; run `sftflow stage {up} -c <config>` or `sftflow run -c <config>` first")
         problem = damage(p.folder(up))
@@ -349,10 +431,16 @@ def run_stage(p: Plan, stage: str, force: bool = False, on_line: Callable[[str],
             hit = _registry_now(p, hit)
         if hit is not None and not force:
             return hit
-        if stage == "prepare":
+        if stage == "replay":
+            from .replay import run_replay
+            metrics = run_replay(cfg, fp, resolve_model(cfg, p.fingerprints["models"], on_line), on_line=on_line)
+        elif stage in ("prepare", "prepare_eval"):
             from .prepare.stage import run_prepare
+            from .replay import conversations_file
             _check_inputs_unchanged(p)
-            metrics = run_prepare(cfg, fp, resolve_model(cfg, p.fingerprints["models"], on_line))
+            replay = conversations_file(dirs["replay"]) if "replay" in dirs else None
+            metrics = run_prepare(cfg, fp, resolve_model(cfg, p.fingerprints["models"], on_line),
+                                  "train" if stage == "prepare" else "eval", replay, stage)
         elif stage == "train":
             from .train import run_train
             check_launch(p, warn=on_line)  # the model is built and the data prepared: the exact longest micro-batch
@@ -363,12 +451,12 @@ def run_stage(p: Plan, stage: str, force: bool = False, on_line: Callable[[str],
             ref, identity = ("base", None) if stage == "baseline" else (
                 f"{REGISTRY_PREFIX}{p.champion['name']}/{p.champion['version']}", p.champion)
             metrics = run_reference(cfg, stage, fp, resolve_model(cfg, p.fingerprints["models"], on_line), ref,
-                                    identity, dirs["prepare"], on_line=on_line)
+                                    identity, held_out_dir(dirs), on_line=on_line)
         elif stage == "evaluate":
             from .evaluate import run_evaluate
             model_ref = cfg.eval.model if cfg.eval.model is not None else str(p.folder("train"))
-            metrics = run_evaluate(cfg, fp, resolve_model(cfg, p.fingerprints["models"], on_line), model_ref, dirs["prepare"],
-                                   p.eval_model, dirs.get("baseline"), on_line=on_line)
+            metrics = run_evaluate(cfg, fp, resolve_model(cfg, p.fingerprints["models"], on_line), model_ref,
+                                   held_out_dir(dirs), p.eval_model, dirs.get("baseline"), on_line=on_line)
         elif stage == "register":
             from .register import run_register
             metrics = run_register(cfg, fp, p.lineage(dirs, tags))

@@ -15,7 +15,7 @@ from conftest import ROOT
 from stages.core.codeversion import code_version, imported_modules, module_closure
 
 STAGES_DIR = ROOT / "stages"
-STAGE_PACKAGES = {"prepare", "train", "evaluate", "register"}
+STAGE_PACKAGES = {"replay", "prepare", "train", "evaluate", "register"}
 # package -> the packages it may import (besides itself); stages import only shared packages
 ALLOWED = {
     "core": set(),
@@ -24,7 +24,7 @@ ALLOWED = {
     "models": {"core", "chatdata", "tracking"},
     "runtime": {"core", "chatdata", "tracking"},
     **{s: {"core", "chatdata", "models", "runtime", "tracking"} for s in STAGE_PACKAGES},
-    "pipeline": {"core", "models", "runtime", "tracking", *STAGE_PACKAGES},
+    "pipeline": {"core", "chatdata", "models", "runtime", "tracking", *STAGE_PACKAGES},
     "sweep": {"core", "pipeline"},
 }
 

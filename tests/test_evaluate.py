@@ -150,6 +150,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def evaluate(cfg, force: bool = False):
     p = plan(cfg)
+    if "prepare_eval" in p.stages:
+        run_stage(p, "prepare_eval", on_line=lambda line: None)
     for ref in REFERENCES:
         if ref in p.stages:
             run_stage(p, ref, on_line=lambda line: None)
@@ -347,8 +349,9 @@ def test_named_eval_sets_are_each_scored_with_their_own_scorer(setup):
     cfg = load_config(write_config(tmp, raw, "sets.yaml"))
     p = plan(cfg)
     run_stage(p, "prepare")
-    assert {d.name for d in (p.folder("prepare") / "eval").iterdir()} == {"words", "echo"}
-    assert not (p.folder("prepare") / "val").exists()
+    run_stage(p, "prepare_eval")  # named sets: prepared apart from what trains
+    assert {d.name for d in (p.folder("prepare_eval") / "eval").iterdir()} == {"words", "echo"}
+    assert not (p.folder("prepare") / "val").exists() and not (p.folder("prepare") / "eval").exists()
     result, records = evaluate(cfg)
     m = result.metrics
     assert m["primary_set"] == "echo" and list(m["sets"]) == ["echo", "words"]

@@ -180,11 +180,48 @@ CANONICAL_FIELDS = ("messages", "conversations", "conversation", "role", "conten
                     "completion", "instruction", "input", "output", "system", "question", "choices", "answer")
 
 
+FORMATS = Literal["auto", "messages", "sharegpt", "prompt_completion", "alpaca", "conversation", "choice"]
+MIX_BUILTIN = ("train", "replay")  # sources a mixture names without paths: data.train_data_paths, the replay stage
+
+
+class MixSource(_Section):
+    """One source of a weighted training mixture (`data.mix.<name>`); docs/data.md, "Mixtures"."""
+
+    weight: float = Field(gt=0, description="share of each epoch's samples, relative to the other sources' weights")
+    paths: list[str] = Field(default_factory=list, json_schema_extra={"fingerprint": False},  # contents are hashed
+                             description="the source's files; empty for `train` (data.train_data_paths) and "
+                                         "`replay` (the replay stage's answers)")
+    format: FORMATS | None = Field(None, description="default: data.format")
+    columns: dict[str, str] | None = Field(None, description="default: data.columns")
+
+    @field_validator("paths", mode="before")
+    @classmethod
+    def _one_path_is_a_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+
+class ReplayConfig(_Section):
+    """The replay stage: the base model answers these prompts; its kept answers are the mixture's
+    `replay` source (docs/data.md, "Replay")."""
+
+    prompt_paths: list[str] = Field(min_length=1, json_schema_extra={"fingerprint": False})  # contents are hashed
+    format: FORMATS = Field("auto", description="the prompt files' format; the prompt is every turn before the "
+                                                "last assistant reply (all turns when there is none)")
+    max_new_tokens: int = Field(128, ge=1)
+    batch_size: int = Field(16, ge=1)
+    max_repeats: int = Field(3, ge=2, description="an answer repeating one word 4-gram this many times is degenerate")
+
+    @field_validator("prompt_paths", mode="before")
+    @classmethod
+    def _one_path_is_a_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+
 class DataConfig(_Section):
     train_data_paths: list[str] = Field(default_factory=list, min_length=1, json_schema_extra={"fingerprint": False})
     val_data_paths: list[str] = unhashed(default_factory=list)
     val_fraction: float = Field(0.0, ge=0, lt=1, description="without val_data_paths: held-out share, by row hash")
-    format: Literal["auto", "messages", "sharegpt", "prompt_completion", "alpaca", "conversation", "choice"] = "auto"
+    format: FORMATS = "auto"
     columns: dict[str, str] = Field(default_factory=dict, description="canonical field -> your field name")
     max_length: int = Field(1024, ge=8)
     truncation: Literal["drop", "keep_start"] = "drop"
@@ -192,6 +229,23 @@ class DataConfig(_Section):
     strict: bool = Field(False, description="the first bad row is an error instead of being quarantined")
     shard_rows: int = Field(50_000, ge=1)
     num_proc: int = unhashed(1, ge=1, description="tokenizing processes; the output is identical for any value")
+    mix: dict[str, MixSource] = Field(default_factory=dict, description="weighted training sources; empty: "
+                                      "data.train_data_paths alone, each row once per epoch")
+
+    @field_validator("mix")
+    @classmethod
+    def _mix_sources(cls, v: dict[str, MixSource]) -> dict[str, MixSource]:
+        for name, s in v.items():
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+                raise ValueError(f"source name '{name}' must be letters, digits, '_', '.' or '-'")
+            if name in MIX_BUILTIN and (s.paths or s.format or s.columns):
+                what = "data.train_data_paths" if name == "train" else "the replay stage (the `replay` section)"
+                raise ValueError(f"mix.{name} reads {what}; give it a weight only (other sources: any other name)")
+            if name not in MIX_BUILTIN and not s.paths:
+                raise ValueError(f"mix.{name} has no paths; a source other than 'train' and 'replay' names its files")
+        if v and "train" not in v:
+            raise ValueError("mix needs a weight for 'train' (the rows of data.train_data_paths)")
+        return v
 
     @field_validator("train_data_paths", "val_data_paths", mode="before")
     @classmethod
@@ -227,8 +281,16 @@ class EvalSetConfig(_Section):
     mode: Literal["generate", "choice"] = Field(
         "generate", description="generate: greedy replies scored by the scorer; choice: rows hold choices and the "
                                 "answer, the option with the highest log-likelihood is the model's pick")
-    length_normalized: bool = Field(False, description="choice: rank options by log-likelihood per UTF-8 byte "
-                                                       "(lm-evaluation-harness' acc_norm) instead of the sum")
+    length_normalized: bool | Literal["chars", "bytes"] = Field(
+        False, description="choice: how options are ranked (lm-evaluation-harness' names): false = by the summed "
+                           "log-likelihood (acc); chars = per character of the option (acc_norm); bytes = per UTF-8 "
+                           "byte (acc_bytes); true = bytes (what it meant before chars existed)")
+
+    @property
+    def choice_rule(self) -> str:
+        """`length_normalized` as a rule of stages.evaluate.choice: "sum", "chars" or "bytes"."""
+        v = self.length_normalized
+        return "sum" if v is False else "bytes" if v is True else v
 
     @field_validator("data_paths", mode="before")
     @classmethod
@@ -322,6 +384,14 @@ class FlowConfig(_Section):
     timeout_seconds: float | None = Field(None, gt=0, description="per-task timeout; the torchrun tree is killed")
 
 
+REPLAY_PROMPTS = "replay/prompts"  # the inputs key of the replay stage's prompt files
+
+
+def mix_split(source: str) -> str:
+    """The inputs key of a mixture source's own files (`data.mix.<source>.paths`)."""
+    return f"mix/{source}"
+
+
 def eval_split(set_name: str) -> str:
     """The prepared split (and folder under the prepare stage) of a named eval set."""
     return f"eval/{set_name}"
@@ -333,6 +403,7 @@ class SFTConfig(_Section):
     runner: RunnerConfig = RunnerConfig()
     actor: ActorConfig = ActorConfig()
     data: DataConfig
+    replay: ReplayConfig | None = None
     eval: EvalConfig = EvalConfig()
     registry: RegistryConfig = RegistryConfig()
 
@@ -342,6 +413,15 @@ class SFTConfig(_Section):
         if Path(v).expanduser().exists() and not Path(v).expanduser().is_dir():
             raise ValueError(f"'{v}' is a file; artifacts_dir must be a folder (created if missing)")
         return v
+
+    @model_validator(mode="after")
+    def _replay_is_mixed(self) -> "SFTConfig":
+        if self.replay is not None and "replay" not in self.data.mix:
+            raise ValueError("replay: its answers are a training source only through data.mix.replay (a weight)")
+        if "replay" in self.data.mix and self.replay is None:
+            raise ValueError("data.mix.replay needs a `replay` section (replay.prompt_paths: the prompts the base "
+                             "model answers)")
+        return self
 
     @property
     def artifacts_path(self) -> Path:
@@ -361,6 +441,11 @@ class SFTConfig(_Section):
                             "val": expand_paths(d.val_data_paths, "data.val_data_paths") if d.val_data_paths else []}
             for name, s in self.eval.sets.items():
                 self._inputs[eval_split(name)] = expand_paths(s.data_paths, f"eval.sets.{name}.data_paths")
+            for name, m in d.mix.items():
+                if m.paths:
+                    self._inputs[mix_split(name)] = expand_paths(m.paths, f"data.mix.{name}.paths")
+            if self.replay is not None:
+                self._inputs[REPLAY_PROMPTS] = expand_paths(self.replay.prompt_paths, "replay.prompt_paths")
         return self._inputs
 
 
@@ -441,6 +526,8 @@ def check_overrides_allowed(overrides: list[str], protected: list[str]) -> None:
 
 def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> SFTConfig:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config '{path}' is a folder, not a config file (e.g. configs/default.yaml)")
     if not path.is_file():
         raise ConfigError(f"config file '{path}' not found")
     try:

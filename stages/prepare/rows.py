@@ -8,7 +8,7 @@ import hashlib
 import json
 import multiprocessing as mp
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
 from stages.chatdata.readers import RowError, parse_record, plain, row_content_key, to_conversations
@@ -30,6 +30,7 @@ class Options:
     truncation: str
     max_length: int
     val_fraction: float
+    file_columns: dict[str, dict[str, str]] = field(default_factory=dict)  # a mixture source's own data.columns
 
     @classmethod
     def from_config(cls, cfg: SFTConfig) -> "Options":
@@ -89,7 +90,7 @@ def process_chunk(chunk: list[tuple[str, str, str, int, Any]]) -> list[Item]:
         if split == "auto":
             split = "val" if _held_out(record, opts.val_fraction) else "train"
         try:
-            convs = to_conversations(parse_record(record), fmt, opts.columns)
+            convs = to_conversations(parse_record(record), fmt, opts.file_columns.get(file, opts.columns))
         except RowError as e:
             items.append(Item(split, file, line, None, True, reason=e.reason, detail=e.detail, raw=_raw_text(record)))
             continue

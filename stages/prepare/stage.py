@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
 from stages.chatdata.readers import file_format, iter_records
 from stages.chatdata.shards import ShardWriter, read_shards
 from stages.core.artifacts import StageBuild, is_complete
-from stages.core.config import SFTConfig, eval_split
+from stages.core.config import SFTConfig, eval_split, mix_split
 from stages.core.errors import DataError, StageError
 
 from .rows import Options, ordered_results
@@ -52,26 +52,54 @@ def load_tokenizer(model_path: str, trust_remote_code: bool = False):
 @dataclass(frozen=True)
 class Source:
     ref: str      # a file or folder path, or hf:NAME
-    split: str    # train | val | auto (held-out by content hash)
+    split: str    # train | val | auto (held-out by content hash) | eval/<set>
     format: str
+    mix: str = "train"  # the mixture source its train rows belong to (data.mix)
+    columns: dict | None = None  # its own data.columns (a mixture source's), else data.columns
 
 
-def splits_of(cfg: SFTConfig) -> list[str]:
-    """The splits prepare writes: train; val when asked for; one per named eval set."""
+PARTS = ("train", "eval")  # prepare: what trains (train, val); prepare_eval: the named eval sets
+
+
+def splits_of(cfg: SFTConfig, part: str = "train") -> list[str]:
+    """The splits a part writes: train, and val when asked for; or one per named eval set."""
     d = cfg.data
-    val = ["val"] if d.val_data_paths or d.val_fraction > 0 else []
-    return ["train", *val, *(eval_split(name) for name in cfg.eval.sets)]
+    if part == "eval":
+        return [eval_split(name) for name in cfg.eval.sets]
+    return ["train", *(["val"] if d.val_data_paths or d.val_fraction > 0 else [])]
 
 
-def plan_sources(cfg: SFTConfig) -> list[Source]:
+def mix_order(cfg: SFTConfig) -> list[str]:
+    """The mixture's sources in the order their rows follow each other in the train split."""
+    return ["train", *(n for n in cfg.data.mix if n != "train")]
+
+
+def plan_sources(cfg: SFTConfig, part: str = "train", replay_file: str | None = None) -> list[Source]:
+    """Every file a part reads, in the order its rows are written: the train files (and val), then each
+    mixture source's (the replay stage's answers for `replay`); or the eval sets' files."""
     d = cfg.data
-    out = []
-    choice_sets = {eval_split(name) for name, s in cfg.eval.sets.items() if s.mode == "choice"}
-    for key, paths in cfg.inputs().items():
-        split = "auto" if key == "train" and not d.val_data_paths and d.val_fraction > 0 else key
-        fmt = "choice" if key in choice_sets else d.format  # a choice set's rows are question/choices/answer
+    inputs = cfg.inputs()
+    out: list[Source] = []
+
+    def add(paths, split: str, fmt: str, mix: str = "train", columns: dict | None = None, kind: str = "train") -> None:
         for p in paths:
-            out.append(Source(str(p), split, file_format(p, fmt, d.columns, "train" if key == "train" else "val")))
+            out.append(Source(str(p), split, file_format(p, fmt, columns if columns is not None else d.columns, kind),
+                              mix, columns))
+
+    if part == "eval":
+        for name, s in cfg.eval.sets.items():  # a choice set's rows are question/choices/answer
+            add(inputs[eval_split(name)], eval_split(name), "choice" if s.mode == "choice" else d.format, kind="val")
+        return out
+    add(inputs["train"], "auto" if not d.val_data_paths and d.val_fraction > 0 else "train", d.format)
+    add(inputs["val"], "val", d.format, kind="val")
+    for name in mix_order(cfg)[1:]:
+        m = d.mix[name]
+        if name == "replay":
+            if replay_file is None:
+                raise StageError("prepare: data.mix.replay needs the replay stage's answers; run the replay stage")
+            add([replay_file], "train", "messages", name)
+        else:
+            add(inputs[mix_split(name)], "train", m.format or d.format, name, m.columns)
     return out
 
 
@@ -121,16 +149,20 @@ class SplitStats:
         return {**{k: v for k, v in self.__dict__.items() if k != "dropped"}, "dropped": dict(sorted(self.dropped.items()))}
 
 
-def run_prepare(cfg: SFTConfig, fp: str, model_path: str) -> dict:
-    """Writes the prepare folder for fingerprint `fp`; returns its manifest metrics."""
+def run_prepare(cfg: SFTConfig, fp: str, model_path: str, part: str = "train", replay_file: str | None = None,
+                stage: str = "prepare") -> dict:
+    """Writes the folder of `part` (prepare: "train", prepare_eval: "eval") for fingerprint `fp`; returns
+    its manifest metrics. `replay_file`: the replay stage's conversations (data.mix.replay)."""
     d = cfg.data
     tokenizer = load_tokenizer(model_path, cfg.actor.model.trust_remote_code)
-    sources = plan_sources(cfg)  # format detection fails here, before any output exists
-    build = StageBuild(cfg.artifacts_path, "prepare", fp)
-    writers = {s: ShardWriter(build.partial / s, d.shard_rows) for s in splits_of(cfg)}
+    sources = plan_sources(cfg, part, replay_file)  # format detection fails here, before any output exists
+    build = StageBuild(cfg.artifacts_path, stage, fp)
+    writers = {s: ShardWriter(build.partial / s, d.shard_rows) for s in splits_of(cfg, part)}
     stats = {s: SplitStats() for s in writers}
+    mixed = Counter()  # kept train rows per mixture source
+    mix_of = {s.ref: s.mix for s in sources}
     preview: list[str] = []
-    opts = Options.from_config(cfg)
+    opts = replace(Options.from_config(cfg), file_columns={s.ref: s.columns for s in sources if s.columns is not None})
     with open(build.partial / "quarantine.jsonl", "w", encoding="utf-8") as quarantine:
         for items in ordered_results(_chunks(sources), opts, d.num_proc, tokenizer):
             for it in items:
@@ -151,19 +183,26 @@ def run_prepare(cfg: SFTConfig, fp: str, model_path: str) -> dict:
                 st.tokens += len(it.ids)
                 st.trainable_tokens += int(it.mask.sum())
                 st.truncated += it.truncated
-                if it.split == "train" and len(preview) < PREVIEW_SAMPLES:
-                    preview.append(f"--- {it.source}\n{render_preview(tokenizer, it.ids, it.mask)}\n")
+                if it.split == "train":
+                    mixed[mix_of[it.file]] += 1
+                    if len(preview) < PREVIEW_SAMPLES:
+                        preview.append(f"--- {it.source}\n{render_preview(tokenizer, it.ids, it.mask)}\n")
     shards = {s: w.close() for s, w in writers.items()}
     (build.partial / "preview.txt").write_text("".join(preview), encoding="utf-8")
     for split, st in stats.items():
         if st.rows_kept == 0:
-            raise StageError(f"prepare: no usable rows in the {split} split; see {build.partial / 'quarantine.jsonl'} "
+            raise StageError(f"{stage}: no usable rows in the {split} split; see {build.partial / 'quarantine.jsonl'} "
                              f"(dropped: {dict(st.dropped)})")
+    mix = [{"source": n, "rows": mixed[n], "weight": d.mix[n].weight} for n in mix_order(cfg)] if d.mix else []
+    empty = [m["source"] for m in mix if m["rows"] == 0]
+    if empty:
+        raise StageError(f"{stage}: data.mix.{empty[0]} has no usable rows; see {build.partial / 'quarantine.jsonl'}")
     splits = {s: {**st.to_dict(), "shards": shards[s]} for s, st in stats.items()}
     metrics = {f"{s}_{k}": v for s, st in splits.items() for k, v in st.items()
                if isinstance(v, int) and s in ("train", "val")}  # named eval sets: in `splits`
-    build.commit({"metrics": metrics, "splits": splits, "model_path": model_path,
-                  "sources": [s.__dict__ for s in sources],
+    metrics.update({f"mix_{m['source']}_rows": m["rows"] for m in mix})
+    build.commit({"metrics": metrics, "splits": splits, "model_path": model_path, "mix": mix,
+                  "sources": [{k: v for k, v in s.__dict__.items() if k != "columns"} for s in sources],
                   "inputs": {s: [x.ref for x in sources if x.split == s or (x.split == "auto" and s in ("train", "val"))]
                              for s in splits}})
     return metrics

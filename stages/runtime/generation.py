@@ -53,5 +53,5 @@ def generate(model, tok, prompts: list[list[dict]], max_new_tokens: int, batch_s
         for row in new:
             ids = row.tolist()
             n = next((k for k, t in enumerate(ids) if t in stops), len(ids))
-            out.append({"text": tok.decode(ids[:n], skip_special_tokens=True), "new_tokens": n})
+            out.append({"text": tok.decode(ids[:n], skip_special_tokens=True), "new_tokens": n, "stopped": n < len(ids)})
     return out

@@ -43,6 +43,7 @@ from .batches import DataPosition, GlobalBatchSampler, SFTDataset, collate_packe
 from .distributed import choose_precision, local_device, log
 from .lora import adapters_off, lora_enabled, unwrap
 from .loss import kl_sum, token_loss_sum
+from .mixture import describe, summary_line
 from .model_types import (UnknownModelType, WeightsLoadError, build_configured_model, fsdp_units, get_model_builder,
                           load_state_checked)
 from .proctree import descendants, die_with_parent
@@ -66,6 +67,7 @@ class WorkerSpec(BaseModel):
     out_dir: str                       # the stage folder being built
     train_dir: str | None = None       # prepared shards
     val_dir: str | None = None
+    mix: list[dict] = []               # the mixture's sources in the train split's row order: {source, rows, weight}
 
     def write(self, path: Path) -> Path:
         path.write_text(self.model_dump_json(indent=2))
@@ -419,9 +421,13 @@ class SFTWorker:
         ones = np.ones(len(self.train_ds))  # a dataset without the arrays: every sample counts one
         self.sample_lengths = np.asarray(getattr(self.train_ds, "lengths", ones), dtype=np.int64)
         self.sample_trainable_tokens = np.asarray(getattr(self.train_ds, "trainable", ones), dtype=np.int64)
+        mixture = None
+        if self.spec.mix:
+            mixture = ([m["weight"] for m in self.spec.mix], [m["rows"] for m in self.spec.mix])
+            log(summary_line(describe([m["source"] for m in self.spec.mix], *mixture)))
         self.sampler = GlobalBatchSampler(self.sample_lengths, actor.global_batch_size, actor.micro_batch_size,
                                           self.world, run.seed, actor.max_tokens_per_micro_batch,
-                                          interleave=actor.packing)
+                                          interleave=actor.packing, mixture=mixture)
         steps_all_epochs = self.sampler.steps_per_epoch * run.max_epochs
         self.total_steps = min(run.max_steps, steps_all_epochs) if run.max_steps > 0 else steps_all_epochs
 

@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Callable
 
 from stages.chatdata.shards import count_rows
-from stages.core.artifacts import StageBuild
+from stages.core.artifacts import StageBuild, read_manifest
 from stages.core.config import SFTConfig
 from stages.core.errors import StageError
 from stages.runtime.launcher import run_torchrun, torchrun_command
+from stages.runtime.mixture import describe
 from stages.runtime.worker import RUNTIME_FILE, WorkerSpec
 from stages.tracking.live import read_metrics_file
 from stages.tracking.run import log_runtime_params, training_run
@@ -45,8 +46,9 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
     # keep_partial: an interrupted run's checkpoints are where runner.resume=auto continues from
     build = StageBuild(cfg.artifacts_path, "train", fp, keep_partial=True)
     val = Path(prepare_dir) / "val"  # absent when only named eval sets hold out data: no validation loss
+    mix = read_manifest(Path(prepare_dir)).get("mix") or []
     spec = WorkerSpec(config=cfg, model_path=model_path, out_dir=str(build.partial),
-                      train_dir=str(Path(prepare_dir) / "train"), val_dir=str(val) if val.is_dir() else None)
+                      train_dir=str(Path(prepare_dir) / "train"), val_dir=str(val) if val.is_dir() else None, mix=mix)
     spec_path = spec.write(build.partial / "spec.json")
     metrics_file = build.partial / "metrics.jsonl"
     with training_run(cfg, lineage, on_line, metrics_file) as env:
@@ -66,6 +68,9 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
                "val_loss": vals[-1]["val_loss"] if vals else None,
                "first_loss": rows[0]["loss"] if rows else None,
                "mean_tokens_per_s": sum(r["tokens_per_s"] for r in rows) / len(rows) if rows else None}
+    mixture = describe([m["source"] for m in mix], [m["weight"] for m in mix], [m["rows"] for m in mix])
+    metrics.update({f"mix_{m['source']}_per_epoch": m["per_epoch"] for m in mixture})
     build.commit({"metrics": metrics, "model_dir": str(build.final / "model"), "base_model": model_path,
+                  "mixture": mixture,
                   "prepare_dir": prepare_dir, "mlflow_run_id": mlflow_run_id, "runtime": runtime})
     return metrics
