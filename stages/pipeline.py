@@ -168,6 +168,14 @@ def _held_out_data(cfg: SFTConfig) -> dict:
     return d
 
 
+def _prepared_data(cfg: SFTConfig) -> dict:
+    """The data options that shape prepared training rows: the mixture's sources without their weights
+    (which only change what train samples: train's fingerprint has them)."""
+    d = hashed(cfg.data)
+    d["mix"] = {n: {k: v for k, v in m.items() if k != "weight"} for n, m in d.get("mix", {}).items()}
+    return d
+
+
 def _training_inputs(cfg: SFTConfig, digests: dict) -> dict:
     """The digests of what trains and validates (never the eval sets: adding or growing one must not
     retrain); a mixture source's files under its name."""
@@ -192,7 +200,7 @@ def check_contamination(cfg: SFTConfig) -> None:
             trains += [(p, m.format or d.format, m.columns if m.columns is not None else d.columns)
                        for p in _local_files(inputs[mix_split(name)])]
     if cfg.replay is not None:
-        trains += [(p, cfg.replay.format, d.columns) for p in _local_files(inputs[REPLAY_PROMPTS])]
+        trains += [(p, "prompt", d.columns) for p in _local_files(inputs[REPLAY_PROMPTS])]
     evals = {name: [(p, "choice" if s.mode == "choice" else d.format, d.columns)
                     for p in _local_files(inputs[eval_split(name)])] for name, s in cfg.eval.sets.items()}
     problem = first_collision(trains, evals)
@@ -204,6 +212,11 @@ def _check_sources_distinct(cfg: SFTConfig) -> None:
     """A file in two training sources would train twice under two weights."""
     owner: dict[str, str] = {}
     keys = ["train", *(mix_split(n) for n, m in cfg.data.mix.items() if m.paths)]
+    for name, m in cfg.data.mix.items():
+        files = _local_files(cfg.inputs()[mix_split(name)]) if m.paths else []
+        if files and all(f.is_file() and f.stat().st_size == 0 for f in files):
+            raise ConfigError(f"data.mix.{name}: its files are empty ({', '.join(map(str, files))}); "
+                              "a source needs rows, or leave it out of the mixture")
     for key in keys:
         for ref in cfg.inputs()[key]:
             where = "data.train_data_paths" if key == "train" else f"data.mix.{key.split('/', 1)[1]}.paths"
@@ -318,7 +331,7 @@ def _plan(cfg: SFTConfig) -> Plan:
                                     prompts=digests[REPLAY_PROMPTS], replay=hashed(cfg.replay),
                                     columns=cfg.data.columns)
     prepare = fingerprint("prepare", code=code_version("prepare"), model=model_fp,
-                          trust_remote_code=cfg.actor.model.trust_remote_code, data=hashed(cfg.data),
+                          trust_remote_code=cfg.actor.model.trust_remote_code, data=_prepared_data(cfg),
                           **_training_inputs(cfg, digests), **({"replay": fps["replay"]} if "replay" in fps else {}))
     fps["prepare"] = prepare
     if cfg.eval.sets:  # a set's mode picks its reader (choice rows), so its prepared rows depend on it
@@ -327,8 +340,9 @@ def _plan(cfg: SFTConfig) -> Plan:
                                           trust_remote_code=cfg.actor.model.trust_remote_code,
                                           data=_held_out_data(cfg), sets=sets)
     worker = import_identity(cfg.actor.worker)
+    weights = {"mix_weights": {n: m.weight for n, m in cfg.data.mix.items()}} if cfg.data.mix else {}
     train = fingerprint("train", code=code_version("train"), prepare=prepare, model=model_fp,
-                        actor=hashed(cfg.actor), runner=hashed(cfg.runner), worker=worker)
+                        actor=hashed(cfg.actor), runner=hashed(cfg.runner), worker=worker, **weights)
     identity = eval_model_identity(cfg, model_fp)
     # what evaluate scores: the train stage's model, or `eval.model` (plus what loads and scores it)
     scored = {"train": train} if identity is None else {
@@ -346,6 +360,14 @@ def _plan(cfg: SFTConfig) -> Plan:
                            **({"champion": compared_with} if compared_with else {}))
     fps.update({**references, "train": train, "evaluate": evaluate, "register": register})
     return Plan(cfg, fps, inputs, identity, champion)
+
+
+def replay_file(p: Plan) -> str | None:
+    """The replay stage's conversations (data.mix.replay) once it has run, else None."""
+    if "replay" not in p.stages or p.status("replay") != "complete":
+        return None
+    from .replay import conversations_file
+    return conversations_file(p.folder("replay"))
 
 
 def held_out_dir(dirs: dict[str, str]) -> str:

@@ -125,6 +125,24 @@ def tiny_config_dict(tmp: Path, n_train: int = 96, n_val: int = 12, **sections) 
     return cfg
 
 
+def noisy_model(base: str, out: Path):
+    """(model, tokenizer) of a model that says different things to different prompts and stops early on
+    some, saved as a Hugging Face folder at `out`: the builtin model untrained repeats one token."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # scaled noise makes replies prompt-dependent
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        model.get_input_embeddings().weight[tok.pad_token_id] *= 3  # <|endoftext|> (a stop token) comes up sometimes
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return model, tok
+
+
 def write_config(tmp: Path, cfg: dict, name: str = "config.yaml") -> Path:
     path = tmp / name
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))

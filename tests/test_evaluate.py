@@ -108,23 +108,12 @@ def setup(tmp_path_factory):
     """A prepared eval set of 7 prompts whose references match what the model says for some of them,
     a model that says different things to different prompts (and stops early on some), and the
     naive loop's answers."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from conftest import base_model
+    from conftest import base_model, noisy_model
     tmp = tmp_path_factory.mktemp("evaluate")
     raw = tiny_config_dict(tmp, n_train=48, n_val=N_VAL, eval={"batch_size": BATCH, "max_new_tokens": MAX_NEW})
     cfg = load_config(write_config(tmp, raw))
-    base = base_model(cfg)
-    tok = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # an untrained model repeats one token; scaled noise makes replies prompt-dependent
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-        model.get_input_embeddings().weight[tok.pad_token_id] *= 3  # <|endoftext|> (a stop token) comes up sometimes
     model_dir = tmp / "model"
-    model.save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
+    model, tok = noisy_model(base_model(cfg), model_dir)
 
     rows = demo_rows("eval.jsonl", N_VAL)
     naive = [naive_greedy(model, tok, r["messages"][:-1]) for r in rows]

@@ -336,6 +336,30 @@ def test_stage_with_upstream_runs_what_is_missing(flow_run):
     assert seen == {"prepare": "reused", "train": "ran", "evaluate": "ran", "register": "-"}
 
 
+def test_adding_an_eval_set_rescores_and_never_retrains(flow_run):
+    """The commonest event of a scheduled retrain, the eval data growing, re-runs only what scores: the
+    named set is prepared apart (prepare_eval), the trained model is reused (its folder and train.log
+    untouched: no torchrun for training), the base and trained models are scored on it."""
+    tmp, cfg_path, _ = flow_run
+    from conftest import demo_rows, write_jsonl
+    extra = write_jsonl(tmp / "extra-set.jsonl", demo_rows("eval.jsonl", 20)[12:])
+    own = (f"eval.sets.extra.data_paths=[{extra}]", "registry.model_name=test-model-evalset")
+    before, after = stages_of(cfg_path), stages_of(cfg_path, *own)
+    assert after["train"]["fingerprint"] == before["train"]["fingerprint"]
+    assert after["prepare"]["fingerprint"] == before["prepare"]["fingerprint"]
+    assert "prepare_eval" in after and "prepare_eval" not in before
+    train_log = Path(before["train"]["path"]) / "train.log"
+    stamp = train_log.stat().st_mtime_ns
+    trained = sorted(p.name for p in (tmp / "artifacts" / "train").iterdir())
+    assert run_and_see(tmp, cfg_path, *own) == {"prepare": "reused", "train": "reused", "evaluate": "ran",
+                                                "register": "ran"}
+    assert train_log.stat().st_mtime_ns == stamp and sorted(p.name for p in (tmp / "artifacts" / "train").iterdir()) == trained
+    done = stages_of(cfg_path, *own)
+    assert done["prepare_eval"]["status"] == "complete" and done["baseline"]["status"] == "complete"
+    metrics = json.loads((Path(done["evaluate"]["path"]) / "metrics.json").read_text())
+    assert metrics["sets"]["extra"]["total"] == 8
+
+
 def test_edited_data_file_reruns_everything_and_touching_it_does_not(flow_run):
     """On a copy of the training file, so the other tests' data stays as it was."""
     tmp, cfg_path, _ = flow_run

@@ -72,5 +72,8 @@ def test_compare_counts_item_by_item():
     assert (c["n"], c["wins"], c["losses"], c["ties"], c["both_right"]) == (6, 2, 1, 3, 1)
     assert c["delta"] == pytest.approx(sum(new) / 6 - sum(ref) / 6)
     assert (c["delta_low"], c["delta_high"]) == delta_interval(2, 1, 6)
+    # the diagnostic: of the reference's 2 right answers (items 0 and 2), the new model kept item 0
+    assert (c["reference_right"], c["kept"]) == (2, 0.5)
+    assert compare([True], [False])["kept"] is None
     with pytest.raises(ValueError, match="same items"):
         compare(new, ref[:-1])

@@ -41,6 +41,25 @@ FIVE_LOSSES = versus([True] * 15 + [False] * 9, [True] * 20 + [False] * 4)    # 
 BIG_SAME = versus([True] * 380 + [False] * 20, [True] * 380 + [False] * 20)   # 400 ties: interval +-0.0095
 
 
+@pytest.mark.parametrize("policy, vs, tolerance, decide_on, expected", [
+    ("if_better", SAME, 0, "estimate", None),                  # a tie: the alias stays where it is
+    ("if_better", ONE_LOSS, 0.05, "estimate", None),           # tolerance is for new versions only
+    ("if_better", versus([True] * 21 + [False] * 3, [True] * 20 + [False] * 4), 0, "estimate", CHAMPION),  # better
+    ("if_better", versus([True] * 21 + [False] * 3, [True] * 20 + [False] * 4), 0, "interval", None),  # not shown
+    ("always", SAME, 0, "estimate", None),
+    ("never", SAME, 0, "estimate", None),
+])
+def test_a_version_registered_before_takes_the_alias_back_only_when_strictly_better(policy, vs, tolerance, decide_on,
+                                                                                     expected):
+    """Re-running an older config (its training registered already) or alternating two configs must not
+    flip `champion` on a tie; a new version's tie promotes (decide_alias's docstring, docs/evaluation.md)."""
+    alias, why = decide_alias(FakeRegistry(CURRENT), "m", policy, vs, "identity", "t", tolerance, decide_on,
+                              reused=True)
+    assert alias == expected and why
+    new, _ = decide_alias(FakeRegistry(CURRENT), "m", "if_better", SAME, "identity", "t", 0, "estimate")
+    assert new == CHAMPION
+
+
 @pytest.mark.parametrize("policy, champion, vs, tolerance, decide_on, expected", [
     ("never", CURRENT, SAME, 0, "estimate", None),
     ("never", None, None, 0, "estimate", None),

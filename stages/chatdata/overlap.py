@@ -13,7 +13,7 @@ import unicodedata
 from pathlib import Path
 from typing import Iterator
 
-from .readers import RowError, iter_records, parse_record, to_conversations
+from .readers import RowError, iter_records, parse_record, to_conversations, to_prompt
 
 
 def normalize_prompt(text: str) -> str:
@@ -25,7 +25,8 @@ def user_turns(path: Path, fmt: str, columns: dict | None, split: str) -> Iterat
     """(line, user turn text) of every readable row; unreadable rows are prepare's to count."""
     for line, rec in iter_records(path, split):
         try:
-            convs = to_conversations(parse_record(rec), fmt, columns or {})
+            row = parse_record(rec)  # "prompt": a replay prompt row, no reply
+            convs = [to_prompt(row, columns)] if fmt == "prompt" else to_conversations(row, fmt, columns or {})
         except RowError:
             continue
         for conv in convs:

@@ -313,6 +313,44 @@ def to_conversations(row: Any, fmt: str = "auto", columns: dict[str, str] | None
     raise RowError("unknown_format", fmt)
 
 
+def to_prompt(row: Any, columns: dict[str, str] | None = None) -> list[dict]:
+    """The turns of a prompt row (the replay stage's prompts; no reply needed): `messages` or ShareGPT
+    `conversations` (a trailing assistant reply and everything after it are left out), a `prompt`
+    (text or turns, with an optional `completion` that is left out), or Alpaca `instruction` + `input`."""
+    if not isinstance(row, dict):
+        raise RowError("not_an_object", type(row).__name__)
+    row = rename_fields(row, columns or {})
+    if "messages" in row or "conversations" in row:
+        key = "messages" if "messages" in row else "conversations"
+        turns = _turns(row, key)
+        first = turns[0] if turns and isinstance(turns[0], dict) else {}
+        sharegpt = "from" in first and "role" not in first
+        msgs = [_message(m, "from", "value", SHAREGPT_ROLES) if sharegpt else _message(m, "role", "content") for m in turns]
+    elif "prompt" in row:
+        prompt = row["prompt"]
+        msgs = [_message(m, "role", "content") for m in prompt] if isinstance(prompt, list) else \
+            [{"role": "user", "content": prompt}]
+    elif "instruction" in row:
+        instruction, extra = row.get("instruction"), row.get("input") or ""
+        if not isinstance(instruction, str) or not isinstance(extra, str):
+            raise RowError("non_string_content", "instruction/input")
+        msgs = ([{"role": "system", "content": row["system"]}] if row.get("system") else []) + \
+            [{"role": "user", "content": f"{instruction}\n\n{extra}" if extra.strip() else instruction}]
+    else:
+        raise RowError("unknown_format", f"keys {sorted(map(str, row))[:8]}: a prompt row has messages, "
+                                         "conversations, prompt or instruction")
+    for m in msgs:
+        if m["role"] not in ROLES:
+            raise RowError("unknown_role", repr(m["role"]))
+        if not isinstance(m["content"], str):
+            raise RowError("non_string_content", f"{m['role']} content is {type(m['content']).__name__}")
+    last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
+    msgs = msgs[:last] if last is not None and all(m["role"] != "user" for m in msgs[last:]) else msgs
+    if not msgs or msgs[-1]["role"] != "user" or not msgs[-1]["content"].strip():
+        raise RowError("no_user_turn", "a prompt ends with a non-empty user turn")
+    return msgs
+
+
 def _choice(row: dict) -> list[dict]:
     """`{"question", "choices", "answer"}` -> the question and the right option as its reply, which also
     holds the options and the right one's index (CHOICE_KEYS)."""

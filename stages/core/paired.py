@@ -88,9 +88,12 @@ def compare(new: list[bool], reference: list[bool]) -> dict:
     losses = sum(1 for a, b in zip(new, reference) if b and not a)
     both_right = sum(1 for a, b in zip(new, reference) if a and b)
     low, high = delta_interval(wins, losses, n)
+    # a diagnostic, not a measure of ability: of what the reference got right, how much the new model kept
+    reference_right = both_right + losses
     return {"n": n, "wins": wins, "losses": losses, "ties": n - wins - losses, "both_right": both_right,
             "delta": (wins - losses) / n if n else 0.0, "delta_low": low, "delta_high": high,
-            "p_value": mcnemar_exact_p(wins, losses)}
+            "p_value": mcnemar_exact_p(wins, losses), "reference_right": reference_right,
+            "kept": both_right / reference_right if reference_right else None}
 
 
 def clears(comparison: dict, margin: float, decide_on: str) -> bool:

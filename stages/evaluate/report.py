@@ -3,7 +3,7 @@ summary and the README render it)."""
 
 from __future__ import annotations
 
-COLUMNS = ("set", "samples", "base", "tuned", "change (95% CI)", "vs champion (95% CI)", "guard")
+COLUMNS = ("set", "samples", "base", "tuned", "change (95% CI)", "vs champion (95% CI)", "guard", "kept of base-right")
 
 
 def fmt(v: float | None, signed: bool = False) -> str:
@@ -37,11 +37,19 @@ def set_rows(metrics: dict, champion: dict[str, dict] | None = None) -> list[dic
         rows.append({"set": name, "n": m.get("total"), "base": base, "tuned": m.get("accuracy"), "delta": delta,
                      "change": change(m.get("vs_base"), delta) if base is not None else "n/a",
                      "champion": "" if vc is None else f"v{vc['version']} {fmt(vc['accuracy'])}: {change(vc)}",
-                     "guard": guard})
+                     "guard": guard, "kept": kept(m.get("vs_base"))})
     return rows
+
+
+def kept(c: dict | None) -> str:
+    """`207/244 (0.848)`: of the items the base model got right, how many the tuned model kept (a
+    diagnostic: a set selected on the base model's success can only lose, docs/evaluation.md)."""
+    if not c or not c.get("reference_right"):
+        return ""
+    return f"{c['both_right']}/{c['reference_right']} ({c['kept']:.3f})"
 
 
 def table_cells(metrics: dict, champion: dict[str, dict] | None = None) -> list[list[str]]:
     """`set_rows` as text cells in `COLUMNS` order: what the console and the markdown summary print."""
-    return [[r["set"], str(r["n"]), fmt(r["base"]), fmt(r["tuned"]), r["change"], r["champion"] or "none", r["guard"]]
-            for r in set_rows(metrics, champion)]
+    return [[r["set"], str(r["n"]), fmt(r["base"]), fmt(r["tuned"]), r["change"], r["champion"] or "none", r["guard"],
+             r["kept"]] for r in set_rows(metrics, champion)]

@@ -24,9 +24,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
+
 from stages.chatdata.readers import file_format, iter_records
 from stages.chatdata.shards import ShardWriter, read_shards
-from stages.core.artifacts import StageBuild, is_complete
+from stages.core.artifacts import StageBuild, is_complete, read_manifest
+from stages.runtime.mixture import epoch_samples
 from stages.core.config import SFTConfig, eval_split, mix_split
 from stages.core.errors import DataError, StageError
 
@@ -193,7 +196,7 @@ def run_prepare(cfg: SFTConfig, fp: str, model_path: str, part: str = "train", r
         if st.rows_kept == 0:
             raise StageError(f"{stage}: no usable rows in the {split} split; see {build.partial / 'quarantine.jsonl'} "
                              f"(dropped: {dict(st.dropped)})")
-    mix = [{"source": n, "rows": mixed[n], "weight": d.mix[n].weight} for n in mix_order(cfg)] if d.mix else []
+    mix = [{"source": n, "rows": mixed[n]} for n in mix_order(cfg)] if d.mix and part == "train" else []
     empty = [m["source"] for m in mix if m["rows"] == 0]
     if empty:
         raise StageError(f"{stage}: data.mix.{empty[0]} has no usable rows; see {build.partial / 'quarantine.jsonl'}")
@@ -208,18 +211,35 @@ def run_prepare(cfg: SFTConfig, fp: str, model_path: str, part: str = "train", r
     return metrics
 
 
-def preview_samples(cfg: SFTConfig, prepare_dir: Path | None, model_path: str, n: int) -> list[tuple[str, list[tuple[str, bool]]]]:
-    """(source, segments) of the first n training samples: from the prepared shards when they
-    exist, else prepared on the fly from the first records (nothing is written)."""
+def preview_samples(cfg: SFTConfig, prepare_dir: Path | None, model_path: str, n: int,
+                    replay_file: str | None = None) -> list[tuple[str, list[tuple[str, bool]]]]:
+    """(source, segments) of n training samples: from the prepared shards when they exist (with a
+    mixture: the first n of epoch 0, in the order training takes them), else prepared on the fly from
+    the first records of each source (nothing is written). With a mixture, `source` starts with the
+    mixture source's name (`replay: .../conversations.jsonl:7`)."""
     tokenizer = load_tokenizer(model_path, cfg.actor.model.trust_remote_code)
     if prepare_dir is not None and is_complete(prepare_dir):
-        table = read_shards(Path(prepare_dir) / "train", ["input_ids", "loss_mask", "source"]).slice(0, n).to_pylist()
-        return [(r["source"], segments(tokenizer, r["input_ids"], r["loss_mask"])) for r in table]
+        table = read_shards(Path(prepare_dir) / "train", ["input_ids", "loss_mask", "source"])
+        mix = read_manifest(Path(prepare_dir)).get("mix") or []
+        if not mix:
+            return [(r["source"], segments(tokenizer, r["input_ids"], r["loss_mask"])) for r in table.slice(0, n).to_pylist()]
+        sizes = [m["rows"] for m in mix]
+        order = epoch_samples(cfg.runner.seed, 0, [cfg.data.mix[m["source"]].weight for m in mix], sizes)[:n]
+        starts = np.cumsum([0, *sizes])
+        rows = table.take(order).to_pylist()
+        names = [mix[int(np.searchsorted(starts, i, side="right")) - 1]["source"] for i in order]
+        return [(f"{name}: {r['source']}", segments(tokenizer, r["input_ids"], r["loss_mask"])) for name, r in zip(names, rows)]
+    sources = plan_sources(cfg, "train", replay_file)
+    mix_of = {s.ref: s.mix for s in sources}
+    per_source = -(-n // max(len({s.mix for s in sources}), 1))  # the first rows of every source
+    taken: Counter = Counter()
     out: list = []
-    for items in ordered_results(_chunks(plan_sources(cfg)), Options.from_config(cfg), 1, tokenizer):
+    for items in ordered_results(_chunks(sources), Options.from_config(cfg), 1, tokenizer):
         for it in items:
-            if it.reason is None and it.split == "train":
-                out.append((it.source, segments(tokenizer, it.ids, it.mask)))
+            name = mix_of[it.file]
+            if it.reason is None and it.split == "train" and taken[name] < per_source:
+                taken[name] += 1
+                out.append((f"{name}: {it.source}" if cfg.data.mix else it.source, segments(tokenizer, it.ids, it.mask)))
                 if len(out) >= n:
                     return out
     return out

@@ -14,7 +14,8 @@ The version is tagged with fingerprints, data digest, config hash and accuracy;
   if_better  champion unless it is worse than the current champion by more than `registry.tolerance`
              on the primary set, both scored on this run's eval sets and compared item by item
              (the estimate, or the 95% interval's lower bound with `registry.decide_on: interval`);
-             otherwise the version becomes `challenger`
+             otherwise the version becomes `challenger`. A version registered before (an older config
+             run again) takes the alias back only when strictly better: a tie moves nothing
   never      no alias
 A set in `eval.sets` with `max_drop` guards promotion under `always` and `if_better`: a version
 whose accuracy on it fell more than that below the base model's (per the set's `decide_on`)
@@ -85,13 +86,18 @@ def champion_comparison(eval_metrics: dict, evaluate_dir: str, champion_dir: str
 
 def decide_alias(client, name: str, policy: str, vs: dict | None, primary: str, train_fp: str,
                  tolerance: float = 0.0, decide_on: str = "estimate",
-                 guards: list[str] | None = None) -> tuple[str | None, str]:
+                 guards: list[str] | None = None, reused: bool = False) -> tuple[str | None, str]:
     """(alias to set, why). `if_better` compares with the champion item by item on the primary set, both
-    scored on this run's eval sets (`vs`: `champion_comparison`'s entry), never with a stored accuracy."""
+    scored on this run's eval sets (`vs`: `champion_comparison`'s entry), never with a stored accuracy.
+    A new version that ties the champion takes the alias (a retrain on newer data moves forward); a
+    version registered before (`reused`: an older config run again) takes it back only when it is
+    strictly better, tolerance aside, so re-running or alternating configs moves nothing on a tie."""
     if policy == "never":
         return None, "registry.promote=never"
     if guards:
         return CHALLENGER, "held back by the retention guard: " + "; ".join(guards)
+    if policy == "always" and reused:
+        return None, "registered before; registry.promote=always moves the alias to new versions only"
     if policy == "always":
         return CHAMPION, "registry.promote=always"
     try:
@@ -105,12 +111,16 @@ def decide_alias(client, name: str, policy: str, vs: dict | None, primary: str, 
             "" if vs.get("train_fingerprint") == current.tags.get(RUN_TAG) else " of another training")
         return CHALLENGER, (f"champion v{current.version} was not compared in this run (the run compared with {seen}; "
                             "the alias moved after it was planned): run the flow again to compare with it")
-    if "delta_low" not in vs:  # a worker's own counts: no per-item records to pair
-        ok, on = vs["delta"] >= -tolerance - 1e-12, "estimate"
-        shown = f"{vs['delta']:+.3f} vs champion v{current.version}"
-    else:
-        ok, on = clears(vs, tolerance, decide_on), decide_on
-        shown = describe(vs, f"champion v{current.version}")
+    on = decide_on if "delta_low" in vs else "estimate"  # a worker's own counts: no per-item records to pair
+    shown = describe(vs, f"champion v{current.version}") if "delta_low" in vs else \
+        f"{vs['delta']:+.3f} vs champion v{current.version}"
+    if reused:
+        better = (vs["delta_low"] if on == "interval" else vs["delta"]) > 1e-12
+        return (CHAMPION, f"'{primary}' {shown}: registered before and better than the champion "
+                          f"(registry.decide_on={on})") if better else \
+            (None, f"'{primary}' {shown}: registered before and not better than the champion, so the alias stays "
+                   f"(a version registered earlier takes it back only when strictly better; registry.decide_on={on})")
+    ok = vs["delta"] >= -tolerance - 1e-12 if on == "estimate" else clears(vs, tolerance, decide_on)
     verdict = "not worse than" if ok else "worse than"
     return (CHAMPION if ok else CHALLENGER), (f"'{primary}' {shown}: {verdict} the champion by more than "
                                                f"{tolerance:g} (registry.decide_on={on})")
@@ -215,7 +225,7 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
     guards = failed_guards(eval_metrics)
     r, primary = cfg.registry, eval_metrics.get("primary_set", "val")
     alias, why = decide_alias(client, name, r.promote, (versus or {}).get(primary), primary, fingerprints["train"],
-                              r.tolerance, r.decide_on, guards)
+                              r.tolerance, r.decide_on, guards, reused=existing is not None)
     client.set_model_version_tag(name, version.version, TAG + "alias_reason", why)
     if "champion" in fingerprints or existing is None:
         # what this decision compared with: once the version is champion, planning finds this register

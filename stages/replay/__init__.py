@@ -1,7 +1,7 @@
 """replay: the base model answers a file of prompts; its kept answers become a training source.
 
-Contract (docs/data.md, "Replay"): the prompts (`replay.prompt_paths`, any chat format; the prompt is
-every turn before the last assistant reply) are answered greedily with the generation code evaluate
+Contract (docs/data.md, "Replay"): the prompts (`replay.prompt_paths`; rows as `chatdata.readers.to_prompt`
+reads them: messages, conversations, prompt or instruction, a trailing reply left out) are answered greedily with the generation code evaluate
 uses (`stages.runtime.generation`: batched, left-padded, `replay.max_new_tokens`), in this process or,
 with `actor.nproc_per_node` > 1, under torchrun as evaluate is. An answer is dropped, and counted by
 reason, when it is empty, cut off at `max_new_tokens` without an end token, or degenerate (one word
@@ -24,7 +24,7 @@ from typing import Callable
 
 from pydantic import BaseModel, ConfigDict
 
-from stages.chatdata.readers import RowError, iter_records, parse_record, to_conversations
+from stages.chatdata.readers import RowError, iter_records, parse_record, to_prompt
 from stages.core.artifacts import StageBuild
 from stages.core.config import REPLAY_PROMPTS, SFTConfig
 from stages.core.errors import StageError
@@ -49,25 +49,14 @@ class ReplaySpec(BaseModel):
     out_dir: str
 
 
-def prompt_of(messages: list[dict]) -> list[dict]:
-    """The turns the model answers: those before the last assistant reply, or all of them."""
-    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
-    turns = messages[:last] if last is not None else messages
-    if not turns or turns[-1]["role"] != "user":
-        raise RowError("no_user_turn", "the prompt must end with a user turn")
-    return turns
-
-
 def read_prompts(cfg: SFTConfig) -> tuple[list[dict], list[dict]]:
     """(prompts, unreadable rows): every row of the prompt files in order, as {source, prompt}."""
-    fmt = cfg.replay.format
     kept, bad = [], []
     for path in cfg.inputs()[REPLAY_PROMPTS]:
         for line, rec in iter_records(path, "val"):
             source = f"{path}:{line}"
             try:
-                for conv in to_conversations(parse_record(rec), fmt, cfg.data.columns):
-                    kept.append({"source": source, "prompt": prompt_of(conv)})
+                kept.append({"source": source, "prompt": to_prompt(parse_record(rec), cfg.data.columns)})
             except RowError as e:
                 bad.append({"source": source, "kept": False, "reason": "unreadable", "detail": f"{e.reason} {e.detail}"})
     return kept, bad

@@ -46,7 +46,7 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
     # keep_partial: an interrupted run's checkpoints are where runner.resume=auto continues from
     build = StageBuild(cfg.artifacts_path, "train", fp, keep_partial=True)
     val = Path(prepare_dir) / "val"  # absent when only named eval sets hold out data: no validation loss
-    mix = read_manifest(Path(prepare_dir)).get("mix") or []
+    mix = [{**m, "weight": cfg.data.mix[m["source"]].weight} for m in read_manifest(Path(prepare_dir)).get("mix") or []]
     spec = WorkerSpec(config=cfg, model_path=model_path, out_dir=str(build.partial),
                       train_dir=str(Path(prepare_dir) / "train"), val_dir=str(val) if val.is_dir() else None, mix=mix)
     spec_path = spec.write(build.partial / "spec.json")
