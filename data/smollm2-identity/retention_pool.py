@@ -470,8 +470,10 @@ def user_turns(name: str) -> list[tuple[str, str]]:
 def build() -> list[dict]:
     cand = {q: (kind, ref) for kind, q, ref in CANDIDATES}
     assert all(q in cand for q in RETENTION50), [q for q in RETENTION50 if q not in cand]
-    train = user_turns("train.jsonl")
-    taken = {normalize(q) for f in ("train.jsonl", "val.jsonl", "identity_eval.jsonl") for q, _ in user_turns(f)}
+    # what trains: the identity conversations and the replay stage's prompts (answered by the base model)
+    train = user_turns("train.jsonl") + user_turns("replay_prompts.jsonl")
+    taken = {normalize(q) for f in ("train.jsonl", "replay_prompts.jsonl", "val.jsonl", "identity_eval.jsonl")
+             for q, _ in user_turns(f)}
     # train questions with a short known answer (a candidate, or a replayed extra question): what a
     # pool question must not re-ask in other words
     known = _extra_refs()
