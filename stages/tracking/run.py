@@ -255,7 +255,8 @@ def find_or_create_run(cfg: SFTConfig, lineage: Lineage, extra_tags: dict[str, s
     return run_id, True
 
 
-def log_runtime_params(cfg: SFTConfig, run_id: str, runtime: dict, on_line: Callable[[str], None] = print) -> None:
+def log_runtime_params(cfg: SFTConfig, run_id: str, runtime: dict, on_line: Callable[[str], None] = print,
+                       prefix: str = "runtime.") -> None:
     """The settings the workers resolved (`runtime.json`: attention kernel, precision, ...) as
     `runtime.*` params beside the config's own `auto`. A resumed run that resolved differently (on
     another machine) keeps the first value: MLflow params are write-once. Reported, never raised."""
@@ -264,7 +265,7 @@ def log_runtime_params(cfg: SFTConfig, run_id: str, runtime: dict, on_line: Call
     try:
         client = MlflowClient(cfg.resolved_tracking_uri)
         have = client.get_run(run_id).data.params
-        new = [Param(f"runtime.{k}", str(v)) for k, v in runtime.items() if f"runtime.{k}" not in have]
+        new = [Param(f"{prefix}{k}", str(v)) for k, v in runtime.items() if f"{prefix}{k}" not in have]
         if new:
             client.log_batch(run_id, params=new)
     except Exception as e:  # noqa: BLE001 - tracking must never fail a trained model

@@ -59,6 +59,10 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
         runtime = json.loads(runtime_file.read_text()) if runtime_file.is_file() else {}
         if mlflow_run_id and runtime:
             log_runtime_params(cfg, mlflow_run_id, runtime, on_line)
+        mixture = describe([m["source"] for m in mix], [m["weight"] for m in mix], [m["rows"] for m in mix])
+        if mlflow_run_id and mixture:  # per source: rows, samples per epoch, passes
+            log_runtime_params(cfg, mlflow_run_id, {f"{m['source']}.{k}": m[k] for m in mixture
+                                                    for k in ("rows", "per_epoch", "passes")}, on_line, prefix="mix.")
     rows = read_metrics_file(metrics_file)
     if not (build.partial / "model").is_dir():
         raise TrainingFailed(f"train: torchrun finished but exported no model in {build.partial / 'model'}")
@@ -68,7 +72,6 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
                "val_loss": vals[-1]["val_loss"] if vals else None,
                "first_loss": rows[0]["loss"] if rows else None,
                "mean_tokens_per_s": sum(r["tokens_per_s"] for r in rows) / len(rows) if rows else None}
-    mixture = describe([m["source"] for m in mix], [m["weight"] for m in mix], [m["rows"] for m in mix])
     metrics.update({f"mix_{m['source']}_per_epoch": m["per_epoch"] for m in mixture})
     build.commit({"metrics": metrics, "model_dir": str(build.final / "model"), "base_model": model_path,
                   "mixture": mixture,
