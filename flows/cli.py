@@ -33,12 +33,25 @@ from flows.prefect_server import KeepSettingError, ServerDidNotStart, prefect_ap
 from stages.core.config import ConfigError, SFTConfig, default_tracking_uri, flatten, load_config
 from stages.core.errors import MissingUpstream, StageError
 from stages.evaluate.report import COLUMNS, table_cells
-from stages.pipeline import KEY_METRIC, STAGES, Plan, check_launch, check_memory, plan, require_upstream, train_memory
+from stages.pipeline import (KEY_METRIC, STAGES, Plan, check_launch, check_memory, plan, replay_file, require_upstream,
+                             train_memory)
 from stages.runtime.launcher import request_stop, stop_requested
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
-console = Console()
-err = Console(stderr=True)
+# A file or a pipe (CI, `make run > log`) has no width: rich would fit every table into 80 columns,
+# wrapping and clipping cells ("retention…"). There a table keeps every column and cell whole, one line
+# per row (a table is never wider than its content); an explicit COLUMNS still wins, as in rich.
+UNBOUNDED_WIDTH = 10_000
+RULE_WIDTH = 100  # a rule (`show --preview`) spans the console: not 10,000 characters in a log
+
+
+def _console(stderr: bool = False) -> Console:
+    c = Console(stderr=stderr)
+    return c if c.is_terminal or os.environ.get("COLUMNS") else Console(stderr=stderr, width=UNBOUNDED_WIDTH)
+
+
+console = _console()
+err = _console(stderr=True)
 
 ConfigOpt = typer.Option(..., "-c", "--config", help="YAML config, e.g. configs/default.yaml")
 OverridesArg = typer.Argument(None, help="dotted overrides, e.g. actor.optim.lr=1e-3")
@@ -197,7 +210,7 @@ def run(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
 
 
 @app.command()
-def stage(name: str = typer.Argument(..., help="prepare | baseline | champion | train | evaluate | register"),
+def stage(name: str = typer.Argument(..., help="replay | prepare | prepare_eval | baseline | champion | train | evaluate | register"),
           config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
           force: bool = typer.Option(False, "--force", help="re-run even if the stage folder is complete"),
           with_upstream: bool = typer.Option(False, "--with-upstream", help="first run upstream stages that are missing"),
@@ -263,20 +276,23 @@ def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg
 def _preview(cfg: SFTConfig, p, n: int) -> None:
     """What the model is trained on, as a careful user checks it by hand: from the prepared shards
     when prepare has run, else prepared on the fly from the first rows (nothing is written)."""
+    from rich.rule import Rule
     from rich.text import Text
     from stages.models.base import resolve_model  # may build a builtin model (torch) on first use
     from stages.prepare.stage import preview_samples  # tokenizers: only for --preview
     try:
-        samples = preview_samples(cfg, p.folder("prepare"), resolve_model(cfg, p.fingerprints["models"]), n)
+        # a damaged prepare folder is not read (the flow rebuilds it): prepared on the fly instead
+        prepared = p.folder("prepare") if p.status("prepare") == "complete" else None
+        samples = preview_samples(cfg, prepared, resolve_model(cfg, p.fingerprints["models"]), n, replay_file(p))
     except (StageError, ConfigError) as e:
         _fail(str(e), 1)
     for source, segments in samples:
-        console.rule(escape(source), style="dim")
+        console.print(Rule(escape(source), style="dim"), width=min(console.width, RULE_WIDTH))
         text = Text()
         for piece, trainable in segments:
             text.append(piece, style="bold black on green" if trainable else "dim")
         console.print(text, soft_wrap=True)
-    where = "prepared shards" if p.status("prepare") == "complete" else "first rows, prepared on the fly"
+    where = "prepared shards" if prepared is not None else "first rows, prepared on the fly"
     console.print(f"{len(samples)} sample(s) from the {where}; [bold black on green]highlighted[/] = trained "
                   f"(data.loss_on={cfg.data.loss_on})", highlight=False)
 

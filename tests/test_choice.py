@@ -1,8 +1,9 @@
 """Log-likelihood multiple choice (stages/evaluate/choice.py), checked against an independent
 reference: each (prompt, option) run alone, unpadded, its option log-probs summed by a Python loop
-over raw logits. Batched = naive at several batch sizes; picks and accuracies under both rules
-equal the naive ones; rank slicing gives the same result for 1, 2 and 3 processes; the two rules
-can disagree; an option with no tokens is an error naming its row."""
+over raw logits. Batched = naive at several batch sizes; picks and accuracies under the three rules
+(lm-eval's acc, acc_norm = per character, acc_bytes = per UTF-8 byte) equal the naive ones; rank
+slicing gives the same result for 1, 2 and 3 processes; the rules can disagree (per character and
+per byte on non-ASCII options); an option with no tokens is an error naming its row."""
 
 import copy
 
@@ -95,28 +96,35 @@ def test_option_logprobs_equal_the_naive_loop(lm, naive, batch_size):
     assert sum(len(r["choices"]) for r in ROWS) % batch_size or batch_size == 1  # a ragged last batch
 
 
-@pytest.mark.parametrize("normalize", ["sum", "bytes"])
+def naive_scores(rule: str, row: dict, opts: list[tuple[float, int, int]]) -> list[float]:
+    """lm-eval's process_results: lls (acc), lls / len(choice) (acc_norm), lls / UTF-8 bytes (acc_bytes)."""
+    lengths = {"sum": [1] * len(opts), "chars": [len(c) for c in row["choices"]],
+               "bytes": [len(c.encode("utf-8")) for c in row["choices"]]}[rule]
+    return [lp / n for (lp, _, _), n in zip(opts, lengths)]
+
+
+RULES = ["sum", "chars", "bytes"]
+
+
+@pytest.mark.parametrize("normalize", RULES)
 def test_picks_and_accuracy_equal_the_naive_picks(lm, naive, normalize):
     model, tok = lm
     rows = rows_with_answers(naive)
     metrics, records = choice_scores(model, tok, rows, 0, 1, batch_size=3, normalize=normalize)
-    by_sum = [naive_pick([lp for lp, _, _ in opts]) for opts in naive]
-    by_bytes = [naive_pick([lp / b for lp, _, b in opts]) for opts in naive]
-    picks = by_sum if normalize == "sum" else by_bytes
+    by = {rule: [naive_pick(naive_scores(rule, r, opts)) for r, opts in zip(rows, naive)] for rule in RULES}
+    picks = by[normalize]
     answers = [r["answer"] for r in rows]
     assert [r["picked"] for r in records] == picks
     assert [r["prediction"] for r in records] == [r["choices"][p] for r, p in zip(rows, picks)]
     assert [r["correct"] for r in records] == [p == a for p, a in zip(picks, answers)]
-    for rec, opts in zip(records, naive):
-        want = [lp if normalize == "sum" else lp / b for lp, _, b in opts]
-        assert rec["logprobs"] == pytest.approx(want, abs=1e-4)
+    for rec, row, opts in zip(records, rows, naive):
+        assert rec["logprobs"] == pytest.approx(naive_scores(normalize, row, opts), abs=1e-4)
     n = len(rows)
-    acc_sum = sum(p == a for p, a in zip(by_sum, answers)) / n
-    acc_bytes = sum(p == a for p, a in zip(by_bytes, answers)) / n
-    assert 0 < acc_sum < 1
-    assert metrics == {"accuracy": acc_sum if normalize == "sum" else acc_bytes,
-                       "correct": sum(p == a for p, a in zip(picks, answers)), "total": n,
-                       "accuracy_sum": acc_sum, "accuracy_bytes": acc_bytes, "mode": "choice"}
+    acc = {rule: sum(p == a for p, a in zip(by[rule], answers)) / n for rule in RULES}
+    assert 0 < acc["sum"] < 1
+    assert metrics == {"accuracy": acc[normalize], "correct": sum(p == a for p, a in zip(picks, answers)), "total": n,
+                       "accuracy_sum": acc["sum"], "accuracy_chars": acc["chars"], "accuracy_bytes": acc["bytes"],
+                       "mode": "choice"}
     assert set(records[0]) == {"source", "prompt", "reference", "choices", "answer", "prediction", "picked",
                                "correct", "logprobs"}
     _, named = choice_scores(model, tok, rows[:2], 0, 1, batch_size=3, set_name="arc")
@@ -167,6 +175,65 @@ def test_sum_and_bytes_rules_can_pick_differently(lm):
     assert (m_sum["accuracy"], m_bytes["accuracy"]) == (0.0, 1.0)
     assert m_sum["accuracy_sum"] == m_bytes["accuracy_sum"] == 0.0
     assert m_sum["accuracy_bytes"] == m_bytes["accuracy_bytes"] == 1.0
+
+
+NON_ASCII = [
+    {"prompt": user("What is the capital of Colombia?"), "choices": ["Bogotá", "Medellín", "Lima", "Bogota", "Cali"]},
+    {"prompt": user("中国的首都是哪里？"), "choices": ["北京", "上海", "Beijing", "It is Beijing.", "东京"]},
+    {"prompt": user("How do you say thank you in Japanese?"),
+     "choices": ["ありがとう", "arigatou", "すみません", "thanks", "ありがとうございます"]},
+]
+
+
+def test_chars_and_bytes_rules_on_non_ascii_options_equal_lm_evals_rules(lm):
+    """acc_norm divides by len(str), acc_bytes by UTF-8 bytes: on options beyond ASCII ("北京" is 2
+    characters, 6 bytes) they rank differently. Rows: the three above plus, per prompt, a pair
+    found from the naive numbers on which the two rules disagree; each rule's picks, scores and
+    accuracy equal lm-eval's formulas applied to the naive log-likelihoods."""
+    model, tok = lm
+    assert [(len(o), len(o.encode("utf-8"))) for o in ("Bogotá", "北京", "ありがとう")] == [(6, 7), (2, 6), (5, 15)]
+    rows = [copy.deepcopy(r) for r in NON_ASCII]
+    pool = sorted({o for r in NON_ASCII for o in r["choices"]})
+    for r in NON_ASCII:
+        scored = {o: naive_logprob(model, tok, r["prompt"], o) for o in pool}
+        pair = next(([a, b] for a in pool for b in pool
+                     if scored[a][0] / len(a) > scored[b][0] / len(b)
+                     and scored[a][0] / len(a.encode()) < scored[b][0] / len(b.encode())), None)
+        if pair is not None:
+            rows.append({"prompt": r["prompt"], "choices": pair})
+    naive = [[naive_logprob(model, tok, r["prompt"], o) for o in r["choices"]] for r in rows]
+    by = {rule: [naive_pick(naive_scores(rule, r, opts)) for r, opts in zip(rows, naive)] for rule in RULES}
+    assert len(rows) > len(NON_ASCII) and any(c != b for c, b in zip(by["chars"], by["bytes"]))
+    for i, r in enumerate(rows):  # the answer: the per-character pick, but on row 1 neither rule's
+        answer = by["chars"][i] if i != 1 else min({0, 1, 2} - {by["chars"][i], by["bytes"][i]})
+        r.update(answer=answer, source=f"n{i}", reference=r["choices"][answer])
+    answers = [r["answer"] for r in rows]
+    acc = {rule: sum(p == a for p, a in zip(by[rule], answers)) / len(rows) for rule in RULES}
+    for rule in RULES:
+        metrics, records = choice_scores(model, tok, rows, 0, 1, batch_size=4, normalize=rule)
+        assert [rec["picked"] for rec in records] == by[rule], rule
+        for rec, r, opts in zip(records, rows, naive):
+            assert rec["logprobs"] == pytest.approx(naive_scores(rule, r, opts), abs=1e-4)
+        assert {k: metrics[k] for k in ("accuracy", "accuracy_sum", "accuracy_chars", "accuracy_bytes")} == \
+            {"accuracy": acc[rule], "accuracy_sum": acc["sum"], "accuracy_chars": acc["chars"],
+             "accuracy_bytes": acc["bytes"]}
+    assert acc["bytes"] < acc["chars"] < 1
+
+
+@pytest.mark.parametrize("value, rule", [(False, "sum"), ("chars", "chars"), ("bytes", "bytes"), (True, "bytes")])
+def test_length_normalized_names_the_rule(tmp_path, value, rule):
+    """`length_normalized: true` keeps meaning per UTF-8 byte, as it did before `chars` existed; the
+    CLI's dotted override reads the same way."""
+    raw = tiny_config_dict(tmp_path, n_train=8, n_val=2)
+    raw["eval"]["sets"] = {"mc": {"data_paths": [raw["data"]["val_data_paths"][0]], "mode": "choice",
+                                  "length_normalized": value}}
+    assert load_config(write_config(tmp_path, raw)).eval.sets["mc"].choice_rule == rule
+    del raw["eval"]["sets"]["mc"]["length_normalized"]
+    path = write_config(tmp_path, raw)
+    assert load_config(path).eval.sets["mc"].choice_rule == "sum"
+    assert load_config(path, [f"eval.sets.mc.length_normalized={str(value).lower()}"]).eval.sets["mc"].choice_rule == rule
+    with pytest.raises(Exception, match="length_normalized"):
+        load_config(path, ["eval.sets.mc.length_normalized=tokens"])
 
 
 def test_ties_go_to_the_lowest_index():

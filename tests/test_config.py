@@ -71,6 +71,17 @@ def test_cli_reports_config_errors_with_exit_code_2(tmp_path):
         assert not (tmp_path / "artifacts" / "train").exists()
 
 
+def test_a_folder_as_the_config_is_named_a_folder(tmp_path):
+    with pytest.raises(ConfigError, match=rf"config '{tmp_path}' is a folder, not a config file"):
+        load_config(tmp_path)
+    with pytest.raises(ConfigError, match="config file '.*missing.yaml' not found"):
+        load_config(tmp_path / "missing.yaml")
+    proc = sftflow("run", "-c", str(tmp_path), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == f"error: config '{tmp_path}' is a folder, not a config file (e.g. configs/default.yaml)"
+    assert not (tmp_path / "artifacts").exists()
+
+
 def test_stage_without_upstream_names_the_command_to_run(tmp_path):
     path = write_config(tmp_path, tiny_config_dict(tmp_path))
     proc = sftflow("stage", "evaluate", "-c", str(path), cwd=tmp_path, timeout=120)

@@ -12,10 +12,19 @@ The option's log-likelihood is sum_t log_softmax(logits[t-1])[id_t] over the opt
 in float32 (whatever the model's dtype). Sequences run in batches of `batch_size`, right-padded
 with an attention mask, so real tokens keep positions 0..n-1 and never see a pad.
 
-Picking: rule "sum" takes the option with the highest summed log-likelihood (lm-eval's `acc`);
-rule "bytes" divides each sum by the option's length in UTF-8 bytes first (lm-eval's `acc_norm`).
-Ties go to the lowest option index. Both accuracies are reported (`accuracy_sum`,
-`accuracy_bytes`); `accuracy` is the one `normalize` names.
+Picking, with lm-evaluation-harness' names for the same numbers (its `process_results` for
+multiple_choice): rule "sum" takes the option with the highest summed log-likelihood (lm-eval's
+`acc`); rule "chars" divides each sum by the option's length in characters, `len(option)`, first
+(lm-eval's `acc_norm`); rule "bytes" divides by its length in UTF-8 bytes (lm-eval's `acc_bytes`).
+The lengths are the option text's, never its tokens'. Ties go to the lowest option index. All three
+accuracies are reported (`accuracy_sum`, `accuracy_chars`, `accuracy_bytes`); `accuracy` is the one
+`normalize` names.
+
+One difference in the raw log-likelihoods: lm-eval moves a context's trailing whitespace into the
+continuation (`_encode_pair`), so after a generation prompt that ends in a newline it scores that
+newline with each option. When the newline is a token of its own, that adds log p(newline | prompt)
+to every option of an item alike: `acc` picks the same option; the normalized rules divide that
+constant by different lengths, so their picks can differ from lm-eval's in near-ties.
 
 Exactness across processes, as in runner.py: rank r of W scores the contiguous slice
 `rank_slice(n, r, W)`; records and counts are gathered in rank order (= the original order) and
@@ -29,7 +38,7 @@ import torch
 
 from stages.runtime.distributed import add_up, gather
 
-NORMALIZATIONS = ("sum", "bytes")
+NORMALIZATIONS = ("sum", "chars", "bytes")  # lm-eval: acc, acc_norm, acc_bytes
 
 
 def _encode(tok, prompts: list[list[dict]], options: list[list[str]], first_row: int):
@@ -119,8 +128,9 @@ def choice_scores(model, tok, rows: list[dict], rank: int, world: int, batch_siz
                   set_name: str | None = None) -> tuple[dict, list[dict]]:
     """Multiple-choice accuracy on this rank's slice, gathered and summed over ranks (as
     runner.generation_scores). Rows: `prompt` (chat messages), `choices` (list of strings),
-    `answer` (index of the right choice), `source`, `reference`. `normalize`: "sum" or "bytes"
-    decides `accuracy` and each record's `logprobs`/`picked`; both accuracies are reported."""
+    `answer` (index of the right choice), `source`, `reference`. `normalize`: "sum", "chars" or
+    "bytes" decides `accuracy` and each record's `logprobs`/`picked`; all three accuracies are
+    reported."""
     if normalize not in NORMALIZATIONS:
         raise ValueError(f"choice_scores: normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
     from .runner import rank_slice  # here, not at the top: runner may import this module
@@ -131,26 +141,27 @@ def choice_scores(model, tok, rows: list[dict], rank: int, world: int, batch_siz
     lps = option_logprobs(model, tok, [s["prompt"] for s in mine], [s["choices"] for s in mine], batch_size,
                           first_row=r.start)
     records = []
-    sums = {"correct": 0, "correct_sum": 0, "correct_bytes": 0, "total": 0}
+    sums = {"correct": 0, **{f"correct_{rule}": 0 for rule in NORMALIZATIONS}, "total": 0}
     for s, opts in zip(mine, lps):
-        by_sum = [lp for lp, _, _ in opts]
-        by_bytes = [lp / nbytes for lp, _, nbytes in opts]
-        pick_sum, pick_bytes = pick(by_sum), pick(by_bytes)
-        used, picked = (by_sum, pick_sum) if normalize == "sum" else (by_bytes, pick_bytes)
+        scores = {"sum": [lp for lp, _, _ in opts],
+                  "chars": [lp / len(text) for (lp, _, _), text in zip(opts, s["choices"])],
+                  "bytes": [lp / nbytes for lp, _, nbytes in opts]}
+        picks = {rule: pick(v) for rule, v in scores.items()}
+        used, picked = scores[normalize], picks[normalize]
         correct = picked == s["answer"]
         records.append({**({"set": set_name} if set_name is not None else {}), "source": s["source"],
                         "prompt": s["prompt"], "reference": s["reference"], "choices": s["choices"],
                         "answer": s["answer"], "prediction": s["choices"][picked], "picked": picked,
                         "correct": correct, "logprobs": used})
         sums["correct"] += int(correct)
-        sums["correct_sum"] += int(pick_sum == s["answer"])
-        sums["correct_bytes"] += int(pick_bytes == s["answer"])
+        for rule, p in picks.items():
+            sums[f"correct_{rule}"] += int(p == s["answer"])
         sums["total"] += 1
     parts = gather({"records": records, "sums": sums})
     records = [x for part in parts for x in part["records"]]  # rank order = the original order
     total = add_up([part["sums"] for part in parts])
     n = total["total"]
     metrics = {"accuracy": total["correct"] / n if n else 0.0, "correct": int(total["correct"]), "total": int(n),
-               "accuracy_sum": total["correct_sum"] / n if n else 0.0,
-               "accuracy_bytes": total["correct_bytes"] / n if n else 0.0, "mode": "choice"}
+               **{f"accuracy_{rule}": total[f"correct_{rule}"] / n if n else 0.0 for rule in NORMALIZATIONS},
+               "mode": "choice"}
     return metrics, records

@@ -168,7 +168,7 @@ def multiple_choice_scores(cfg: SFTConfig, model, tok, rows: list[dict], rank: i
                               "`sftflow stage prepare --force -c <config>`")
     try:
         metrics, records = choice_scores(model, tok, rows, rank, world, cfg.eval.batch_size,
-                                         "bytes" if cfg.eval.sets[set_name].length_normalized else "sum", set_name)
+                                         cfg.eval.sets[set_name].choice_rule, set_name)
     except ValueError as e:
         raise EvaluationError(f"evaluate: eval set '{set_name}': {e}") from None
     r = rank_slice(len(rows), rank, world)
