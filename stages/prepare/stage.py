@@ -204,6 +204,9 @@ def run_prepare(cfg: SFTConfig, fp: str, model_path: str, part: str = "train", r
     metrics = {f"{s}_{k}": v for s, st in splits.items() for k, v in st.items()
                if isinstance(v, int) and s in ("train", "val")}  # named eval sets: in `splits`
     metrics.update({f"mix_{m['source']}_rows": m["rows"] for m in mix})
+    if part == "eval":  # every named set's rows (each set's counts: in `splits`)
+        metrics.update(rows_kept=sum(st.rows_kept for st in stats.values()),
+                       rows_dropped=sum(sum(st.dropped.values()) for st in stats.values()))
     build.commit({"metrics": metrics, "splits": splits, "model_path": model_path, "mix": mix,
                   "sources": [{k: v for k, v in s.__dict__.items() if k != "columns"} for s in sources],
                   "inputs": {s: [x.ref for x in sources if x.split == s or (x.split == "auto" and s in ("train", "val"))]
