@@ -154,3 +154,30 @@ def test_two_processes_under_torchrun_answer_as_one(replayed):
     two = run_stage(p, "replay", on_line=lambda line: None)
     assert (Path(two.path) / "replay.log").is_file()  # it ran under torchrun
     assert (Path(two.path) / "answers.jsonl").read_text() == replayed["answers_text"]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("prefect_api")
+def test_a_two_trial_sweep_runs_the_replay_stage_once_and_both_trials_train_on_it(replayed):
+    """The replay folder is a shared stage of a sweep: one folder for both trials, built once (its
+    manifest written before the sweep started is left as it was), and the one prepare folder both
+    trials train on holds its kept answers as the `replay` source."""
+    from conftest import sftflow
+    raw = json.loads(json.dumps(replayed["raw"]))
+    raw["runner"].update(max_steps=2)
+    raw["actor"].update(global_batch_size=8)
+    cfg_path = write_config(replayed["tmp"], raw, "sweep.yaml")
+    replay_manifest = Path(replayed["result"].path) / "manifest.json"
+    stamp = replay_manifest.stat().st_mtime_ns
+    proc = sftflow("sweep", "-c", str(cfg_path), "actor.optim.lr=1e-3,2e-3", cwd=replayed["tmp"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    art = replayed["tmp"] / "artifacts"
+
+    def folders(stage):
+        return [d for d in (art / stage).iterdir() if not d.name.startswith(".")]
+    assert folders("replay") == [Path(replayed["result"].path)] and replay_manifest.stat().st_mtime_ns == stamp
+    trains = [json.loads((d / "manifest.json").read_text()) for d in folders("train")]
+    assert len(trains) == 2 and len({t["prepare_dir"] for t in trains}) == 1
+    prepared = json.loads((Path(trains[0]["prepare_dir"]) / "manifest.json").read_text())
+    assert [s["ref"] for s in prepared["sources"] if s["mix"] == "replay"] == [str(Path(replayed["result"].path) / "conversations.jsonl")]
+    assert all(t["metrics"]["mix_replay_per_epoch"] > 0 for t in trains)
