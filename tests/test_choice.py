@@ -262,3 +262,104 @@ def test_a_bf16_model_scores_in_float32(lm, naive):
         for (g_lp, g_n, g_b), (n_lp, n_n, n_b) in zip(g_row, n_row):
             assert isinstance(g_lp, float) and (g_n, g_b) == (n_n, n_b)
             assert g_lp == pytest.approx(n_lp, rel=0.1, abs=0.5)  # bf16 weights, float32 log_softmax
+
+
+# --------------------------------------------------------------------------- one prompt forward per item
+# option_logprobs runs each prompt once and scores its options from the prompt's KV cache. Checked
+# against the naive loop above (one unpadded forward per option, an independent reference) and
+# against the one-pass-per-option path (`share_prompts=False`, the fallback). Tolerance: 1e-5
+# absolute, or 2e-6 relative on these random-weight log-likelihoods of up to ~-300 (float32's
+# spacing at 290 is 3e-5; the one-pass path itself moves by 2e-5 between batch sizes there).
+MIXED = ROWS + NON_ASCII
+TOL = {"rel": 2e-6, "abs": 1e-5}
+
+
+@pytest.fixture(scope="module")
+def naive_mixed(lm):
+    model, tok = lm
+    return [[naive_logprob(model, tok, r["prompt"], o) for o in r["choices"]] for r in MIXED]
+
+
+def spy_shared(monkeypatch) -> list:
+    """Results of each _logprobs_shared_prompt call (None = it declined the model)."""
+    calls, real = [], choice._logprobs_shared_prompt
+    monkeypatch.setattr(choice, "_logprobs_shared_prompt", lambda *a: calls.append(real(*a)) or calls[-1])
+    return calls
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 3, 5, 8, 64])
+def test_one_prompt_forward_equals_a_forward_per_option(lm, naive_mixed, monkeypatch, batch_size):
+    model, tok = lm
+    prompts, options = [r["prompt"] for r in MIXED], [r["choices"] for r in MIXED]
+    calls = spy_shared(monkeypatch)
+    shared = option_logprobs(model, tok, prompts, options, batch_size)
+    assert len(calls) == 1 and calls[0] is not None  # the shared path ran
+    per_option = option_logprobs(model, tok, prompts, options, batch_size, share_prompts=False)
+    assert len(calls) == 1
+    for s_row, o_row, n_row in zip(shared, per_option, naive_mixed):
+        assert [(n, b) for _, n, b in s_row] == [(n, b) for _, n, b in o_row] == [(n, b) for _, n, b in n_row]
+        for (s, _, _), (o, _, _), (n, _, _) in zip(s_row, o_row, n_row):
+            assert isinstance(s, float) and s == pytest.approx(o, **TOL) and s == pytest.approx(n, **TOL)
+    for rule in RULES:  # every rule picks as the naive loop and as the one-pass path
+        for row, s_row, o_row, n_row in zip(MIXED, shared, per_option, naive_mixed):
+            want = naive_pick(naive_scores(rule, row, n_row))
+            assert naive_pick(naive_scores(rule, row, s_row)) == naive_pick(naive_scores(rule, row, o_row)) == want
+
+
+@pytest.mark.parametrize("world, batch_size", [(1, 3), (2, 1), (2, 8)])
+def test_one_prompt_forward_under_one_and_two_ranks(lm, naive_mixed, monkeypatch, world, batch_size):
+    """Each rank of W scores its rank_slice with the shared path; the last rank is handed every
+    rank's part (as all_gather_object would) and returns records that carry the naive loop's picks
+    and scores under every rule."""
+    model, tok = lm
+    rows = []
+    for i, (r, opts) in enumerate(zip(MIXED, naive_mixed)):
+        answer = naive_pick([lp for lp, _, _ in opts]) if i % 2 == 0 else 0
+        rows.append({**copy.deepcopy(r), "answer": answer, "source": f"m{i}", "reference": r["choices"][answer]})
+    calls = spy_shared(monkeypatch)
+    for rule in RULES:
+        parts = []
+        monkeypatch.setattr(choice, "gather", lambda obj, parts=parts: parts.append(obj) or list(parts))
+        for rank in range(world):
+            metrics, records = choice_scores(model, tok, rows, rank, world, batch_size=batch_size, normalize=rule)
+        assert [len(p["records"]) for p in parts] == [len(range(r * len(rows) // world, (r + 1) * len(rows) // world))
+                                                      for r in range(world)]
+        want = [naive_pick(naive_scores(rule, r, opts)) for r, opts in zip(rows, naive_mixed)]
+        assert [rec["picked"] for rec in records] == want, rule
+        for rec, r, opts in zip(records, rows, naive_mixed):
+            assert rec["logprobs"] == pytest.approx(naive_scores(rule, r, opts), **TOL)
+        assert metrics["accuracy"] == sum(p == r["answer"] for p, r in zip(want, rows)) / len(rows)
+    assert len(calls) == 3 * world and all(c is not None for c in calls)
+
+
+class OwnModel(torch.nn.Module):
+    """A model of one's own around the tiny one: logits only, no cache."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+
+
+def test_models_without_a_shareable_cache_take_a_forward_per_option(lm, naive_mixed, monkeypatch):
+    """A non-Transformers model is never offered the shared path; a Transformers model whose cache is
+    not a plain DynamicCache (here: sliding-window layers) is declined after its first prompt batch.
+    Both score one forward per option, equal to the naive loop."""
+    model, tok = lm
+    prompts, options = [r["prompt"] for r in MIXED], [r["choices"] for r in MIXED]
+    calls = spy_shared(monkeypatch)
+    own = option_logprobs(OwnModel(model), tok, prompts, options, 4)
+    assert calls == []
+    cfg = copy.deepcopy(model.config)
+    cfg.use_sliding_window, cfg.sliding_window, cfg.max_window_layers = True, 4096, 0
+    cfg.layer_types = ["sliding_attention"] * cfg.num_hidden_layers
+    sliding = type(model)(cfg).eval()
+    sliding.load_state_dict(model.state_dict())
+    slid = option_logprobs(sliding, tok, prompts, options, 4)
+    assert calls == [None]  # offered, declined
+    for got in (own, slid):
+        for g_row, n_row in zip(got, naive_mixed):
+            for (g, g_n, g_b), (n, n_n, n_b) in zip(g_row, n_row):
+                assert (g_n, g_b) == (n_n, n_b) and g == pytest.approx(n, **TOL)

@@ -91,8 +91,8 @@ def test_lora_trainable_count_equals_peft_own(builtin, targets):
 
 def _saved_bytes(model, **inputs) -> int:
     """Bytes of the distinct storages autograd keeps for backward (its saved-tensor hooks) in one
-    forward and the token loss, as the worker computes it."""
-    from stages.runtime.loss import token_loss_sum
+    forward and the token loss, as the worker computes it (every position trained)."""
+    from stages.runtime.loss import model_loss
     seen: dict[int, int] = {}
 
     def pack(t):
@@ -100,15 +100,17 @@ def _saved_bytes(model, **inputs) -> int:
         seen.setdefault(s.data_ptr(), s.nbytes())
         return t
 
+    sums = None
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        token_loss_sum(model(**inputs, use_cache=False).logits, inputs["input_ids"])
+        sums = model_loss(model, inputs, inputs["input_ids"])
+    assert sums.chunked  # the worker's path: output head and loss chunked over the trained positions
     return sum(seen.values())
 
 
 @pytest.mark.parametrize("shape", ["padded", "packed"])
 def test_activation_estimate_matches_what_autograd_saves(builtin, shape):
-    """The per-layer derivation (Arch.layer_bytes_per_token, the mask, the loss' log-probabilities)
-    against the tensors autograd keeps on the builtin model, fp32 SDPA on CPU: within 3%."""
+    """The per-layer derivation (Arch.layer_bytes_per_token, the mask, the loss' gathered hidden
+    states) against the tensors autograd keeps on the builtin model, fp32 SDPA on CPU: within 3%."""
     from transformers import AutoModelForCausalLM
     folder = builtin
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
@@ -125,9 +127,20 @@ def test_activation_estimate_matches_what_autograd_saves(builtin, shape):
         batch = mp.Batch(1, 1024, "test")
     measured = _saved_bytes(model, **inputs)
     plan_ = mp.estimate(arch, world=1, precision="fp32", batch=batch, checkpointing=False, attn_implementation="sdpa")
-    # activations_full also counts the two T x vocab fp32 gradients backward adds: not saved tensors
-    saved = plan_.activations_full - 8 * batch.tokens * arch.vocab
+    # activations_full also counts the loss' transient (one chunk's logits and gradients): not saved tensors
+    saved = plan_.activations_full - mp.loss_bytes(arch, batch.tokens, 4)[1]
     assert abs(saved / measured - 1) < 0.03, (saved, measured)
+
+
+def test_the_plan_counts_the_chunk_the_loss_runs():
+    """memory_plan imports no torch, so it repeats loss.py's chunk size; and the loss term grows with
+    the chunk, not with the micro-batch, once the micro-batch is longer than a chunk."""
+    from stages.runtime.loss import LOSS_CHUNK
+    assert mp.LOSS_CHUNK == LOSS_CHUNK
+    arch = mp.Arch.from_hf_config(SMOLLM2)
+    (kept_4k, peak_4k), (kept_8k, peak_8k) = mp.loss_bytes(arch, 4096, 4), mp.loss_bytes(arch, 8192, 4)
+    assert kept_8k == 2 * kept_4k and peak_8k - peak_4k == 4096 * arch.hidden * 4  # only the gathered rows' gradient
+    assert peak_4k < 4096 * arch.vocab * 12 / 3  # the full logits' log-probabilities and two gradients, / 3
 
 
 def test_longest_micro_batch_bounds_every_micro_batch_the_sampler_cuts():

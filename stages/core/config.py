@@ -138,6 +138,9 @@ class ActorConfig(_Section):
         None, description="FSDP2: free gathered weights after each forward (least memory) or keep them "
                           "through backward and the step's micro-batches (least communication); "
                           "default: keep on CPU (gloo), free on GPU")
+    loss: Literal["ce", "dft"] = Field(
+        "ce", description="the token loss: ce = cross-entropy; dft = Dynamic Fine-Tuning (arXiv 2508.05629), each "
+                          "trained token's cross-entropy weighted by its own probability, detached")
     kl_to_base: float = Field(0.0, ge=0, description="LoRA: adds this weight x KL(base || tuned) over the trained "
                                                       "tokens to the loss, the base being the model with its adapters "
                                                       "off; keeps its answers near the base model's")
@@ -205,8 +208,6 @@ class ReplayConfig(_Section):
     `replay` source (docs/data.md, "Replay")."""
 
     prompt_paths: list[str] = Field(min_length=1, json_schema_extra={"fingerprint": False})  # contents are hashed
-    format: FORMATS = Field("auto", description="the prompt files' format; the prompt is every turn before the "
-                                                "last assistant reply (all turns when there is none)")
     max_new_tokens: int = Field(128, ge=1)
     batch_size: int = Field(16, ge=1)
     max_repeats: int = Field(3, ge=2, description="an answer repeating one word 4-gram this many times is degenerate")

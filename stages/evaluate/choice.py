@@ -9,8 +9,18 @@ Tokenization (one definition, used for every model):
     leading space added: after a chat template's generation prompt the reply starts fresh;
   * sequence = context ids + option ids. An option that tokenizes to no tokens is a ValueError.
 The option's log-likelihood is sum_t log_softmax(logits[t-1])[id_t] over the option's positions t,
-in float32 (whatever the model's dtype). Sequences run in batches of `batch_size`, right-padded
-with an attention mask, so real tokens keep positions 0..n-1 and never see a pad.
+in float32 (whatever the model's dtype).
+
+One prompt forward per item (`_logprobs_shared_prompt`): the context ids but the last run once, in
+batches of `batch_size` items, right-padded with an attention mask; each option then runs as
+[last context id] + option ids from a copy of its item's KV cache, at positions len(context) - 1...,
+in batches of `batch_size` option rows. Token ids and positions are exactly the sequence's, so the
+log-likelihoods are those of one forward of context + option, up to float rounding (tests: 1e-5, or
+2e-6 relative). Real tokens keep positions 0..n-1 and never see a pad. A model whose forward does
+not take a cache and position ids, whose class is not Transformers' own (remote code, a worker's
+own model), or whose cache is not a plain DynamicCache (sliding-window, linear-attention layers),
+and any call with a one-token context, take one forward of context + option per option instead
+(`_logprobs_one_pass_per_option`, the code before; `share_prompts=False` forces it).
 
 Picking, with lm-evaluation-harness' names for the same numbers (its `process_results` for
 multiple_choice): rule "sum" takes the option with the highest summed log-likelihood (lm-eval's
@@ -33,6 +43,8 @@ differ by float rounding between batch compositions, far below any realistic mar
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 
@@ -69,23 +81,100 @@ def _device(model) -> torch.device:
     return dev if isinstance(dev, torch.device) else next(model.parameters()).device
 
 
-@torch.no_grad()
-def option_logprobs(model, tok, prompts: list[list[dict]], options: list[list[str]], batch_size: int, *,
-                    first_row: int = 0) -> list[list[tuple[float, int, int]]]:
-    """For each prompt and each of its options: (sum of the option tokens' log-probs given the
-    rendered prompt, number of option tokens, option length in UTF-8 bytes). See the module doc for
-    the tokenization. `first_row` only numbers rows in error messages (row = first_row + index)."""
-    if batch_size < 1:
-        raise ValueError(f"option_logprobs: batch_size must be >= 1, got {batch_size}")
-    encoded = _encode(tok, prompts, options, first_row)
+def _shares_prompts(model) -> bool:
+    """Whether `model` takes the shared-prompt path: a Transformers class of Transformers' own (not
+    remote code, not a worker's own module) whose forward takes a cache and position ids."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    if not isinstance(model, PreTrainedModel) or not type(model).__module__.startswith("transformers."):
+        return False
+    params = inspect.signature(model.forward).parameters
+    return _cache_arg(model) is not None and all(p in params for p in ("attention_mask", "position_ids"))
+
+
+def _cache_arg(model) -> str | None:
+    """The forward's name for a KV cache: `cache` (Transformers >= 5.2x) or `past_key_values`."""
+    params = inspect.signature(model.forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
+
+
+def _logprobs_shared_prompt(model, encoded, batch_size: int, pad_id: int, device) -> list[list[float]] | None:
+    """Option log-likelihoods with one forward per prompt: the prefix `context[:-1]` of up to
+    `batch_size` items runs once, right-padded, and its KV cache (a DynamicCache) is copied to each
+    option row, which then runs `[context[-1]] + option ids` at positions len(prefix)... The token
+    ids and their positions are exactly the one-pass sequence's (context ids + option ids), so
+    every logit is the same up to float rounding. Option rows run in batches of `batch_size`, each
+    with the cache of its own item selected (cut to the longest prefix among them); pads left in a
+    shorter prefix sit between it and the option and are masked out.
+    None when the model's cache is not a plain DynamicCache (sliding window, linear attention, ...):
+    the caller then scores everything the one-pass way."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+    cache_arg = _cache_arg(model)
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    sums = [[0.0] * len(opts) for _, opts in encoded]
+    items = sorted(range(len(encoded)), key=lambda i: -len(encoded[i][0]))  # longest prompt first
+    for b in range(0, len(items), batch_size):
+        batch = items[b:b + batch_size]
+        prefixes = [encoded[i][0][:-1] for i in batch]
+        width = max(len(p) for p in prefixes)
+        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        prefix_mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for r, p in enumerate(prefixes):
+            input_ids[r, :len(p)] = torch.tensor(p, dtype=torch.long)
+            prefix_mask[r, :len(p)] = 1
+        prefix_mask = prefix_mask.to(device)
+        out = model(input_ids=input_ids.to(device), attention_mask=prefix_mask, use_cache=True, **keep)
+        cache = getattr(out, "cache", None) if cache_arg == "cache" else getattr(out, "past_key_values", None)
+        del out
+        layers = getattr(cache, "layers", None)
+        if type(cache) is not DynamicCache or not layers or any(
+                type(layer) is not DynamicLayer or not isinstance(getattr(layer, "keys", None), torch.Tensor)
+                or layer.keys.dim() != 4 or layer.keys.shape[0] != len(batch) or layer.keys.shape[-2] != width
+                for layer in layers):
+            return None
+        kv = [(layer.keys, layer.values) for layer in layers]
+        del cache, layers
+        # (row of this prompt batch, item, option), longest option first
+        rows = sorted(((r, i, j) for r, i in enumerate(batch) for j in range(len(encoded[i][1]))),
+                      key=lambda x: -len(encoded[x[1]][1][x[2]]))
+        for c in range(0, len(rows), batch_size):
+            part = rows[c:c + batch_size]
+            src = torch.tensor([r for r, _, _ in part], dtype=torch.long, device=device)
+            past = max(len(prefixes[r]) for r, _, _ in part)
+            cont = max(1 + len(encoded[i][1][j]) for _, i, j in part)
+            ids = torch.full((len(part), cont), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(part), cont), dtype=torch.long)
+            pos = torch.zeros((len(part), cont), dtype=torch.long)
+            for q, (r, i, j) in enumerate(part):
+                seq = [encoded[i][0][-1]] + encoded[i][1][j]
+                ids[q, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+                mask[q, :len(seq)] = 1
+                pos[q] = torch.arange(len(prefixes[r]), len(prefixes[r]) + cont)
+            rows_cache = DynamicCache(ddp_cache_data=[(k.index_select(0, src)[:, :, :past],
+                                                       v.index_select(0, src)[:, :, :past]) for k, v in kv])
+            full_mask = torch.cat([prefix_mask.index_select(0, src)[:, :past], mask.to(device)], dim=1)
+            logits = model(input_ids=ids.to(device), attention_mask=full_mask, position_ids=pos.to(device),
+                           use_cache=True, **{cache_arg: rows_cache}).logits
+            for q, (_, i, j) in enumerate(part):
+                opt = encoded[i][1][j]  # logits at q's position t predict option token t
+                lp = torch.log_softmax(logits[q, :len(opt)].float(), dim=-1)
+                target = torch.tensor(opt, dtype=torch.long, device=lp.device)
+                sums[i][j] = float(lp.gather(-1, target[:, None]).sum())
+            del logits, rows_cache
+    return sums
+
+
+def _logprobs_one_pass_per_option(model, encoded, batch_size: int, pad_id: int, device) -> list[list[float]]:
+    """Option log-likelihoods with one forward of context ids + option ids per option (the path for
+    models without a cache the shared-prompt path can use)."""
     # one entry per (row, option): (row, option, context ids, option ids)
     seqs = [(i, j, ctx, ids) for i, (ctx, opts) in enumerate(encoded) for j, ids in enumerate(opts)]
     # longest first: batches of similar lengths pad little (the result does not depend on the order)
     order = sorted(range(len(seqs)), key=lambda k: -(len(seqs[k][2]) + len(seqs[k][3])))
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    pad_id = 0 if pad_id is None else pad_id
-    device = _device(model)
-    sums: list[float] = [0.0] * len(seqs)
+    sums = [[0.0] * len(opts) for _, opts in encoded]
     for b in range(0, len(order), batch_size):
         chunk = [seqs[k] for k in order[b:b + batch_size]]
         width = max(len(ctx) + len(ids) for _, _, ctx, ids in chunk)
@@ -96,15 +185,34 @@ def option_logprobs(model, tok, prompts: list[list[dict]], options: list[list[st
             input_ids[r, :n] = torch.tensor(ctx + ids, dtype=torch.long)
             mask[r, :n] = 1
         logits = model(input_ids=input_ids.to(device), attention_mask=mask.to(device), use_cache=False).logits
-        for r, (_, _, ctx, ids) in enumerate(chunk):
+        for r, (i, j, ctx, ids) in enumerate(chunk):
             start = len(ctx) - 1  # logits at t-1 predict token t; option tokens sit at len(ctx)...
             lp = torch.log_softmax(logits[r, start:start + len(ids)].float(), dim=-1)
             target = torch.tensor(ids, dtype=torch.long, device=lp.device)
-            sums[order[b + r]] = float(lp.gather(-1, target[:, None]).sum())
-    out: list[list[tuple[float, int, int]]] = [[] for _ in prompts]
-    for k, (i, j, _, ids) in enumerate(seqs):
-        out[i].append((sums[k], len(ids), len(options[i][j].encode("utf-8"))))
-    return out
+            sums[i][j] = float(lp.gather(-1, target[:, None]).sum())
+    return sums
+
+
+@torch.no_grad()
+def option_logprobs(model, tok, prompts: list[list[dict]], options: list[list[str]], batch_size: int, *,
+                    first_row: int = 0, share_prompts: bool = True) -> list[list[tuple[float, int, int]]]:
+    """For each prompt and each of its options: (sum of the option tokens' log-probs given the
+    rendered prompt, number of option tokens, option length in UTF-8 bytes). See the module doc for
+    the tokenization. `first_row` only numbers rows in error messages (row = first_row + index).
+    `share_prompts=False` forces one forward per option (the bench's baseline)."""
+    if batch_size < 1:
+        raise ValueError(f"option_logprobs: batch_size must be >= 1, got {batch_size}")
+    encoded = _encode(tok, prompts, options, first_row)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    pad_id = 0 if pad_id is None else pad_id
+    device = _device(model)
+    sums = None
+    if share_prompts and encoded and all(len(ctx) >= 2 for ctx, _ in encoded) and _shares_prompts(model):
+        sums = _logprobs_shared_prompt(model, encoded, batch_size, pad_id, device)
+    if sums is None:
+        sums = _logprobs_one_pass_per_option(model, encoded, batch_size, pad_id, device)
+    return [[(sums[i][j], len(ids), len(options[i][j].encode("utf-8"))) for j, ids in enumerate(opts)]
+            for i, (_, opts) in enumerate(encoded)]
 
 
 def pick(scores: list[float]) -> int:

@@ -7,22 +7,22 @@ import math
 import torch
 
 from stages.runtime.batches import collate_padded
-from stages.runtime.loss import IGNORE_INDEX, token_loss_sum
+from stages.runtime.loss import model_loss
 
 
 @torch.no_grad()
 def teacher_forced_sums(model, samples: list[dict], pad_id: int, batch_size: int) -> dict:
     """Sums over the trainable tokens of every sample: cross-entropy, token count, argmax hits.
-    Sums (not means) so that ranks add up exactly; `loss_metrics` divides once."""
+    Sums (not means) so that ranks add up exactly; `loss_metrics` divides once. The output head
+    runs on the trained positions only, in chunks, where the model allows it (runtime/loss.py)."""
     loss_sum, tokens, correct = 0.0, 0, 0
     for i in range(0, len(samples), batch_size):
         batch = {k: v.to(model.device) for k, v in collate_padded(samples[i:i + batch_size], pad_id).items()}
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-        ls, n = token_loss_sum(logits, batch["labels"])
-        loss_sum += ls.item()
-        tokens += n
-        labels = batch["labels"][:, 1:]
-        correct += int(((logits[:, :-1].argmax(-1) == labels) & (labels != IGNORE_INDEX)).sum())
+        sums = model_loss(model, {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]},
+                          batch["labels"], accuracy=True)
+        loss_sum += sums.ce.item()
+        tokens += sums.n_tokens
+        correct += sums.correct
     return {"loss_sum": loss_sum, "tokens": tokens, "token_correct": correct}
 
 

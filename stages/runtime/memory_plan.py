@@ -15,9 +15,11 @@ What one rank holds during a step (P parameters, Pt of them trained: all, or LoR
   step makes (after backward, so it counts only when larger than the activations);
 * activations for T tokens: per layer and token, what autograd saves (derivation at
   `layer_bytes_per_token`), SDPA's dense mask per layer (rows x row length^2; eager attention also
-  keeps every head's scores; flash kernels neither), and the loss: T x vocab fp32 log-probabilities
-  and the two gradients of that size backward makes while they are held. With activation
-  checkpointing a layer keeps only its input (h per token); backward recomputes one at a time.
+  keeps every head's scores; flash kernels neither), and the loss (`loss_bytes`): the output head
+  and the loss run on the trained positions only, LOSS_CHUNK at a time, each chunk recomputed in
+  backward (runtime/loss.py), so one chunk's fp32 log-probabilities and the two gradients of that
+  size are its transient, not T x vocab of them. With activation checkpointing a layer keeps only
+  its input (h per token); backward recomputes one at a time.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["MARGIN", "Arch", "Batch", "Budget", "Device", "MemoryPlan", "UnknownArchitecture", "Verdict", "estimate", "fits", "human", "longest_batch_bound",
-           "longest_batch_of", "plan_for", "budget_for", "check_fits", "visible_device", "prepared_lengths"]
+           "longest_batch_of", "plan_for", "budget_for", "check_fits", "visible_device", "prepared_lengths", "loss_bytes", "LOSS_CHUNK"]
 
 GIB = 1024 ** 3
 # A plan refuses only above budget x MARGIN: the estimate measured up to 16% over the CPU peak
@@ -40,6 +42,9 @@ DENSE_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 class UnknownArchitecture(ValueError):
     """A config.json whose layout the plan does not know; str() is "model_type X"."""
 FLASH_KERNELS = ("flash_attention_2", "flash_attention_3", "flex_attention")
+# Trained positions per output-head + loss chunk: stages/runtime/loss.py's LOSS_CHUNK (this module
+# imports no torch; tests/test_memory_plan.py holds the two equal).
+LOSS_CHUNK = 1024
 
 
 @dataclass(frozen=True)
@@ -182,6 +187,30 @@ def longest_batch_of(lengths, micro_batch_size: int, max_tokens: int, packing: b
     return Batch(min(micro_batch_size, len(ordered)), longest, "prepared shards, padded")
 
 
+def loss_bytes(arch: Arch, tokens: int, act: int, kl_to_base: bool = False) -> tuple[int, int]:
+    """(bytes the token loss keeps until backward, bytes of its transient peak) for a micro-batch
+    of `tokens` tokens, at most all of them trained (runtime/loss.py):
+
+    * kept: the trained positions' final hidden states, gathered (tokens x h, the compute dtype);
+      with `kl_to_base` also the base model's (no grad);
+    * transient, one chunk of C = min(tokens, LOSS_CHUNK) positions at a time: its fp32
+      log-probabilities and the two gradients of that size backward makes (plus the compute dtype's
+      logits under bf16), as the full-logits loss has for all T (C x vocab x 12, +2 under bf16);
+      with `kl_to_base` the base's logits and log-probabilities of the chunk (C x vocab x (act + 4));
+      and the gathered hidden states' gradient (tokens x h).
+
+    A single chunk is not recomputed: its log-probabilities are kept from forward instead (the same
+    peak, counted in `kept`).
+    """
+    C = min(tokens, LOSS_CHUNK)
+    logp = C * arch.vocab * 4 if tokens <= LOSS_CHUNK else 0
+    kept = tokens * arch.hidden * act * (2 if kl_to_base else 1) + logp
+    transient = C * arch.vocab * (12 + (act if act < 4 else 0)) + tokens * arch.hidden * act - logp
+    if kl_to_base:
+        transient += C * arch.vocab * (act + 4)
+    return kept, transient
+
+
 def estimate(arch: Arch, *, world: int, precision: str, batch: Batch, checkpointing: bool,
              lora_r: int = 0, lora_targets: str | list[str] = "all-linear", keep_gathered: bool = True,
              attn_implementation: str | None = None, kl_to_base: bool = False) -> MemoryPlan:
@@ -207,11 +236,8 @@ def estimate(arch: Arch, *, world: int, precision: str, batch: Batch, checkpoint
     mask = 0 if attn_implementation in FLASH_KERNELS else square * act
     scores = 2 * arch.heads * square * act if attn_implementation == "eager" else 0
     layer = T * arch.layer_bytes_per_token(act) + mask + scores
-    # The loss keeps the fp32 log-softmax (T x V x 4); backward adds its gradient and the logits'
-    # (fp32, plus the compute dtype's copy under bf16) while it is still held.
-    logits = T * arch.vocab * (12 + (act if act < 4 else 0))
-    if kl_to_base:  # the base model's logits (no grad) and their fp32 log-softmax
-        logits += T * arch.vocab * (act + 4)
+    # The loss: the output head on the trained positions only, chunk by chunk (loss_bytes)
+    logits = sum(loss_bytes(arch, T, act, kl_to_base))
     head = T * (4 + 2 * act) * arch.hidden  # the final norm
     full = arch.layers * layer + logits + head
     # checkpointed: each block keeps its input; backward recomputes one block at a time
@@ -345,12 +371,17 @@ def attention_kernel(requested: str, device: Device, packing: bool, precision: s
 
 
 def prepared_lengths(folder) -> list[int] | None:
-    """Tokens per prepared training sample, or None when the shards are not there."""
+    """Tokens per prepared training sample, or None when the shards are not there or can't be read
+    (a damaged folder the size check missed: the stage that reads them says what is wrong)."""
     from pathlib import Path
     if not Path(folder).is_dir():
         return None
-    from stages.chatdata.shards import read_shards  # pyarrow: only when prepare has run
-    return read_shards(folder, ["length"]).column("length").to_pylist()
+    import pyarrow as pa  # only when prepare has run
+    from stages.chatdata.shards import read_shards
+    try:
+        return read_shards(folder, ["length"]).column("length").to_pylist()
+    except (OSError, pa.ArrowException, KeyError):
+        return None
 
 
 def plan_for(cfg, hf_config: dict, device: Device, lengths=None, **changes) -> MemoryPlan:

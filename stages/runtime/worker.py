@@ -9,9 +9,10 @@ model or data layout by overriding `build_dataset` (or its RLinf name `build_dat
 Evaluate uses the same subclass through `SFTWorker.for_eval`. What `get_train_model_output`
 returns is read in one place, `as_train_output`, into a `TrainOutput`.
 
-Loss of a global step = (sum of token cross-entropy over all micro-batches on all ranks)
-/ (trainable tokens of the whole global step, all-reduced before backward). FSDP averages
-gradients over ranks, so each rank scales its loss by world size to undo that average.
+Loss of a global step = (sum of token cross-entropy -- or of `actor.loss`'s per-token objective --
+over all micro-batches on all ranks) / (trainable tokens of the whole global step, all-reduced
+before backward). FSDP averages gradients over ranks, so each rank scales its loss by world size
+to undo that average.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from .attention import effective_attn_implementation, resolve_attn_implementatio
 from .batches import DataPosition, GlobalBatchSampler, SFTDataset, collate_packed, collate_padded
 from .distributed import choose_precision, local_device, log
 from .lora import adapters_off, lora_enabled, unwrap
-from .loss import kl_sum, token_loss_sum
+from .loss import model_loss, reference_outputs
 from .mixture import describe, summary_line
 from .model_types import (UnknownModelType, WeightsLoadError, build_configured_model, fsdp_units, get_model_builder,
                           load_state_checked)
@@ -193,6 +194,8 @@ class SFTWorker:
     # The KL sum of the last micro-batch when get_train_model_output adds actor.kl_to_base's term;
     # None otherwise. forward_backward clears it before each micro-batch and adds it up.
     last_kl: torch.Tensor | None
+    # Likewise the plain cross-entropy sum when the loss is another objective (`actor.loss: dft`).
+    last_ce: torch.Tensor | None
 
     def __init__(self, spec: WorkerSpec | dict):
         self.spec = spec if isinstance(spec, WorkerSpec) else WorkerSpec.model_validate(spec)
@@ -202,6 +205,7 @@ class SFTWorker:
         self.tokenizer = None
         self.pad_id = 0
         self.last_kl = None
+        self.last_ce = None
 
     @classmethod
     def for_eval(cls, spec: WorkerSpec, model: torch.nn.Module, device: torch.device, rank: int, world: int) -> "SFTWorker":
@@ -312,26 +316,36 @@ class SFTWorker:
         return {k: v.to(self.device) for k, v in batch.items()}
 
     def _token_loss_sum(self, batch: dict) -> tuple[torch.Tensor, int]:
+        """(sum of cross-entropy over the batch's trained tokens, their number); the output head
+        and the loss run on the trained positions only, in chunks, where the model allows it (loss.py)."""
         inputs = {k: v for k, v in batch.items() if k != "labels"}
-        return token_loss_sum(self.model(**inputs, use_cache=False).logits, batch["labels"])
+        sums = model_loss(self.model, inputs, batch["labels"])
+        return sums.ce, sums.n_tokens
 
     def get_train_model_output(self, batch: dict) -> TrainOutput:
         """The micro-batch's loss sum and token count; the loop divides by the global step's summed
         `n_tokens`. An override may also return `(loss_sum, n_tokens)` or a mean loss (a tensor, or
-        a list/tuple of tensors that are summed): `as_train_output` lists what is accepted. With
-        `actor.kl_to_base` the loss sum includes beta x KL(base || tuned) and `self.last_kl` holds
-        the KL sum."""
-        beta = self.cfg.actor.kl_to_base
-        if not beta:
+        a list/tuple of tensors that are summed): `as_train_output` lists what is accepted. The
+        token loss is `actor.loss`: the cross-entropy, or with `dft` each token's cross-entropy
+        weighted by its own detached probability (then `self.last_ce` holds the plain cross-entropy
+        sum). With `actor.kl_to_base` the loss sum includes beta x KL(base || tuned) and
+        `self.last_kl` holds the KL sum."""
+        beta, dft = self.cfg.actor.kl_to_base, self.cfg.actor.loss == "dft"
+        if not beta and not dft:
             return TrainOutput(*self._token_loss_sum(batch))
         inputs = {k: v for k, v in batch.items() if k != "labels"}
-        with torch.no_grad(), adapters_off(self.model):
-            base_logits = self.model(**inputs, use_cache=False).logits
-        logits = self.model(**inputs, use_cache=False).logits
-        loss_sum, n = token_loss_sum(logits, batch["labels"])
-        kl = kl_sum(logits, base_logits, batch["labels"])
-        self.last_kl = kl.detach()
-        return TrainOutput(loss_sum + beta * kl, n)
+        reference = None
+        if beta:
+            with torch.no_grad(), adapters_off(self.model):
+                reference = reference_outputs(self.model, inputs, batch["labels"])
+        sums = model_loss(self.model, inputs, batch["labels"], dft=dft, reference=reference)
+        loss_sum = sums.dft if dft else sums.ce
+        if dft:
+            self.last_ce = sums.ce.detach()
+        if beta:
+            self.last_kl = sums.kl.detach()
+            loss_sum = loss_sum + beta * sums.kl
+        return TrainOutput(loss_sum, sums.n_tokens)
 
     def get_eval_model_output(self, batch: dict):
         """`(loss_sum, n_tokens)` or a dict of summable numbers (`loss_sum`, `n_tokens`, `correct`, `total`, ...)."""
@@ -479,15 +493,16 @@ class SFTWorker:
         dist.all_reduce(n_micro, op=dist.ReduceOp.MAX)
         micro += [np.zeros(0, dtype=np.int64)] * (int(n_micro.item()) - len(micro))
         expected = max(counts[0].item(), 1.0)
-        # loss sum, tokens the outputs counted, KL sum (actor.kl_to_base; the loss sum includes it x beta)
-        sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+        # loss sum, tokens the outputs counted, KL sum (actor.kl_to_base; the loss sum includes it x beta),
+        # cross-entropy sum (actor.loss other than ce)
+        sums = torch.zeros(4, dtype=torch.float64, device=self.device)
         for k, idx in enumerate(micro):
             batch, real = self.micro_batch(idx)
             if self.fsdp:
                 self.model.set_requires_gradient_sync(k == len(micro) - 1)
                 if self.keep_gathered:
                     self.model.set_reshard_after_backward(k == len(micro) - 1)
-            self.last_kl = None
+            self.last_kl = self.last_ce = None
             out = as_train_output(self.get_train_model_output(batch),
                                   float(self.sample_trainable_tokens[idx].sum()) if real else 0.0,
                                   f"{type(self).__name__}.get_train_model_output")
@@ -499,6 +514,12 @@ class SFTWorker:
             elif self.cfg.actor.kl_to_base:  # a subclass's own output: the term asked for would be missing
                 raise SystemExit(f"actor.kl_to_base: {type(self).__name__}.get_train_model_output adds no KL "
                                  "term (the base class's does); remove the setting or add the term")
+            if real and self.cfg.actor.loss != "ce":
+                if self.last_ce is None:  # a subclass's own output: the objective asked for would be missing
+                    raise SystemExit(f"actor.loss: {type(self).__name__}.get_train_model_output does not compute "
+                                     f"'{self.cfg.actor.loss}' (the base class's does); remove the setting or "
+                                     "compute it and set self.last_ce")
+                sums[3] += self.last_ce.double()
             (ls * self.world / expected).backward()
             sums[0] += ls.detach().double()
             sums[1] += n
@@ -511,9 +532,11 @@ class SFTWorker:
         out = {"loss": sums[0].item() / counted, "trainable_tokens": int(sums[1].item()),
                "tokens": int(counts[1].item()), "micro_batches": len(micro)}
         beta = self.cfg.actor.kl_to_base
-        if beta:  # the logged loss stays the cross-entropy, comparable with val_loss and other runs
+        if beta:  # the logged loss is the token loss alone (the cross-entropy by default), without beta x KL
             out["kl"] = sums[2].item() / counted
             out["loss"] -= beta * out["kl"]
+        if self.cfg.actor.loss != "ce":  # `loss` is that objective's mean; `ce` compares with val_loss and other runs
+            out["ce"] = sums[3].item() / counted
         return out
 
     def optimizer_step(self) -> tuple[float, float]:
