@@ -303,7 +303,8 @@ def flow_runs(api: str) -> list[dict]:
 def sftflow(*args: str, cwd: Path, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """The CLI as a user runs it, with Prefect's home inside the test's folder; it talks to the
     session's Prefect server in a test that asks for `prefect_api`, else starts a temporary one."""
-    full_env = {**os.environ, "PREFECT_HOME": str(cwd / ".prefect"), **(env or {})}
+    # COLUMNS/LINES come from the terminal pytest runs in (or a worker's): the CLI's output must not
+    full_env = {**os.environ, "PREFECT_HOME": str(cwd / ".prefect"), "COLUMNS": None, "LINES": None, **(env or {})}
     full_env = {k: v for k, v in full_env.items() if v is not None}  # env={"X": None} unsets X
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=full_env, capture_output=True,
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)

@@ -86,7 +86,8 @@ def test_the_eval_table_keeps_every_column_in_a_file(tmp_path):
                      "vs_base": {"delta": 0.45, "delta_low": 0.31, "delta_high": 0.57}},
         "retention-日本語": {"total": 200, "accuracy": 0.9, "base_accuracy": 0.96, "guard_ok": False,
                            "max_drop": 0.05, "decided_on": "interval",
-                           "vs_base": {"delta": -0.06, "delta_low": -0.094, "delta_high": -0.034}}}
+                           "vs_base": {"delta": -0.06, "delta_low": -0.094, "delta_high": -0.034,
+                                       "both_right": 180, "reference_right": 192, "kept": 180 / 192}}}
     results = [
         {"stage": "prepare", "fingerprint": "59c6985c1ab4da16", "cached": True, "seconds": 0.0,
          "metrics": {"train_rows_kept": 2670}},
@@ -109,7 +110,7 @@ def test_the_eval_table_keeps_every_column_in_a_file(tmp_path):
     assert header == ["set", "samples", "base", "tuned", "change (95% CI)", "vs champion (95% CI)", "guard",
                       "kept of base-right"]
     assert rows == [
-        ["identity", "60", "0.500", "0.950", "+0.450 [+0.310, +0.570]", "v11 0.930: -0.030 [-0.060, +0.001]", ""],
+        ["identity", "60", "0.500", "0.950", "+0.450 [+0.310, +0.570]", "v11 0.930: -0.030 [-0.060, +0.001]", "", ""],
         ["retention-日本語", "200", "0.960", "0.900", "-0.060 [-0.094, -0.034]", "v11 0.930: -0.030 [-0.060, +0.001]",
-         "failed (max drop 0.05 on the 95% lower bound)"]]
+         "failed (max drop 0.05 on the 95% lower bound)", "180/192 (0.938)"]]
     assert "registered model version 12 (challenger): the guard failed" in text

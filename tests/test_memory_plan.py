@@ -355,6 +355,8 @@ def test_smollm2_estimate_within_25_percent_of_the_measured_step_peak(tmp_path, 
     raw["actor"].update(nproc_per_node=1, micro_batch_size=2, global_batch_size=4, kl_to_base=1.0 if lora else 0.0)
     raw["actor"]["lora"]["r"] = lora
     raw["data"].update(max_length=384, truncation="keep_start")
+    raw["data"].pop("mix", None)  # the long rows alone: what the plan is checked against
+    raw.pop("replay", None)
     from stages.core.config import config_from_dict
     cfg = config_from_dict(raw)
     try:
