@@ -133,19 +133,6 @@ def test_prepare_counts_each_source_and_the_weights_never_reprepare(tmp_path):
 # --------------------------------------------------------------------------- torchrun (slow)
 
 
-def _train(cfg, env: dict | None = None):
-    import os
-    p = plan(cfg)
-    run_stage(p, "prepare", on_line=lambda line: None)
-    old = dict(os.environ)
-    os.environ.update(env or {})
-    try:
-        return run_stage(p, "train", on_line=lambda line: None)
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
-
-
 @pytest.mark.slow
 def test_a_mixture_resumed_mid_epoch_on_another_world_size_equals_the_uninterrupted_run(tmp_path):
     """120 rows (96 + 24, weights 0.5 / 0.5: the small source upsampled x2.5) = 8 steps an epoch; killed
@@ -154,6 +141,7 @@ def test_a_mixture_resumed_mid_epoch_on_another_world_size_equals_the_uninterrup
     the manifest."""
     from stages.train import TrainingFailed
     from test_train_core import assert_same_weights, weights
+    from test_train_core import train as _train
 
     steps = dict(runner={"max_epochs": 2, "max_steps": 6, "save_interval": 3, "keep_checkpoints": 5})
     (tmp_path / "ref").mkdir()

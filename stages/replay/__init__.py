@@ -22,13 +22,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-from pydantic import BaseModel, ConfigDict
-
 from stages.chatdata.readers import RowError, iter_records, parse_record, to_prompt
 from stages.core.artifacts import StageBuild
 from stages.core.config import REPLAY_PROMPTS, SFTConfig
 from stages.core.errors import StageError
 from stages.runtime.launcher import run_torchrun, torchrun_command
+
+from .spec import ReplaySpec
 
 CONVERSATIONS = "conversations.jsonl"
 REASONS = ("unreadable", "empty", "cut_off", "repetition")
@@ -36,17 +36,6 @@ REASONS = ("unreadable", "empty", "cut_off", "repetition")
 
 class ReplayFailed(StageError):
     """Generating the replay answers failed."""
-
-
-class ReplaySpec(BaseModel):
-    """What the generating processes are given (`spec.json`)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    config: SFTConfig
-    model_path: str
-    prompts: list[dict]   # {"source": file:line, "prompt": [messages]}
-    out_dir: str
 
 
 def read_prompts(cfg: SFTConfig) -> tuple[list[dict], list[dict]]:

@@ -14,7 +14,7 @@ from stages.runtime.distributed import gather, local_device, log, rank_and_world
 from stages.runtime.generation import generate, load
 from stages.runtime.proctree import die_with_parent
 
-from . import ReplaySpec
+from .spec import ReplaySpec
 
 
 def answer_spec(spec: ReplaySpec) -> list[dict]:
