@@ -4,6 +4,11 @@
     .venv/bin/python bench/train_throughput.py --repeat 2    # steadier numbers on a busy machine
     .venv/bin/python bench/train_throughput.py --nproc 2 --global-batch 32 --micro-batch 4
     .venv/bin/python bench/train_throughput.py --model smollm2 [--lora 16] --steps 4 --global-batch 8 --micro-batch 4
+    .venv/bin/python bench/train_throughput.py --model smollm2 --data quickstart --lora 16 --nproc 1,2 \
+        --global-batch 16 --micro-batch 4 --artifacts artifacts --no-worker-padded
+                                             # the quickstart's topology question: its own rows (identity
+                                             # conversations + the replay stage's answers), LoRA r=16, the
+                                             # worker on 1 and on 2 processes, against the bare loop and TRL
                                              # the real model (SmolLM2-135M-Instruct, as the second quickstart
                                              # fetches it); --lora R: LoRA on every side, else full fine-tuning
     .venv/bin/python bench/train_throughput.py --shape smollm2-135m --activation-checkpointing --methods worker-packed,bare-packed
@@ -47,6 +52,9 @@ method are compared with the bare packed loop's as a check that all do the same 
 
 Data: synthetic, length-skewed chat rows (most replies a few dozen tokens, ~10% of them 10-30x
 longer), prepared by sftflow's own prepare stage in a temporary folder; nothing is downloaded.
+`--data` trains on rows of your own instead (messages JSONL files, cycled to cover the steps);
+`--data quickstart` on the SmolLM2 quickstart's: its identity conversations and the replay stage's
+answers (run `sftflow stage replay -c configs/examples/smollm2-identity.yaml` first).
 On a shared machine another process can slow one method and not the next (a single round has
 swung sftflow's ratio from 0.5x to 0.9x on 2 busy cores): `--repeat 2` interleaves the methods
 and keeps each one's fastest round, for about twice the time.
@@ -75,6 +83,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from stages.runtime.loss import IGNORE_INDEX  # noqa: E402
 from stages.runtime.batches import DataPosition, GlobalBatchSampler, collate_packed, collate_padded  # noqa: E402
+from stages.core.topology import auto_nproc  # noqa: E402
 
 BARE = "bare loop (packed)"
 CUDA = torch.cuda.is_available()
@@ -121,6 +130,31 @@ def synthetic_rows(n: int, seed: int, scale: int = 1) -> list[dict]:
     return rows
 
 
+def own_rows(args, n: int) -> tuple[list[dict], int | None]:
+    """(`--data`'s rows cycled to n, the max_length they were written for: the quickstart's, else None)."""
+    max_length = None
+    if args.data == "quickstart":
+        import yaml
+        from stages.core.config import load_config
+        from stages.pipeline import plan, replay_file
+        config = ROOT / "configs" / "examples" / "smollm2-identity.yaml"
+        overrides = [f"artifacts_dir={args.artifacts}"] if args.artifacts else []
+        replayed = replay_file(plan(load_config(config, overrides)))
+        if replayed is None:
+            raise SystemExit("--data quickstart: the replay stage has not run in that artifacts folder; run "
+                             f"`sftflow stage replay -c {config.relative_to(ROOT)}` (and pass --artifacts) first")
+        paths = [str(ROOT / "data" / "smollm2-identity" / "train.jsonl"), replayed]
+        max_length = yaml.safe_load(config.read_text())["data"]["max_length"]
+    else:
+        paths = [p for p in args.data.split(",") if p]
+    rows = [json.loads(line) for path in paths for line in Path(path).read_text().splitlines() if line.strip()]
+    if not rows:
+        raise SystemExit(f"--data: no rows in {paths}")
+    rng = np.random.default_rng(args.seed)
+    order = np.concatenate([rng.permutation(len(rows)) for _ in range(-(-n // len(rows)))])[:n]
+    return [rows[i] for i in order], max_length
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
@@ -133,6 +167,7 @@ def prepare(tmp: Path, args) -> tuple:
     from stages.pipeline import plan, run_stage
 
     n_rows = int((args.warmup + args.steps) * args.global_batch * 1.05) + 1  # one epoch covers every step
+    rows, max_length = own_rows(args, n_rows) if args.data else (synthetic_rows(n_rows, args.seed, args.seq_scale), None)
     model = {}
     if args.model == "smollm2":  # the quickstart's model and source, fetched and converted once (see --artifacts)
         import yaml
@@ -144,13 +179,14 @@ def prepare(tmp: Path, args) -> tuple:
         "artifacts_dir": str(args.artifacts or tmp / "artifacts"),
         "runner": {"max_epochs": 1, "max_steps": args.warmup + args.steps, "val_check_interval": 0,
                    "save_interval": 0, "seed": args.seed, "resume": "never"},
-        "actor": {"nproc_per_node": args.nproc, "micro_batch_size": args.micro_batch,
+        "actor": {"nproc_per_node": args.nprocs[0], "micro_batch_size": args.micro_batch,
                   "global_batch_size": args.global_batch, "packing": True, "model": model,
                   "lora": {"r": args.lora, "alpha": 2 * args.lora} if args.lora else {}},
-        "data": {"train_data_paths": [write_jsonl(tmp / "train.jsonl", synthetic_rows(n_rows, args.seed, args.seq_scale))],
+        "data": {"train_data_paths": [write_jsonl(tmp / "train.jsonl", rows)],
                  "val_data_paths": [write_jsonl(tmp / "val.jsonl", synthetic_rows(8, args.seed + 1))],
                  # 512 = the builtin model's max_position_embeddings; a real tokenizer spends more tokens per word
-                 "format": "messages", "max_length": 2048 if args.model else 512 * args.seq_scale},
+                 "format": "messages",
+                 "max_length": max_length or (2048 if args.model else 512 * args.seq_scale)},
     })
     p = plan(cfg)
     run_stage(p, "prepare")
@@ -195,19 +231,21 @@ def peak_flops() -> float | None:
 
 
 def run_worker(cfg, model_path: str, shards: Path, tmp: Path, args, packing: bool, env: dict,
-               reshard_after_forward: bool | None = None, ckpt: bool = False) -> dict:
+               reshard_after_forward: bool | None = None, ckpt: bool = False, nproc: int = 1) -> dict:
     cfg = cfg.model_copy(deep=True)
+    cfg.actor.nproc_per_node = nproc
     cfg.actor.packing = packing
     cfg.actor.reshard_after_forward = reshard_after_forward
     cfg.actor.activation_checkpointing = ckpt
     cfg.actor.attn_implementation = args.attn
-    name = ("packed" if packing else "padded") + ("-freed" if reshard_after_forward else "") + ("-ckpt" if ckpt else "")
+    name = (("packed" if packing else "padded") + ("-freed" if reshard_after_forward else "") + ("-ckpt" if ckpt else "")
+            + f"-{nproc}")
     job = {"warmup": args.warmup, "steps": args.steps,
            "spec": {"config": cfg.model_dump(mode="json"), "model_path": model_path, "out_dir": str(tmp / f"worker-{name}"),
                     "train_dir": str(shards), "val_dir": None}}
     job_path, out_path = tmp / f"job-{name}.json", tmp / f"result-{name}.json"
     job_path.write_text(json.dumps(job))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(Path(__file__).resolve()), "--worker-mode", str(job_path), str(out_path)]
     return run_child(cmd, env, out_path, f"worker ({name})")
 
@@ -500,12 +538,24 @@ def report(results: dict[str, dict], waste_sorted: float, waste_naive: float) ->
         console.print(table)
 
     lines = []
-    worker = results.get("sftflow worker (packed)")
-    if worker and BARE in results:
-        ratio = tokens_per_s(worker) / tokens_per_s(results[BARE])
-        goal = 0.95 if worker["world"] == 1 else 1.0  # the performance issue's: one process, FSDP2 over several
-        lines.append(f"sftflow worker / bare packed loop: {ratio:.2f}x (goal >= {goal:.2f}x: "
-                     f"{'met' if ratio >= goal else 'NOT met'})")
+    workers = {name: r for name, r in results.items() if name.startswith("sftflow worker (packed)")
+               and "reshard" not in name and "checkpointing" not in name}
+    worker = next(iter(workers.values()), None)
+    trl = results.get(METHODS["trl"][0])
+    for name, r in workers.items():
+        if BARE in results:
+            ratio = tokens_per_s(r) / tokens_per_s(results[BARE])
+            goal = 0.95 if r["world"] == 1 else 1.0  # the performance issue's: one process, FSDP2 over several
+            lines.append(f"{name} / bare packed loop: {ratio:.2f}x (goal >= {goal:.2f}x: "
+                         f"{'met' if ratio >= goal else 'NOT met'})")
+        if trl:
+            ratio = tokens_per_s(r) / tokens_per_s(trl)
+            lines.append(f"{name} / TRL SFTTrainer: {ratio:.2f}x (goal >= 1.50x: {'met' if ratio >= 1.5 else 'NOT met'})")
+    if len(workers) > 1:
+        from stages.core.topology import auto_nproc
+        n, why = auto_nproc()
+        best = max(workers, key=lambda k: tokens_per_s(workers[k]))
+        lines.append(f"actor.nproc_per_node: auto picks {n} process(es) here ({why}); fastest measured: {best}")
     if BARE in results and "bare loop (padded)" in results:
         lines.append(f"packing gain, bare loop: {tokens_per_s(results[BARE]) / tokens_per_s(results['bare loop (padded)']):.2f}x "
                      "packed vs padded")
@@ -560,7 +610,7 @@ def chosen_methods(args) -> list[str]:
             raise SystemExit(f"--methods: unknown {unknown}; known: {', '.join(METHODS)}")
         return keys
     keys = ["worker-packed", "bare-packed", "bare-padded"]
-    if args.nproc > 1:  # FSDP2's other setting: weights freed after each forward, gathered again for backward
+    if max(args.nprocs) > 1:  # FSDP2's other setting: weights freed after each forward, gathered again for backward
         keys.append("worker-packed-freed")
     if not args.no_worker_padded:
         keys.append("worker-padded")
@@ -580,7 +630,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     ap.add_argument("--global-batch", type=int, default=32)
     ap.add_argument("--micro-batch", type=int, default=4, help="samples per micro-batch per rank")
-    ap.add_argument("--nproc", type=int, default=1, help="torchrun ranks for the sftflow worker")
+    ap.add_argument("--nproc", default="auto", help="torchrun ranks for the sftflow worker: N, a list (1,2: the worker "
+                                                    "once per count) or auto (what actor.nproc_per_node: auto picks)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1, help="interleaved rounds; each method reports its fastest")
     ap.add_argument("--no-worker-padded", action="store_true", help="skip the sftflow worker with packing off")
@@ -593,6 +644,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="a randomly initialized model of that shape instead (the builtin tokenizer)")
     ap.add_argument("--seq-scale", type=int, default=1, help="replies this many times longer (shapes: realistic "
                                                              "packed lengths on a GPU)")
+    ap.add_argument("--data", default=None, help="messages JSONL files (comma-separated) instead of synthetic rows; "
+                                                 "quickstart: the SmolLM2 quickstart's rows (see above)")
     ap.add_argument("--attn", default="auto", help="actor.attn_implementation for every method (default auto)")
     ap.add_argument("--lora", type=int, default=0, help="LoRA rank (alpha = 2 x rank) for every method; 0: full")
     ap.add_argument("--artifacts", type=Path, default=None, help="artifacts folder to keep the fetched/converted "
@@ -603,6 +656,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.model and args.shape:
         ap.error("--model and --shape exclude each other")
+    try:
+        args.nprocs = [auto_nproc()[0] if n.strip() == "auto" else int(n) for n in args.nproc.split(",") if n.strip()]
+    except ValueError:
+        ap.error(f"--nproc {args.nproc!r}: a number, a comma-separated list or auto")
+    if not args.nprocs or min(args.nprocs) < 1:
+        ap.error(f"--nproc {args.nproc!r}: counts must be >= 1")
     return args
 
 
@@ -632,24 +691,35 @@ def main(argv: list[str] | None = None) -> None:
               f"/ p90 {np.percentile(lengths, 90):.0f} / max {lengths.max()}; global batch {args.global_batch}, "
               f"micro-batch {args.micro_batch}, {args.warmup} warmup + {args.steps} timed steps")
 
-        env = worker_env(args.nproc)
+        envs = {n: worker_env(n) for n in args.nprocs}
         # The worker gets nproc ranks x OMP_NUM_THREADS; the bare loops get the same total.
-        threads = args.nproc * int(env["OMP_NUM_THREADS"])
-        print(f"threads: worker {args.nproc} rank(s) x OMP_NUM_THREADS={env['OMP_NUM_THREADS']}, "
-              f"bare loops torch.set_num_threads({threads}); {os.cpu_count()} CPUs"
+        threads = args.nprocs[0] * int(envs[args.nprocs[0]]["OMP_NUM_THREADS"])
+        print("threads: " + ", ".join(f"worker {n} rank(s) x OMP_NUM_THREADS={e['OMP_NUM_THREADS']}"
+                                      for n, e in envs.items())
+              + f"; bare loops torch.set_num_threads({threads}); {os.cpu_count()} CPUs"
               + (f"; GPU {torch.cuda.get_device_name()}" if CUDA else ""))
 
         tok = AutoTokenizer.from_pretrained(model_path)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
 
-        def runner(key: str):
+        def runner(key: str, n: int = 1):
             _, kind, packed, ckpt = METHODS[key]
             if kind == "worker":
-                return lambda: run_worker(cfg, model_path, shards, tmp, args, packed, env,
-                                          reshard_after_forward=True if key.endswith("freed") else None, ckpt=ckpt)
+                return lambda: run_worker(cfg, model_path, shards, tmp, args, packed, envs[n],
+                                          reshard_after_forward=True if key.endswith("freed") else None, ckpt=ckpt,
+                                          nproc=n)
             return lambda: run_bare_child(cfg, model_path, shards, pad_id, tmp, args, kind, packed, ckpt, threads)
 
-        methods = {METHODS[k][0]: runner(k) for k in keys}
+        methods = {}
+        for k in keys:
+            if METHODS[k][1] != "worker":
+                methods[METHODS[k][0]] = runner(k)
+                continue
+            for n in args.nprocs:
+                if k.endswith("freed") and n == 1:
+                    continue  # nothing is sharded on one process
+                suffix = f", {n} process{'es' if n > 1 else ''}" if len(args.nprocs) > 1 else ""
+                methods[METHODS[k][0] + suffix] = runner(k, n)
         results: dict[str, dict] = {}
         # Rounds interleave the methods and each keeps its fastest round: another process
         # on the machine only ever slows a method down, so the best round is the least disturbed.
@@ -666,7 +736,8 @@ def main(argv: list[str] | None = None) -> None:
             args.json.write_text(json.dumps({"results": results, "head": head, "rows": rows, "data": {
                 "samples": len(ds), "mean_tokens": float(lengths.mean()), "max_tokens": int(lengths.max())}}))
         report(results, pad_waste(ds, args, args.seed, True), pad_waste(ds, args, args.seed, False))
-    name = args.model or (f"{args.shape} shape (random init)" if args.shape else "builtin:tiny-chat")
+    name = (args.model or (f"{args.shape} shape (random init)" if args.shape else "builtin:tiny-chat")) + (
+        f", data {args.data}" if args.data else "")
     print(f"model: {name}, {'LoRA r=%d' % args.lora if args.lora else 'full fine-tuning'}")
     print(f"\ntotal bench time {time.perf_counter() - t_start:.0f} s")
 

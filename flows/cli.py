@@ -256,7 +256,8 @@ def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg
         return
     stages = {s: {"fingerprint": p.fingerprints[s], "status": p.status(s), "path": str(p.folder(s))} for s in p.stages}
     if as_json:
-        print(json.dumps({"config": cfg.model_dump(mode="json"), "stages": stages}, indent=2))
+        print(json.dumps({"config": cfg.model_dump(mode="json"), "topology": cfg.actor.topology, "stages": stages},
+                         indent=2))
         return
     table = Table(title=f"config {config}")
     table.add_column("key")
@@ -270,6 +271,7 @@ def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg
     for s, info in stages.items():
         st.add_row(s, info["fingerprint"], info["status"], info["path"])
     console.print(st)
+    console.print(f"training runs {escape(cfg.actor.topology)}", highlight=False)
     _memory_table(p)
 
 

@@ -248,19 +248,23 @@ def test_effective_implementation_sees_through_peft_and_plain_modules():
 @pytest.mark.slow
 def test_the_kernel_that_ran_reaches_train_log_manifest_and_mlflow(tmp_path):
     """An explicit `eager` (auto would keep the model's sdpa on CPU): the worker logs it, writes it to
-    runtime.json, the train stage puts it in its manifest and the MLflow run's params."""
+    runtime.json, the train stage puts it in its manifest and the MLflow run's params. The process
+    count `actor.nproc_per_node: auto` chose, and why, reach train.log and the manifest too."""
     from mlflow.tracking import MlflowClient
 
     from stages.core.artifacts import read_manifest
     from stages.pipeline import plan, run_stage
     raw = tiny_config_dict(tmp_path, n_train=24, n_val=4, runner={"max_steps": 2, "val_check_interval": 0},
-                           actor={"nproc_per_node": 1, "global_batch_size": 8, "attn_implementation": "eager"})
+                           actor={"nproc_per_node": "auto", "global_batch_size": 8, "attn_implementation": "eager"})
     cfg = load_config(write_config(tmp_path, raw))
+    assert cfg.actor.nproc_per_node == 1 and cfg.actor.topology.startswith("1 process: auto: one process")
     p = plan(cfg)
     run_stage(p, "prepare")
     folder = Path(run_stage(p, "train", on_line=lambda line: None).path)
-    assert "attention eager, packed micro-batches" in (folder / "train.log").read_text()
+    log = (folder / "train.log").read_text()
+    assert "attention eager, packed micro-batches" in log and f"topology: {cfg.actor.topology}\n" in log
     manifest = read_manifest(folder)
+    assert manifest["topology"] == cfg.actor.topology
     assert manifest["runtime"] == {"attn_implementation": "eager", "precision": "fp32", "device": "cpu",
                                    "packing": True, "world_size": 1}
     params = MlflowClient(cfg.resolved_tracking_uri).get_run(manifest["mlflow_run_id"]).data.params

@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,78 @@ def test_every_config_key_is_documented(tmp_path):
 def test_example_configs_validate():
     for path in sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml")):
         load_config(path)
+
+
+# --------------------------------------------------------------------------- actor.nproc_per_node: auto
+
+
+@pytest.fixture
+def gpus(tmp_path, monkeypatch):
+    """A fake nvidia-smi listing n GPUs (0: none on PATH at all); the lookup's cache is cleared."""
+    from stages.core import topology
+
+    def install(n: int) -> None:
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir(exist_ok=True)
+        smi = bin_dir / "nvidia-smi"
+        if n:
+            smi.write_text("#!/bin/sh\n" + "".join(f"echo 'GPU {i}: NVIDIA H200 (UUID: GPU-{i})'\n" for i in range(n)))
+            smi.chmod(0o755)
+        elif smi.exists():
+            smi.unlink()
+        monkeypatch.setenv("PATH", str(bin_dir) if not n else f"{bin_dir}:/usr/bin:/bin")
+        topology._smi_gpus.cache_clear()
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    yield install
+    topology._smi_gpus.cache_clear()
+
+
+def test_nproc_auto_is_one_process_on_cpu_one_per_gpu_and_an_explicit_count_is_obeyed(tmp_path, gpus, monkeypatch):
+    def actor(**kw):
+        return config_from_dict(tiny_config_dict(tmp_path, actor={"nproc_per_node": "auto", "global_batch_size": 16,
+                                                                   "micro_batch_size": 2, **kw})).actor
+
+    gpus(0)
+    a = actor()
+    assert (a.nproc_per_node, a.world_size) == (1, 1)
+    assert a.topology.startswith("1 process: auto: one process on CPU")
+    gpus(4)
+    a = actor()
+    assert (a.nproc_per_node, a.world_size) == (4, 4) and a.topology == (
+        "4 processes: auto: one process per visible GPU (4), FSDP2 over them")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
+    assert actor().nproc_per_node == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
+    assert actor().nproc_per_node == 1
+    # the user's number wins, on CPU as on GPUs; assigning one later does not keep auto's reason
+    for n in (0, 4):
+        gpus(n)
+        a = actor(nproc_per_node=2)
+        assert a.nproc_per_node == 2 and a.topology == "2 processes: actor.nproc_per_node=2 (set in the config)"
+    a = actor()
+    a.nproc_per_node = 2
+    assert a.topology == "2 processes: actor.nproc_per_node=2 (set in the config)"
+    # what the workers get (their spec) is the number, never `auto`
+    assert config_from_dict(tiny_config_dict(tmp_path)).model_dump(mode="json")["actor"]["nproc_per_node"] == 2
+
+
+def test_nproc_auto_feeds_the_batch_rule_and_bad_counts_are_one_line(tmp_path, gpus):
+    gpus(4)
+    with pytest.raises(ConfigError, match=r"actor.global_batch_size=8 must be divisible by micro_batch_size x "
+                                          r"world size = 4 x 4 = 16"):
+        config_from_dict(tiny_config_dict(tmp_path, actor={"nproc_per_node": "auto", "micro_batch_size": 4,
+                                                           "global_batch_size": 8}))
+    for bad in (0, -1, "two", 1.5, True):
+        with pytest.raises(ConfigError) as e:
+            config_from_dict(tiny_config_dict(tmp_path, actor={"nproc_per_node": bad}))
+        assert str(e.value) == f"<config>: actor.nproc_per_node: must be a number of processes >= 1 or auto (got {bad!r})"
+
+
+def test_show_says_how_many_processes_train_and_why(tmp_path):
+    path = write_config(tmp_path, tiny_config_dict(tmp_path, actor={"nproc_per_node": "auto", "global_batch_size": 16}))
+    out = sftflow("show", "-c", str(path), "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    shown, cfg = json.loads(out.stdout), load_config(path)
+    assert shown["config"]["actor"]["nproc_per_node"] == cfg.actor.nproc_per_node
+    assert shown["topology"] == cfg.actor.topology and "auto: one process" in cfg.actor.topology

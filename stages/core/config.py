@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from .errors import ConfigError
 from .imports import is_import_path
 from .inputs import expand_paths
+from .topology import auto_nproc, describe
 
 # Its effect on results is the config values, which every fingerprint hashes as data; editing
 # a description here must not retrain anything.
@@ -114,7 +115,8 @@ class LoraConfig(_Section):
 class ActorConfig(_Section):
     # How the work is spread and memory/speed knobs don't change the maths (world size included:
     # a run checkpointed on 2 processes resumes on 1 under the same fingerprint).
-    nproc_per_node: int = unhashed(1, ge=1)
+    nproc_per_node: int | Literal["auto"] = unhashed(
+        "auto", description="processes per node; auto: one per visible GPU, else one on CPU (core/topology.py)")
     nnodes: int = unhashed(1, ge=1)
     node_rank: int = unhashed(0, ge=0)
     rdzv_endpoint: str | None = unhashed(None, description="host:port of the c10d rendezvous; required when nnodes > 1")
@@ -148,10 +150,33 @@ class ActorConfig(_Section):
     model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig()
     lora: LoraConfig = LoraConfig()
+    _auto: tuple[int, str] | None = PrivateAttr(None)  # what `auto` resolved to, and why
 
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
+
+    @property
+    def topology(self) -> str:
+        """How many processes train and why (`sftflow show`, train.log, the train manifest)."""
+        auto = self._auto if self._auto and self._auto[0] == self.nproc_per_node else None
+        return describe(self.nproc_per_node, self.nnodes, auto[1] if auto else None)
+
+    @field_validator("nproc_per_node", mode="before")
+    @classmethod
+    def _nproc_value(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            return v
+        raise ValueError(f"must be a number of processes >= 1 or auto (got {v!r})")
+
+    @model_validator(mode="after")
+    def _resolve_nproc(self) -> "ActorConfig":
+        # Resolved where the config is loaded, which is where torchrun starts: every later reader
+        # (batch sizes, the memory plan, the worker's spec) sees a number.
+        if self.nproc_per_node == "auto":
+            self._auto = auto_nproc()
+            self.__dict__["nproc_per_node"] = self._auto[0]  # not an assignment: no second validation round
+        return self
 
     @model_validator(mode="after")
     def _multi_node(self) -> "ActorConfig":
@@ -270,18 +295,30 @@ def _scorer_name(v: str) -> str:
 
 
 class EvalSetConfig(_Section):
-    """A named eval set: its own files (read like data.val_data_paths) and scorer."""
+    """A named eval set: its own files (read like data.val_data_paths) and scorer, or an
+    lm-evaluation-harness task (`mode: harness`, docs/evaluation.md "Harness sets")."""
 
-    data_paths: list[str] = Field(min_length=1, json_schema_extra={"fingerprint": False})  # contents are hashed
+    data_paths: list[str] = Field(default_factory=list, json_schema_extra={"fingerprint": False},  # contents are hashed
+                                  description="generate and choice sets: the set's files (required)")
     scorer: str | None = Field(None, description="default: eval.scorer")
     max_drop: float | None = Field(None, ge=0, description="promotion guard: the tuned model's accuracy may be at "
                                                          "most this far below the base model's on this set")
     decide_on: Literal["estimate", "interval"] = Field(
         "estimate", description="max_drop judged on the paired delta (estimate) or on its 95% interval's lower bound "
                                 "(interval: the data must show the drop is at most max_drop)")
-    mode: Literal["generate", "choice"] = Field(
+    mode: Literal["generate", "choice", "harness"] = Field(
         "generate", description="generate: greedy replies scored by the scorer; choice: rows hold choices and the "
-                                "answer, the option with the highest log-likelihood is the model's pick")
+                                "answer, the option with the highest log-likelihood is the model's pick; harness: "
+                                "an lm-evaluation-harness task (`task`), each item's correctness from its per-sample log")
+    task: str | None = Field(None, description="harness: an lm-eval task name (arc_easy) or a task YAML file")
+    num_fewshot: int | None = Field(None, ge=0, description="harness: few-shot examples; default: the task's own")
+    limit: int | None = Field(None, ge=1, description="harness: only the task's first N documents; default: all")
+    chat_template: bool | None = Field(None, description="harness: render prompts (and few-shot examples, as turns) "
+                                                         "with the model's chat template; default: true")
+    metric: str | None = Field(None, description="harness: the per-sample metric that is an item's correctness "
+                                                 "(0 or 1); default: the task's first metric")
+    filter: str | None = Field(None, description="harness: the task's filter whose answers are scored; default: "
+                                                 "its first filter (`none` when it has none)")
     length_normalized: bool | Literal["chars", "bytes"] = Field(
         False, description="choice: how options are ranked (lm-evaluation-harness' names): false = by the summed "
                            "log-likelihood (acc); chars = per character of the option (acc_norm); bytes = per UTF-8 "
@@ -302,6 +339,37 @@ class EvalSetConfig(_Section):
     @classmethod
     def _known_scorer(cls, v: str | None) -> str | None:
         return v if v is None else _scorer_name(v)
+
+    @model_validator(mode="after")
+    def _harness_keys(self) -> "EvalSetConfig":
+        own = [k for k in HARNESS_KEYS if getattr(self, k) is not None]
+        if self.mode != "harness":
+            if own:
+                raise ValueError(f"{own[0]} is a key of harness sets (mode: harness); this set is mode: {self.mode}")
+            if not self.data_paths:
+                raise ValueError(f"data_paths is required (mode: {self.mode}: the set's files)")
+            return self
+        if not self.task:
+            raise ValueError("mode: harness needs task: an lm-eval task name (arc_easy) or a task YAML file")
+        clash = [k for k, v in (("data_paths", self.data_paths), ("scorer", self.scorer),
+                                ("length_normalized", self.length_normalized)) if v]
+        if clash:
+            hint = {"length_normalized": " (pick lm-eval's acc_norm with metric: acc_norm)",
+                    "data_paths": " (the task names its data)"}.get(clash[0], " (the task's metric scores it)")
+            raise ValueError(f"{clash[0]} does not apply to mode: harness{hint}")
+        return self
+
+    @property
+    def is_harness(self) -> bool:
+        return self.mode == "harness"
+
+    @property
+    def uses_chat_template(self) -> bool:
+        """harness: whether lm-eval renders prompts with the model's chat template (default true)."""
+        return self.chat_template is not False
+
+
+HARNESS_KEYS = ("task", "num_fewshot", "limit", "chat_template", "metric", "filter")
 
 
 class EvalConfig(_Section):
@@ -441,7 +509,8 @@ class SFTConfig(_Section):
             self._inputs = {"train": expand_paths(d.train_data_paths, "data.train_data_paths"),
                             "val": expand_paths(d.val_data_paths, "data.val_data_paths") if d.val_data_paths else []}
             for name, s in self.eval.sets.items():
-                self._inputs[eval_split(name)] = expand_paths(s.data_paths, f"eval.sets.{name}.data_paths")
+                if not s.is_harness:  # a harness task's files are found at planning (stages/runtime/harness.py)
+                    self._inputs[eval_split(name)] = expand_paths(s.data_paths, f"eval.sets.{name}.data_paths")
             for name, m in d.mix.items():
                 if m.paths:
                     self._inputs[mix_split(name)] = expand_paths(m.paths, f"data.mix.{name}.paths")

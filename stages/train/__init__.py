@@ -51,6 +51,10 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
                       train_dir=str(Path(prepare_dir) / "train"), val_dir=str(val) if val.is_dir() else None, mix=mix)
     spec_path = spec.write(build.partial / "spec.json")
     metrics_file = build.partial / "metrics.jsonl"
+    topology = f"topology: {cfg.actor.topology}"
+    with open(build.partial / "train.log", "a", encoding="utf-8") as log:
+        log.write(topology + "\n")
+    on_line(topology)
     with training_run(cfg, lineage, on_line, metrics_file) as env:
         mlflow_run_id = env.get("MLFLOW_RUN_ID") or None
         run_torchrun(torchrun_command(cfg, spec_path, module="stages.train"), build.partial / "train.log",
@@ -74,6 +78,6 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
                "mean_tokens_per_s": sum(r["tokens_per_s"] for r in rows) / len(rows) if rows else None}
     metrics.update({f"mix_{m['source']}_per_epoch": m["per_epoch"] for m in mixture})
     build.commit({"metrics": metrics, "model_dir": str(build.final / "model"), "base_model": model_path,
-                  "mixture": mixture,
+                  "mixture": mixture, "topology": cfg.actor.topology,
                   "prepare_dir": prepare_dir, "mlflow_run_id": mlflow_run_id, "runtime": runtime})
     return metrics
