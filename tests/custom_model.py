@@ -59,3 +59,13 @@ class BrokenWorker(MLPWorker):
 
     def collate(self, samples: list[dict]) -> dict:
         return {"x": torch.from_numpy(np.stack([s["x"] for s in samples])).to(self.device)}
+
+
+class RefusingRankOne(MLPWorker):
+    """Rank 1 stops with one of the project's errors once set up; rank 0 goes on until it is stopped."""
+
+    def setup(self) -> None:
+        super().setup()
+        if self.rank == 1:
+            from stages.core.errors import ConfigError
+            raise ConfigError("custom.key: rank one refuses")

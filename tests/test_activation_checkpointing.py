@@ -7,6 +7,7 @@ zero, so A has gradients too)."""
 import pytest
 import torch
 
+from stages.core.errors import ConfigError
 from stages.runtime.batches import DataPosition
 from stages.runtime.worker import SFTWorker
 from test_precision import LORA, TWO, gloo_world_of_one, specs_over_prepared_data, torchrun_steps
@@ -84,7 +85,7 @@ def test_fsdp2_gradients_with_activation_checkpointing_equal_those_without(prepa
 def test_a_model_that_cannot_recompute_stops_with_one_line_naming_the_key(prepared):
     from custom_model import MLPWorker  # a plain torch model, registered on import
     spec = prepared("ac-mlp", activation_checkpointing=True, model={"model_type": "tiny_mlp"})
-    with gloo_world_of_one(), pytest.raises(SystemExit) as stopped:
+    with gloo_world_of_one(), pytest.raises(ConfigError) as stopped:
         MLPWorker(spec).setup()
     assert str(stopped.value).startswith("actor.activation_checkpointing needs a model with ")
     assert "\n" not in str(stopped.value)

@@ -110,6 +110,28 @@ def test_a_torn_metrics_line_is_left_out_and_the_first_failed_rank_is_reported(t
     assert failure_reason(log[2:4] + log[:2]) == "rank 1: RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer"
 
 
+def test_the_first_recorded_failure_names_its_rank_or_is_the_projects_own_line(tmp_path):
+    """torch elastic's error files (`@record`), laid out as its agent lays them out: the file written
+    first wins (a rank that failed because another one died writes later), the latest attempt only."""
+    from stages.runtime.launcher import recorded_failure
+
+    def record(attempt: int, rank: int, message: str, at: int) -> None:
+        f = tmp_path / "run_x" / f"attempt_{attempt}" / str(rank) / "error.json"
+        f.parent.mkdir(parents=True)
+        f.write_text(json.dumps({"message": {"message": message, "extraInfo": {"timestamp": "1700000000"}}}))
+        os.utime(f, ns=(at, at))
+        os.utime(f.parent.parent, ns=(attempt, attempt))
+
+    assert recorded_failure(tmp_path) is None  # nothing recorded: the launcher reads the log instead
+    record(0, 0, "ValueError: from the first attempt", 1)
+    record(1, 0, "RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer", 20)
+    record(1, 1, "KeyError: 'labels'", 10)
+    assert recorded_failure(tmp_path) == "rank 1: KeyError: 'labels'"
+    assert recorded_failure(tmp_path, first_rank=4) == "rank 5: KeyError: 'labels'"  # node 2 of 2-process nodes
+    record(1, 2, "ConfigError: actor.lora.target_modules: no module named q_proj", 5)
+    assert recorded_failure(tmp_path) == "actor.lora.target_modules: no module named q_proj"
+
+
 BAD_CODE_AND_PATHS = [
     ({"eval": {"scorer": "nosuchpkg.mod:fn"}}, "eval.scorer='nosuchpkg.mod:fn': cannot import"),
     ({"actor": {"worker": "nosuchpkg.mod:W"}}, "actor.worker='nosuchpkg.mod:W': cannot import"),

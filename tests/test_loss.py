@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from stages.core.errors import ConfigError
 from stages.runtime import loss
 from stages.runtime.batches import collate_packed, collate_padded
 from stages.runtime.loss import IGNORE_INDEX, kl_sum, model_loss, output_transform, reference_outputs, token_loss_sum
@@ -379,7 +380,7 @@ def test_dft_with_an_output_that_does_not_compute_it_stops_with_one_line(prepare
             return self._token_loss_sum(batch)
 
     w = OwnLoss(prepared("dft-own", precision="fp32", loss="dft"))
-    with gloo_world_of_one(), pytest.raises(SystemExit, match="actor.loss: OwnLoss.get_train_model_output does "
+    with gloo_world_of_one(), pytest.raises(ConfigError, match="actor.loss: OwnLoss.get_train_model_output does "
                                                               "not compute 'dft'"):
         w.setup()
         w.forward_backward(w.sampler.global_batch(DataPosition()))

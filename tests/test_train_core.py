@@ -316,5 +316,18 @@ def test_a_worker_crash_is_reported_as_its_root_cause(tmp_path):
     try:
         with pytest.raises(TrainingFailed, match=r"training failed \(torchrun exit 1\): rank \d: KeyError: 'y'"):
             train(cfg, env)
+        # the cause came from torch elastic's error file (one per failed rank), not from the log's text
+        errors = list((cfg.artifacts_path / "train").glob(".*.partial/elastic/*/attempt_0/*/error.json"))
+        assert errors and all("KeyError: 'y'" in e.read_text() for e in errors)
+        # a project error on one rank is its own line (no rank, no type), as the user reads it in-process
+        (tmp_path / "refuse").mkdir()
+        cfg = make_cfg(tmp_path / "refuse", actor={"worker": "custom_model:RefusingRankOne", "nproc_per_node": 2,
+                                                   "model": {"model_type": "tiny_mlp"}, "micro_batch_size": 8,
+                                                   "global_batch_size": 32})
+        with pytest.raises(TrainingFailed) as failed:
+            train(cfg, env)
+        assert str(failed.value).startswith("training failed (torchrun exit 1): custom.key: rank one refuses; full log: ")
+        log = next((cfg.artifacts_path / "train").glob(".*.partial/train.log")).read_text()
+        assert "custom.key: rank one refuses\n" in log and "Traceback" not in log.split("custom.key")[0][-200:]
     finally:
         sys.path.remove(str(ROOT / "tests"))

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import base_model, tiny_config_dict, write_config
-from stages.core.config import load_config
+from stages.core.config import ConfigError, load_config
 from stages.pipeline import plan, run_stage
 from stages.runtime.model_types import WeightsLoadError, build_configured_model
 from stages.runtime.schedule import lr_lambda
@@ -95,7 +95,7 @@ def test_kl_to_base_with_an_output_that_adds_no_kl_stops_with_one_line(one_proce
                       train_dir=str(p.folder("prepare") / "train"), val_dir=None)
     row, _ = _step(SFTWorker, spec)  # the base class's output adds it
     assert row["kl"] == 0.0  # fresh adapters (B = 0): the tuned model is the base model
-    with pytest.raises(SystemExit, match="OwnLossWorker.get_train_model_output adds no KL term"):
+    with pytest.raises(ConfigError, match="OwnLossWorker.get_train_model_output adds no KL term"):
         _step(OwnLossWorker, spec)
 
 

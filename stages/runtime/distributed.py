@@ -1,9 +1,10 @@
-"""Rank-0 logging, device and precision choice, exact cross-rank sums, and a worker's clean exit."""
+"""Rank-0 logging, device and precision choice, exact cross-rank sums, and a rank's entry and clean exit."""
 
 from __future__ import annotations
 
 import os
 import sys
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,22 @@ def add_up(parts: list[dict]) -> dict:
         for k, v in part.items():
             total[k] = total.get(k, 0) + v
     return total
+
+
+def run_rank(main: Callable[[], None]) -> None:
+    """A torchrun rank's entry point (`python -m stages.train|evaluate|replay`). An exception is
+    recorded by torch elastic (`@record`: the error file the agent gives each rank, which the launcher
+    reads to name the failing rank and cause). One of the project's own errors (a config or stage
+    problem, phrased for the user) is then printed as its one line, without a traceback."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from stages.core.errors import ConfigError, StageError
+    try:
+        record(main)()
+    except (ConfigError, StageError) as e:
+        print(e, file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    exit_skipping_finalization()  # only reached when the rank finished its work
 
 
 def exit_skipping_finalization(code: int = 0) -> None:

@@ -3,12 +3,19 @@
 The child gets a new session so that a cancel, timeout or SIGTERM of the caller can take
 down torchrun *and* every worker with one `killpg`. Output is streamed line by line to a
 callback (Prefect's task logger, or stdout) and to `train.log` in the stage folder.
+
+Why a rank failed comes from torch elastic's error files: each rank's entry (`run_rank`) records
+its exception in the file the agent gives it, under `--log-dir` (the stage folder's `elastic/`),
+and `recorded_failure` reads them. Only a rank that left no file (killed by a signal, or dead
+before its entry ran) falls back to the log's text.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from stages.core.config import SFTConfig
-from stages.core.errors import StageError
+from stages.core.errors import ConfigError, StageError
 
 from .proctree import descendants, signal_tree
 
@@ -26,15 +33,55 @@ def torchrun_command(cfg: SFTConfig, spec_path: Path, module: str) -> list[str]:
     """torchrun (for one machine through `local_torchrun`) `... -m <module> <spec_path>` for this node."""
     a = cfg.actor
     nproc = f"--nproc_per_node={a.nproc_per_node}"
+    logs = f"--log-dir={elastic_dir(spec_path)}"
     if a.nnodes == 1 and not a.rdzv_endpoint:
         # one machine: its stores and sockets on loopback only (torchrun --standalone binds `::`)
-        cmd = [sys.executable, "-m", "stages.runtime.local_torchrun", nproc]
+        cmd = [sys.executable, "-m", "stages.runtime.local_torchrun", nproc, logs]
     else:
         # Every node runs this same command (only node_rank differs) and meets at node 0's endpoint.
-        cmd = [sys.executable, "-m", "torch.distributed.run", nproc, f"--nnodes={a.nnodes}",
+        cmd = [sys.executable, "-m", "torch.distributed.run", nproc, logs, f"--nnodes={a.nnodes}",
                f"--node_rank={a.node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={a.rdzv_endpoint}",
                f"--rdzv-id=sftflow-{spec_path.parent.name}"]
     return cmd + ["-m", module, str(spec_path)]
+
+
+def elastic_dir(spec_path: Path) -> Path:
+    """Where torchrun's agent puts each rank's error file: `<dir>/<run>/attempt_<n>/<local rank>/error.json`."""
+    return spec_path.parent / "elastic"
+
+
+def _project_errors() -> set[str]:
+    """The names of the project's error types: their messages are already the line a user reads."""
+    names, todo = set(), [ConfigError, StageError]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo += cls.__subclasses__()
+    return names
+
+
+def recorded_failure(log_dir: Path, first_rank: int = 0) -> str | None:
+    """The first failure torch elastic recorded under `log_dir` (the latest attempt, the error file
+    written first, then the lowest rank): the project's own errors as their message alone, any other
+    exception as "rank N: Type: message"; None when no rank left a file. `first_rank`: this node's
+    first global rank (node_rank x nproc_per_node)."""
+    attempts = sorted(log_dir.glob("*/attempt_*"), key=lambda d: (d.stat().st_mtime_ns, d.name))
+    failures = []
+    for f in (attempts[-1].glob("*/error.json") if attempts else []):
+        try:
+            data = json.loads(f.read_text())
+            message = data["message"]["message"] if isinstance(data["message"], dict) else data["message"]
+            stamp = int(data["message"].get("extraInfo", {}).get("timestamp", 0)) if isinstance(data["message"], dict) else 0
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        # written when the rank failed: finer than the file's own timestamp (seconds), where a rank
+        # that fails because another one died (a closed connection) would tie with its cause
+        failures.append((f.stat().st_mtime_ns, stamp, first_rank + int(f.parent.name), str(message)))
+    if not failures:
+        return None
+    *_, rank, message = min(failures)
+    kind, _, text = message.partition(": ")
+    return text if kind in _project_errors() and text else f"rank {rank}: {message}"
 
 
 def worker_env(nproc_per_node: int = 1) -> dict[str, str]:
@@ -58,7 +105,8 @@ _ROOT_CAUSE_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 
 
 def failure_reason(lines: list[str]) -> str:
-    """The root cause in a worker crash log: the exception of the rank that failed first (torchrun's
+    """The fallback when no rank left an error file (a signal killed it, or it died before its entry
+    ran): the root cause in the crash log's text, the exception of the rank that failed first (torchrun's
     "Root Cause (first observed failure)", else the first rank to print one; the others usually
     only report the lost connection), else the last plain line printed before torchrun's failure
     report (a SystemExit message, or where a kill struck)."""
@@ -138,9 +186,15 @@ def run_torchrun(cmd: list[str], log_path: Path, error: type[StageError], what: 
             raise
         finally:
             _running.discard(proc)
-    if rc != 0:
-        how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"torchrun exit {rc}"
-        raise error(f"{what} failed ({how}): {failure_reason(lines)}; full log: {log_path}")
+    logs = next((Path(x.split("=", 1)[1]) for x in cmd if x.startswith("--log-dir=")), None)
+    if rc == 0:
+        if logs is not None:  # the agent's per-rank folders hold nothing after a success
+            shutil.rmtree(logs, ignore_errors=True)
+        return
+    how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"torchrun exit {rc}"
+    node = next((int(x.split("=", 1)[1]) for x in cmd if x.startswith("--node_rank=")), 0)
+    reason = (recorded_failure(logs, node * nproc_per_node) if logs else None) or failure_reason(lines)
+    raise error(f"{what} failed ({how}): {reason}; full log: {log_path}")
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:

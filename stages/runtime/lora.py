@@ -16,6 +16,7 @@ from typing import Iterator
 import torch.nn as nn
 
 from stages.core.config import LoraConfig
+from stages.core.errors import ConfigError
 
 
 def lora_enabled(cfg) -> bool:
@@ -34,7 +35,7 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
             warnings.simplefilter("ignore", FutureWarning)
             return get_peft_model(model, peft_cfg)
     except ValueError as e:  # target modules that the model doesn't have
-        raise SystemExit(f"actor.lora.target_modules: {e}") from None
+        raise ConfigError(f"actor.lora.target_modules: {e}") from None
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from stages.core.config import SFTConfig
-from stages.core.errors import ConfigError
+from stages.core.errors import ConfigError, StageError
 from stages.core.imports import import_object
 from stages.tracking.live import RankZeroMetrics, read_metrics_file
 
@@ -236,8 +236,8 @@ class SFTWorker:
                                                self.precision)
             model = build_configured_model(self.cfg, self.spec.model_path, seed=self.cfg.runner.seed,
                                            device=self.device, lora=lora_enabled(self.cfg), attn_implementation=attn)
-        except (UnknownModelType, ConfigError) as e:
-            raise SystemExit(str(e)) from None
+        except UnknownModelType as e:
+            raise ConfigError(str(e)) from None
         units = fsdp_units(unwrap(model))  # the blocks themselves: peft swaps layers inside them, not the blocks
         if actor.activation_checkpointing:
             # transformers renamed gradient_checkpointing_enable (5.24 warns that the alias goes in v6);
@@ -247,7 +247,7 @@ class SFTWorker:
             elif hasattr(model, "gradient_checkpointing_enable"):
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             else:
-                raise SystemExit("actor.activation_checkpointing needs a model with activation_checkpointing_enable() "
+                raise ConfigError("actor.activation_checkpointing needs a model with activation_checkpointing_enable() "
                                  "or gradient_checkpointing_enable()")
         if actor.compile:
             for unit in units or [model]:
@@ -409,10 +409,10 @@ class SFTWorker:
         else:
             path = Path(resume)
             if not (path / ckpt.COMPLETE).is_file():
-                raise SystemExit(f"runner.resume: '{path}' is not a complete checkpoint (no {ckpt.COMPLETE})")
+                raise ConfigError(f"runner.resume: '{path}' is not a complete checkpoint (no {ckpt.COMPLETE})")
             problem = ckpt.checkpoint_problem(path)
             if problem is not None:
-                raise SystemExit(f"runner.resume: '{path}' can't be used: {problem}")
+                raise ConfigError(f"runner.resume: '{path}' can't be used: {problem}")
         state, rng_ok = ckpt.load_checkpoint(path, self.model, self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         pos = DataPosition(**state["data_position"])
@@ -430,7 +430,7 @@ class SFTWorker:
 
         self.train_ds = self.build_dataset(self.spec.train_dir)
         if len(self.train_ds) == 0:  # 0 steps would export the base model as if it were trained
-            raise SystemExit(f"no training samples in {self.spec.train_dir} ({type(self).__name__}.build_dataset)")
+            raise StageError(f"no training samples in {self.spec.train_dir} ({type(self).__name__}.build_dataset)")
         self.val_ds = self.build_dataset(self.spec.val_dir, eval_dataset=True) if self.spec.val_dir else None
         ones = np.ones(len(self.train_ds))  # a dataset without the arrays: every sample counts one
         self.sample_lengths = np.asarray(getattr(self.train_ds, "lengths", ones), dtype=np.int64)
@@ -512,11 +512,11 @@ class SFTWorker:
             elif self.last_kl is not None:
                 sums[2] += self.last_kl.double()
             elif self.cfg.actor.kl_to_base:  # a subclass's own output: the term asked for would be missing
-                raise SystemExit(f"actor.kl_to_base: {type(self).__name__}.get_train_model_output adds no KL "
+                raise ConfigError(f"actor.kl_to_base: {type(self).__name__}.get_train_model_output adds no KL "
                                  "term (the base class's does); remove the setting or add the term")
             if real and self.cfg.actor.loss != "ce":
                 if self.last_ce is None:  # a subclass's own output: the objective asked for would be missing
-                    raise SystemExit(f"actor.loss: {type(self).__name__}.get_train_model_output does not compute "
+                    raise ConfigError(f"actor.loss: {type(self).__name__}.get_train_model_output does not compute "
                                      f"'{self.cfg.actor.loss}' (the base class's does); remove the setting or "
                                      "compute it and set self.last_ce")
                 sums[3] += self.last_ce.double()
@@ -713,8 +713,4 @@ def main(argv: list[str] | None = None) -> None:
     die_with_parent(signal.SIGKILL)
     argv = sys.argv[1:] if argv is None else argv
     spec = WorkerSpec.read(argv[0])
-    try:
-        cls = load_worker_class(spec.config.actor.worker)
-    except ConfigError as e:
-        raise SystemExit(str(e)) from None
-    cls(spec).fit()
+    load_worker_class(spec.config.actor.worker)(spec).fit()

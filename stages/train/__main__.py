@@ -4,8 +4,7 @@ A package entry (rather than `-m stages.runtime.worker`) keeps the worker module
 under its real name, so `actor.worker` subclasses of `SFTWorker` are recognised as such.
 """
 
-from stages.runtime.distributed import exit_skipping_finalization
 from stages.runtime.worker import main
+from stages.runtime.distributed import run_rank
 
-main()
-exit_skipping_finalization()  # only reached when the rank finished its work
+run_rank(main)
