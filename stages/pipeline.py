@@ -34,6 +34,7 @@ from .core.inputs import HUB_PREFIX
 from .models.base import model_config_json, model_fingerprint, resolve_model
 from .models.refs import eval_model_identity
 from .runtime import memory_plan
+from .runtime.harness import chosen, lm_eval_version, resolve_task
 from .tracking.registry import REGISTRY_PREFIX, current_champion, version_state
 from .tracking.run import Lineage
 
@@ -96,7 +97,7 @@ class Plan:
         """The plan `to_dict` wrote; nothing is globbed, hashed or looked up again."""
         cfg = SFTConfig.model_validate(d["config"])
         inputs = {s: [(ref, digest) for ref, digest in v] for s, v in d["inputs"].items()}
-        cfg._inputs = {s: [ref if ref.startswith(HUB_PREFIX) else Path(ref) for ref, _ in v] for s, v in inputs.items()}
+        cfg.pin_inputs({s: [ref if ref.startswith(HUB_PREFIX) else Path(ref) for ref, _ in v] for s, v in inputs.items()})
         return cls(cfg, dict(d["fingerprints"]), inputs, d.get("eval_model"), d.get("champion"))
 
 
@@ -133,8 +134,24 @@ def _scoring(cfg: SFTConfig) -> dict:
     return e
 
 
-def _reference_fingerprints(cfg: SFTConfig, digests: dict, model_fp: str, scorer, worker, train_fp: str
-                            ) -> tuple[dict[str, str], dict | None, str | None]:
+def harness_tasks(cfg: SFTConfig) -> dict[str, dict]:
+    """set -> what its lm-eval task is (`mode: harness`): the task's name, the metric and filter that
+    score an item, lm-eval's version, and the local files that define the task (its YAML, includes,
+    `!function` modules, data). lm-eval missing, a task file missing or an unknown task is a
+    ConfigError naming the set's key."""
+    out = {}
+    for name, s in cfg.eval.sets.items():
+        if s.is_harness:
+            version = lm_eval_version(f"eval.sets.{name}")
+            resolved = resolve_task(s.task, f"eval.sets.{name}.task")
+            metric, filt = chosen(s, resolved, f"eval.sets.{name}")
+            out[name] = {"task": resolved["name"], "metric": metric, "filter": filt, "lm_eval": version,
+                         "files": resolved["files"]}
+    return out
+
+
+def _reference_fingerprints(cfg: SFTConfig, digests: dict, model_fp: str, scorer, worker, train_fp: str,
+                            harness: dict | None = None) -> tuple[dict[str, str], dict | None, str | None]:
     """(fingerprints of the reference stages this config has, the champion they saw, the champion stage
     register's decision depends on: this run's, or, when this training is the champion already, the
     one its registration compared with, so that the register folder of that decision is the cache
@@ -145,7 +162,8 @@ def _reference_fingerprints(cfg: SFTConfig, digests: dict, model_fp: str, scorer
     held_out = {name: digests["val"] or {"from_train": digests["train"]} if name == "val" else digests[eval_split(name)]
                 for name in cfg.eval.set_names}
     common = dict(prepare_code=code_version("prepare"), tokenizer=model_fp, data=_held_out_data(cfg), sets=held_out,
-                  eval=_scoring(cfg), scorer=scorer, actor=hashed(cfg.actor.model), worker=worker)
+                  eval=_scoring(cfg), scorer=scorer, actor=hashed(cfg.actor.model), worker=worker,
+                  **({"harness": harness} if harness else {}))
     fps: dict[str, str] = {}
     if cfg.eval.eval_base and cfg.eval.model != "base":
         fps["baseline"] = fingerprint("baseline", code=code_version("evaluate"), model={"base": model_fp}, **common)
@@ -202,7 +220,8 @@ def check_contamination(cfg: SFTConfig) -> None:
     if cfg.replay is not None:
         trains += [(p, "prompt", d.columns) for p in _local_files(inputs[REPLAY_PROMPTS])]
     evals = {name: [(p, "choice" if s.mode == "choice" else d.format, d.columns)
-                    for p in _local_files(inputs[eval_split(name)])] for name, s in cfg.eval.sets.items()}
+                    for p in _local_files(inputs[eval_split(name)])]
+             for name, s in cfg.eval.sets.items() if not s.is_harness}  # a harness task's documents: lm-eval's
     problem = first_collision(trains, evals)
     if problem:
         raise ConfigError(problem)
@@ -322,6 +341,10 @@ def _plan(cfg: SFTConfig) -> Plan:
     check_contamination(cfg)
     root = cfg.artifacts_path
     inputs = {split: [(str(ref), input_digest(ref, root)) for ref in refs] for split, refs in cfg.inputs().items()}
+    harness = harness_tasks(cfg)
+    for name, h in harness.items():  # a harness task's files are its set's inputs (contents hashed, lineage)
+        inputs[eval_split(name)] = [(f, input_digest(Path(f), root)) for f in h["files"]]
+    harness = {name: {k: v for k, v in h.items() if k != "files"} for name, h in harness.items()}
     digests = {split: [d for _, d in items] for split, items in inputs.items()}
     model_fp = model_fingerprint(cfg, digests["train"])
     fps: dict[str, str] = {"models": model_fp}
@@ -334,8 +357,9 @@ def _plan(cfg: SFTConfig) -> Plan:
                           trust_remote_code=cfg.actor.model.trust_remote_code, data=_prepared_data(cfg),
                           **_training_inputs(cfg, digests), **({"replay": fps["replay"]} if "replay" in fps else {}))
     fps["prepare"] = prepare
-    if cfg.eval.sets:  # a set's mode picks its reader (choice rows), so its prepared rows depend on it
-        sets = {name: {"files": digests[eval_split(name)], "mode": s.mode} for name, s in cfg.eval.sets.items()}
+    prepared = {name: s for name, s in cfg.eval.sets.items() if not s.is_harness}  # harness sets: nothing to prepare
+    if prepared:  # a set's mode picks its reader (choice rows), so its prepared rows depend on it
+        sets = {name: {"files": digests[eval_split(name)], "mode": s.mode} for name, s in prepared.items()}
         fps["prepare_eval"] = fingerprint("prepare_eval", code=code_version("prepare"), model=model_fp,
                                           trust_remote_code=cfg.actor.model.trust_remote_code,
                                           data=_held_out_data(cfg), sets=sets)
@@ -350,11 +374,13 @@ def _plan(cfg: SFTConfig) -> Plan:
     custom = _custom_scorers(cfg)
     scorer = ({k: import_identity(v) for k, v in custom.items()} if cfg.eval.sets else
               import_identity(custom["eval.scorer"]) if custom else None)
-    references, champion, compared_with = _reference_fingerprints(cfg, digests, model_fp, scorer, worker, train)
+    references, champion, compared_with = _reference_fingerprints(cfg, digests, model_fp, scorer, worker, train,
+                                                                  harness)
     baseline = {"baseline": references["baseline"]} if "baseline" in references else {}
     held_out = {"prepare_eval": fps["prepare_eval"]} if "prepare_eval" in fps else {}
+    tasks = {"harness": {name: {**h, "files": digests[eval_split(name)]} for name, h in harness.items()}} if harness else {}
     evaluate = fingerprint("evaluate", code=code_version("evaluate"), prepare=prepare, eval=hashed(cfg.eval),
-                           scorer=scorer, **scored, **baseline, **held_out)
+                           scorer=scorer, **scored, **baseline, **held_out, **tasks)
     register = fingerprint("register", code=code_version("register", neutral=True), evaluate=evaluate, train=train,
                            prepare=prepare, registry=hashed(cfg.registry), tracking_uri=cfg.resolved_tracking_uri,
                            **({"champion": compared_with} if compared_with else {}))

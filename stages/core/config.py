@@ -45,13 +45,23 @@ def unhashed(default: Any = ..., **kw: Any) -> Any:
     return Field(default, json_schema_extra={"fingerprint": False}, **kw)
 
 
+def hashed_unless_default(default: Any = None, **kw: Any) -> Any:
+    """A field fingerprints see only when it is set to something else than its default: a key added
+    later (a harness set's) leaves the fingerprints of configs that don't use it as they were."""
+    return Field(default, json_schema_extra={"fingerprint": "unless_default"}, **kw)
+
+
 def hashed(section: BaseModel) -> dict:
-    """The section as fingerprints see it: JSON values without its `unhashed` fields."""
+    """The section as fingerprints see it: JSON values without its `unhashed` fields (nor the
+    `hashed_unless_default` ones that hold their default)."""
     out = {}
     for name, field in type(section).model_fields.items():
-        if (field.json_schema_extra or {}).get("fingerprint") is False:
+        rule = (field.json_schema_extra or {}).get("fingerprint")
+        if rule is False:
             continue
         value = getattr(section, name)
+        if rule == "unless_default" and value == field.default:
+            continue
         if isinstance(value, BaseModel):
             out[name] = hashed(value)
         elif isinstance(value, dict) and value and all(isinstance(v, BaseModel) for v in value.values()):
@@ -310,15 +320,17 @@ class EvalSetConfig(_Section):
         "generate", description="generate: greedy replies scored by the scorer; choice: rows hold choices and the "
                                 "answer, the option with the highest log-likelihood is the model's pick; harness: "
                                 "an lm-evaluation-harness task (`task`), each item's correctness from its per-sample log")
-    task: str | None = Field(None, description="harness: an lm-eval task name (arc_easy) or a task YAML file")
-    num_fewshot: int | None = Field(None, ge=0, description="harness: few-shot examples; default: the task's own")
-    limit: int | None = Field(None, ge=1, description="harness: only the task's first N documents; default: all")
-    chat_template: bool | None = Field(None, description="harness: render prompts (and few-shot examples, as turns) "
-                                                         "with the model's chat template; default: true")
-    metric: str | None = Field(None, description="harness: the per-sample metric that is an item's correctness "
-                                                 "(0 or 1); default: the task's first metric")
-    filter: str | None = Field(None, description="harness: the task's filter whose answers are scored; default: "
-                                                 "its first filter (`none` when it has none)")
+    # harness keys: hashed when set (configs without harness sets keep their fingerprints)
+    task: str | None = hashed_unless_default(description="harness: an lm-eval task name (arc_easy) or a task YAML file")
+    num_fewshot: int | None = hashed_unless_default(ge=0, description="harness: few-shot examples; default: the task's own")
+    limit: int | None = hashed_unless_default(ge=1, description="harness: only the task's first N documents; default: all")
+    chat_template: bool | None = hashed_unless_default(
+        description="harness: render prompts (and few-shot examples, as turns) with the model's chat template; "
+                    "default: true")
+    metric: str | None = hashed_unless_default(description="harness: the per-sample metric that is an item's "
+                                                           "correctness (0 or 1); default: the task's first metric")
+    filter: str | None = hashed_unless_default(description="harness: the task's filter whose answers are scored; "
+                                                           "default: its first filter (`none` when it has none)")
     length_normalized: bool | Literal["chars", "bytes"] = Field(
         False, description="choice: how options are ranked (lm-evaluation-harness' names): false = by the summed "
                            "log-likelihood (acc); chars = per character of the option (acc_norm); bytes = per UTF-8 "
@@ -517,6 +529,11 @@ class SFTConfig(_Section):
             if self.replay is not None:
                 self._inputs[REPLAY_PROMPTS] = expand_paths(self.replay.prompt_paths, "replay.prompt_paths")
         return self._inputs
+
+    def pin_inputs(self, inputs: dict[str, list[Path | str]]) -> None:
+        """Use these inputs from now on instead of globbing the paths again: a plan handed to
+        another process (a Prefect task's worker) must read exactly the files it was planned with."""
+        self._inputs = {split: list(refs) for split, refs in inputs.items()}
 
 
 # --------------------------------------------------------------------------- loading

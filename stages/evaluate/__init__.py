@@ -12,7 +12,8 @@ its own (`run_reference`), so a sweep or a retrain on new data reuses them; eval
 its model with each item by item (`stages/core/paired.py`): `delta` = tuned - base accuracy with its 95%
 interval, `vs_champion` likewise.
 
-Named eval sets (`eval.sets`, each with its own files and scorer) are each scored; the top-level
+Named eval sets (`eval.sets`, each with its own files and scorer, or an lm-evaluation-harness task:
+`mode: harness`, stages/runtime/harness.py) are each scored; the top-level
 metrics are the primary set's (what promotion compares), and `metrics["sets"][name]` holds every
 set's, with the comparisons and the guard (`max_drop`) verdict. Without named sets the val split
 is the one set.
@@ -126,8 +127,14 @@ def guard_sets(cfg: SFTConfig, sets: dict[str, dict]) -> None:
                  guard_ok=clears(m.get("vs_base") or {"delta": m["delta"]}, s.max_drop, decided_on))
 
 
+def prepared_sets(cfg: SFTConfig) -> list[str]:
+    """The sets scored from prepared rows, in report order: every set but the harness sets (whose
+    lm-eval task holds its own documents, stages/runtime/harness.py)."""
+    return [n for n in cfg.eval.set_names if n not in cfg.eval.sets or not cfg.eval.sets[n].is_harness]
+
+
 def _check_sets(cfg: SFTConfig, prepare_dir: str) -> None:
-    for name in cfg.eval.set_names:
+    for name in prepared_sets(cfg):
         try:  # an empty eval set would report accuracy 0/0 as a result
             count_rows(set_dir(prepare_dir, name), "held-out samples" if name == "val" else f"eval set '{name}' samples")
         except ValueError as e:
@@ -152,9 +159,15 @@ def _score(cfg: SFTConfig, build: StageBuild, base_model: str, model: dict, prep
     return json.loads((build.partial / "metrics.json").read_text())
 
 
-def _set_fingerprints(cfg: SFTConfig, prepare_dir: str, mode: str | None) -> dict[str, str]:
+def _set_fingerprints(cfg: SFTConfig, prepare_dir: str, mode: str | None, folder: Path) -> dict[str, str]:
     set_fps = {}
+    scored = read_predictions(folder)
     for name in cfg.eval.set_names:
+        s = cfg.eval.sets.get(name)
+        if s is not None and s.is_harness:  # the documents and targets asked, and how they were put
+            set_fps[name] = sha256_text(canonical_json([eval_set_fingerprint(scored.get(name, [])), s.task,
+                                                        s.num_fewshot, s.uses_chat_template]))[:16]
+            continue
         set_fps[name] = eval_set_fingerprint(eval_samples(prepare_dir, cfg.eval.max_samples, name))
         if mode == "worker":  # the worker's own data and counts: not comparable to prompt scoring
             set_fps[name] = sha256_text(f"{set_fps[name]}:{cfg.actor.worker}")[:16]
@@ -170,7 +183,7 @@ def run_reference(cfg: SFTConfig, stage: str, fp: str, base_model: str, model_re
     with tempfile.TemporaryDirectory(dir=build.partial, prefix=".download-") as tmp:  # models:/ downloads
         model = resolve_eval_model(cfg, model_ref, Path(tmp), base_model, identity)
         metrics = _score(cfg, build, base_model, model, prepare_dir, on_line)
-    build.commit({"metrics": metrics, "eval_sets": _set_fingerprints(cfg, prepare_dir, metrics.get("mode")),
+    build.commit({"metrics": metrics, "eval_sets": _set_fingerprints(cfg, prepare_dir, metrics.get("mode"), build.partial),
                   "model": model_ref, "model_dir": model["source"], "model_kind": model["kind"],
                   **({"version": identity["version"], "model_name": identity["name"],
                       "train_fingerprint": identity.get("train_fingerprint", "")} if identity else {}),
@@ -194,7 +207,7 @@ def run_evaluate(cfg: SFTConfig, fp: str, base_model: str, model_ref: str, prepa
             m.update({f"base_{k}": m[k] for k in BASE_KEYS if k in m}, delta=0.0)
     compare_with_base(cfg, metrics, build.partial, baseline)
     (build.partial / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    set_fps = _set_fingerprints(cfg, prepare_dir, metrics.get("mode"))
+    set_fps = _set_fingerprints(cfg, prepare_dir, metrics.get("mode"), build.partial)
     build.commit({"metrics": metrics, "eval_set_fingerprint": set_fps[cfg.eval.set_names[0]], "eval_sets": set_fps,
                   "model": cfg.eval.model or "trained", "model_dir": model["source"], "model_kind": model["kind"],
                   "baseline": baseline, "base_model": base_model, "prepare_dir": prepare_dir,

@@ -31,11 +31,12 @@ from stages.core.errors import ConfigError
 from stages.runtime.checkpoint import load_model_weights
 from stages.runtime.distributed import add_up, choose_precision, gather, local_device, log, rank_and_world
 from stages.runtime.generation import generate
+from stages.runtime.harness import score_task
 from stages.runtime.lora import lora_enabled
 from stages.runtime.proctree import die_with_parent
 from stages.runtime.worker import SFTWorker, WorkerSpec, load_worker_class
 
-from . import BASE_KEYS, EvalSpec, eval_samples, sample_indices, set_dir
+from . import BASE_KEYS, EvalSpec, eval_samples, prepared_sets, sample_indices, set_dir
 from .choice import choice_scores
 from .errors import EvaluationError
 from .losses import loss_metrics, teacher_forced_sums
@@ -141,8 +142,28 @@ def generation_scores(cfg: SFTConfig, model, tok, rows: list[dict], rank: int, w
     return metrics, records
 
 
+def harness_scores(cfg: SFTConfig, model, tok, rank: int, world: int, set_name: str) -> tuple[dict, list[dict]]:
+    """A `mode: harness` set: lm-eval runs its task on this model (stages/runtime/harness.py), on rank 0
+    (the task is small next to a training; lm-eval's own data parallelism needs its own launcher); every
+    rank gets the result."""
+    from transformers import PreTrainedModel
+    result = None
+    if rank == 0:
+        if tok is None or not isinstance(model, PreTrainedModel):
+            raise EvaluationError(f"evaluate: eval set '{set_name}' is mode: harness, which scores Hugging Face "
+                                  f"causal LMs; {type(model).__name__} is not one")
+        try:
+            result = score_task(model, tok, cfg.eval.sets[set_name], set_name, cfg.eval.batch_size)
+        except ValueError as e:
+            raise EvaluationError(f"evaluate: {e}") from None
+    return gather(result)[0]
+
+
 def score(cfg: SFTConfig, spec: EvalSpec, worker_cls, model, tok, rows, device, rank, world,
           set_name: str = "val") -> tuple[dict, list[dict]]:
+    s = cfg.eval.sets.get(set_name)
+    if s is not None and s.is_harness:  # before the worker: lm-eval scores the model itself
+        return harness_scores(cfg, model, tok, rank, world, set_name)
     if overrides_eval_output(worker_cls):
         metrics = worker_scores(worker_cls, spec, cfg, model, device, rank, world, set_name)
         if metrics is not None:
@@ -193,7 +214,8 @@ def evaluate_spec(spec: EvalSpec) -> dict:
     except ConfigError as e:
         raise EvaluationError(str(e)) from None
     sets = cfg.eval.set_names
-    rows = {s: eval_samples(spec.prepare_dir, cfg.eval.max_samples, s) for s in sets}
+    rows = {s: eval_samples(spec.prepare_dir, cfg.eval.max_samples, s) if s in prepared_sets(cfg) else []
+            for s in sets}
     out = Path(spec.out_dir)
     metrics: dict = {}
     per_set: dict[str, dict] = {s: {} for s in sets}

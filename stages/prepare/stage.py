@@ -68,7 +68,7 @@ def splits_of(cfg: SFTConfig, part: str = "train") -> list[str]:
     """The splits a part writes: train, and val when asked for; or one per named eval set."""
     d = cfg.data
     if part == "eval":
-        return [eval_split(name) for name in cfg.eval.sets]
+        return [eval_split(name) for name, s in cfg.eval.sets.items() if not s.is_harness]  # harness: lm-eval's data
     return ["train", *(["val"] if d.val_data_paths or d.val_fraction > 0 else [])]
 
 
@@ -91,6 +91,8 @@ def plan_sources(cfg: SFTConfig, part: str = "train", replay_file: str | None = 
 
     if part == "eval":
         for name, s in cfg.eval.sets.items():  # a choice set's rows are question/choices/answer
+            if s.is_harness:  # an lm-eval task reads its own documents when it is scored
+                continue
             add(inputs[eval_split(name)], eval_split(name), "choice" if s.mode == "choice" else d.format, kind="val")
         return out
     add(inputs["train"], "auto" if not d.val_data_paths and d.val_fraction > 0 else "train", d.format)

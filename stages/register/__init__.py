@@ -141,9 +141,12 @@ def eval_summary(eval_metrics: dict) -> list[dict]:
 
 
 def _prompt_text(prompt) -> str:
-    """A one-question prompt as its text, a longer conversation as `role: content` lines."""
+    """A one-question prompt as its text, a longer conversation as `role: content` lines, a harness set's
+    document (a mapping) as JSON."""
     if isinstance(prompt, str):
         return prompt
+    if isinstance(prompt, dict):
+        return json.dumps(prompt, ensure_ascii=False)
     if len(prompt) == 1 and prompt[0]["role"] == "user":
         return prompt[0]["content"]
     return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import sys
 import threading
 import time
@@ -94,6 +95,18 @@ def eval_metric_values(eval_metrics: dict) -> dict[str, float]:
     out = charted("eval", eval_metrics)
     for name, m in (eval_metrics.get("sets") or {}).items():
         out.update(charted(f"eval/{name}", m))
+        out.update(lm_eval_metric_values(name, m.get("lm_eval") or {}))
+    return out
+
+
+def lm_eval_metric_values(set_name: str, numbers: dict) -> dict[str, float]:
+    """A harness set's lm-eval numbers under lm-eval's names: `acc,none` -> `eval/<set>/lm_eval/acc`,
+    `exact_match,strict-match` -> `eval/<set>/lm_eval/exact_match/strict-match` (MLflow allows no commas)."""
+    out = {}
+    for key, v in numbers.items():
+        metric, _, filt = key.partition(",")
+        name = metric if filt in ("", "none") else f"{metric}/{filt}"
+        out[f"eval/{set_name}/lm_eval/" + re.sub(r"[^\w\-. /:]", "_", name)] = float(v)
     return out
 
 

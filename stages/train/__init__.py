@@ -27,14 +27,14 @@ from stages.runtime.launcher import run_torchrun, torchrun_command
 from stages.runtime.mixture import describe
 from stages.runtime.worker import RUNTIME_FILE, WorkerSpec
 from stages.tracking.live import read_metrics_file
-from stages.tracking.run import log_runtime_params, training_run
+from stages.tracking.run import Lineage, log_runtime_params, training_run
 
 
 class TrainingFailed(StageError):
     """torchrun or a worker failed; the message names the first cause found in the log."""
 
 
-def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineage: dict,
+def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineage: Lineage,
               on_line: Callable[[str], None] = print) -> dict:
     """`lineage`: fingerprints, upstream folders and tags for the MLflow run (see tracking.run).
     The worker class and model type were checked when the run was planned (`pipeline.check_code`)."""
