@@ -84,7 +84,9 @@ def test_smollm2_quickstart_path_end_to_end(quickstart):
     train = p.folder("train")
     assert (train / "adapter" / "adapter_model.safetensors").is_file() and (train / "model" / "config.json").is_file()
     log = (train / "train.log").read_text()
-    assert "LoRA r=16" in log and "world 2" in log and "packed micro-batches" in log
+    assert "LoRA r=16" in log and "packed micro-batches" in log
+    # the quickstart leaves actor.nproc_per_node to auto: one process on CPU (the fastest there), said why
+    assert f"world {p.cfg.actor.world_size}" in log and f"topology: {p.cfg.actor.topology}" in log
     replay = json.loads((p.folder("replay") / "manifest.json").read_text())["metrics"]
     assert replay["prompts"] == 8 and replay["kept"] > 0  # the base model's own answers, as a training source
     mixture = next(line for line in log.splitlines() if "mixture: " in line)

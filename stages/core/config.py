@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_serializer, field_validator,
+                      model_validator)
 
 from .errors import ConfigError
 from .imports import is_import_path
@@ -178,6 +179,12 @@ class ActorConfig(_Section):
         if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
             return v
         raise ValueError(f"must be a number of processes >= 1 or auto (got {v!r})")
+
+    @field_serializer("nproc_per_node")
+    def _dump_nproc(self, v: int | str) -> int | str:
+        # `auto` stays `auto` in a dump (the plan a Prefect task receives, a worker's spec): it is resolved
+        # again, with its reason, by the process that loads it, on the machine that runs it
+        return "auto" if self._auto is not None and self._auto[0] == v else v
 
     @model_validator(mode="after")
     def _resolve_nproc(self) -> "ActorConfig":
