@@ -41,8 +41,9 @@ def listening_addresses(text: str) -> list[tuple[str, str]]:
 
 
 def test_sigterm_mid_training_leaves_no_process_alive(tmp_path):
-    """Also: a one-machine run listens on loopback only (torchrun --standalone hosts its stores on `::`)."""
-    cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path))
+    """Also: a one-machine run listens on loopback only (torchrun --standalone hosts its stores on `::`),
+    its gloo listeners too (two ranks)."""
+    cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path, actor={"nproc_per_node": 2}))
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / ".prefect")}  # PREFECT_API_URL: the session server
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "stage", "train", "-c", str(cfg_path),
                              "--with-upstream", *LONG], cwd=tmp_path, env=env, stdout=subprocess.PIPE,

@@ -324,7 +324,7 @@ def test_lr_change_reruns_train_evaluate_register(flow_run):
 def test_world_size_is_not_part_of_the_result(flow_run):
     tmp, cfg_path, _ = flow_run
     info = show(cfg_path, tmp)
-    assert show(cfg_path, tmp, "actor.nproc_per_node=1")["stages"]["train"]["fingerprint"] == \
+    assert show(cfg_path, tmp, "actor.nproc_per_node=2")["stages"]["train"]["fingerprint"] == \
         info["stages"]["train"]["fingerprint"]
 
 
