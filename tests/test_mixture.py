@@ -145,8 +145,9 @@ def test_a_mixture_resumed_mid_epoch_on_another_world_size_equals_the_uninterrup
 
     steps = dict(runner={"max_epochs": 2, "max_steps": 6, "save_interval": 3, "keep_checkpoints": 5})
     (tmp_path / "ref").mkdir()
-    ref = _train(load_config(write_config(tmp_path / "ref", mix_cfg(tmp_path / "ref", **steps))))
-    two = load_config(write_config(tmp_path, mix_cfg(tmp_path, **steps), "two.yaml"))
+    two_procs = {"nproc_per_node": 2, "micro_batch_size": 4, "global_batch_size": 16}
+    ref = _train(load_config(write_config(tmp_path / "ref", mix_cfg(tmp_path / "ref", **steps, actor=two_procs))))
+    two = load_config(write_config(tmp_path, mix_cfg(tmp_path, **steps, actor=two_procs), "two.yaml"))
     one_raw = mix_cfg(tmp_path, **steps, actor={"nproc_per_node": 1, "micro_batch_size": 4, "global_batch_size": 16})
     one = load_config(write_config(tmp_path, one_raw, "one.yaml"))
     assert plan(one).fingerprints["train"] == plan(two).fingerprints["train"]

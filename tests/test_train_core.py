@@ -186,6 +186,7 @@ def test_a_corrupt_newest_checkpoint_is_skipped_and_training_resumes_from_the_on
 
 
 ONE_PROC = {"nproc_per_node": 1, "micro_batch_size": 4, "global_batch_size": 16, "optim": {"lr": 1e-3, "warmup": 1}}
+TWO_PROCS = ONE_PROC | {"nproc_per_node": 2}  # the tests of the distributed maths ask for two ranks
 
 
 @pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
@@ -194,12 +195,12 @@ def test_resume_on_another_world_size(tmp_path, first, then):
     """Checkpointed on `first` processes (sharded, or a plain model for one fp32 process),
     resumed on `then`: DCP reshards, training continues from the same global sample."""
     steps = dict(runner={"max_epochs": 2, "max_steps": 6, "save_interval": 3, "keep_checkpoints": 5})
-    ref = train(make_cfg(subdir(tmp_path, "ref"), **steps))
+    ref = train(make_cfg(subdir(tmp_path, "ref"), **steps, actor=TWO_PROCS))
 
     def cfg_for(nproc: int, name: str):
         # activation checkpointing is execution-only: same fingerprint, same math
         return make_cfg(tmp_path, name, **steps, actor=ONE_PROC | {"activation_checkpointing": True}) if nproc == 1 \
-            else make_cfg(tmp_path, name, **steps)
+            else make_cfg(tmp_path, name, **steps, actor=TWO_PROCS)
     before, after = cfg_for(first, "before.yaml"), cfg_for(then, "after.yaml")
     assert plan(before).fingerprints["train"] == plan(after).fingerprints["train"]
     with pytest.raises(TrainingFailed):
@@ -237,7 +238,7 @@ def test_weights_kept_gathered_between_forward_and_backward_train_like_one_proce
 
 @pytest.mark.slow
 def test_two_agents_rendezvous_like_one_agent_with_two_processes(tmp_path):
-    one = train(make_cfg(subdir(tmp_path, "one")))
+    one = train(make_cfg(subdir(tmp_path, "one"), actor=TWO_PROCS))  # one agent, two processes
     # The rendezvous store is hosted here, bound to a port the kernel picks (0) and held until both
     # agents are done: each agent finds the endpoint taken and joins it as a client (torch's c10d
     # rendezvous backend falls back so), so no port is picked, released, and raced for meanwhile.
