@@ -288,6 +288,13 @@ def _clip(text: str, n: int = 2000) -> str:
     return text if len(text) <= n else text[:n] + "…"
 
 
+def _prompt_text(prompt) -> str:
+    """The last message of a chat prompt; a harness set's document (a dict) as JSON."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict) and "content" in prompt[-1]:
+        return str(prompt[-1]["content"])
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
+
+
 def _publish_predictions(preds: Path) -> None:
     """Every prediction, wrong answers first (they are what a person looks for), `correct` as the first
     column; texts are cut only past 2,000 characters (the file in the evaluate folder has them whole)."""
@@ -297,7 +304,7 @@ def _publish_predictions(preds: Path) -> None:
     sets = any("set" in r for r in rows)
     create_table_artifact(
         [{"correct": "yes" if r["correct"] else "no", **({"set": r.get("set", "val")} if sets else {}),
-          "prompt": _clip(r["prompt"][-1]["content"]), "reference": _clip(r["reference"]),
+          "prompt": _clip(_prompt_text(r["prompt"])), "reference": _clip(str(r["reference"])),
           "prediction": _clip(r["prediction"])} for r in ordered],
         key="sftflow-eval-predictions",
         description=f"all {len(rows)} held-out predictions, wrong answers first ({len(wrong)} wrong); "
