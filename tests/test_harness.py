@@ -410,3 +410,12 @@ def test_a_task_with_an_include_a_function_and_a_limit_runs_as_lm_eval_reads_it(
     assert [r["correct"] for r in records] == [picks[i] == setup["base_picks"][i] for i in (0, 1, 3, 4)]
     assert metrics["task"] == "child_mc" and metrics["total"] == 4
     assert metrics["accuracy"] == pytest.approx(metrics["lm_eval"]["acc,none"])
+
+
+def test_the_flows_predictions_table_shows_a_harness_document():
+    """The Prefect table of predictions read every prompt as chat messages; a harness record's prompt is
+    the task's document (a dict): the run scored every set, then stopped with KeyError -1."""
+    from flows.sft import _prompt_text
+    assert _prompt_text([{"role": "system", "content": "s"}, {"role": "user", "content": "Who are you?"}]) == "Who are you?"
+    assert _prompt_text({"question": "What is 2+2?", "choices": ["4", "5"]}) == '{"question": "What is 2+2?", "choices": ["4", "5"]}'
+    assert _prompt_text("plain") == "plain"
