@@ -65,20 +65,13 @@ print(json.dumps({"wall": best[0], "cpu": best[1], "lls": [float(x[0]) for x in 
 
 
 def items(n: int) -> list[dict]:
-    rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
-    refs = [r["messages"][1]["content"] for r in rows]
-    out = []
-    for i in range(min(n, len(rows))):
-        opts, k = [refs[i]], 1
-        while len(opts) < 4:
-            cand = refs[(i + 37 * k) % len(refs)]
-            if cand not in opts:
-                opts.append(cand)
-            k += 1
-        shift = i % 4  # the right option moves around
-        opts = opts[-shift:] + opts[:-shift] if shift else opts
-        out.append({"prompt": rows[i]["messages"][:1], "choices": opts, "answer": opts.index(refs[i])})
-    return out
+    """The harness example's four-option items (data/smollm2-identity/harness/make_task.py), built from DATA."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("make_task", ROOT / "data" / "smollm2-identity" / "harness" / "make_task.py")
+    make_task = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_task)
+    return [{"prompt": [{"role": "user", "content": x["question"]}], "choices": x["choices"], "answer": x["answer"]}
+            for x in make_task.items(DATA)[:n]]
 
 
 def tiny_model(tmp: Path) -> str:

@@ -241,7 +241,7 @@ def choice_scores(model, tok, rows: list[dict], rank: int, world: int, batch_siz
     reported."""
     if normalize not in NORMALIZATIONS:
         raise ValueError(f"choice_scores: normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
-    from .runner import rank_slice  # here, not at the top: runner may import this module
+    from stages.runtime.distributed import rank_slice
     r = rank_slice(len(rows), rank, world)
     mine = rows[r.start:r.stop]
     for k, s in enumerate(mine):

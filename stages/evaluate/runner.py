@@ -29,7 +29,7 @@ import torch.distributed as dist
 from stages.core.config import SFTConfig
 from stages.core.errors import ConfigError
 from stages.runtime.checkpoint import load_model_weights
-from stages.runtime.distributed import add_up, choose_precision, gather, local_device, log, rank_and_world
+from stages.runtime.distributed import add_up, choose_precision, gather, local_device, log, rank_and_world, rank_slice
 from stages.runtime.generation import generate
 from stages.runtime.harness import score_task
 from stages.runtime.lora import lora_enabled
@@ -41,11 +41,6 @@ from .choice import choice_scores
 from .errors import EvaluationError
 from .losses import loss_metrics, teacher_forced_sums
 from .scorers import get_scorer
-
-
-def rank_slice(n: int, rank: int, world: int) -> range:
-    """The contiguous share of rank `rank`: sizes differ by at most one, together exactly range(n)."""
-    return range(rank * n // world, (rank + 1) * n // world)
 
 
 # --------------------------------------------------------------------------- loading

@@ -16,6 +16,11 @@ def log(msg: str) -> None:
         print(msg, flush=True)
 
 
+def rank_slice(n: int, rank: int, world: int) -> range:
+    """The contiguous share of rank `rank`: sizes differ by at most one, together exactly range(n)."""
+    return range(rank * n // world, (rank + 1) * n // world)
+
+
 def rank_and_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 

@@ -15,8 +15,10 @@ HERE = Path(__file__).resolve().parent
 SOURCE = HERE.parent / "retention_test.jsonl"
 
 
-def items() -> list[dict]:
-    rows = [json.loads(line) for line in SOURCE.read_text(encoding="utf-8").splitlines() if line.strip()]
+def items(source: Path = SOURCE) -> list[dict]:
+    """Every row of `source` (messages: a question, its reference) as a four-option item; also the
+    items bench/choice_bench.py times."""
+    rows = [json.loads(line) for line in source.read_text(encoding="utf-8").splitlines() if line.strip()]
     refs = [r["messages"][1]["content"] for r in rows]
     out = []
     for i, row in enumerate(rows):
