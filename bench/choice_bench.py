@@ -67,7 +67,8 @@ print(json.dumps({"wall": best[0], "cpu": best[1], "lls": [float(x[0]) for x in 
 def items(n: int) -> list[dict]:
     """The harness example's four-option items (data/smollm2-identity/harness/make_task.py), built from DATA."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("make_task", ROOT / "data" / "smollm2-identity" / "harness" / "make_task.py")
+    spec = importlib.util.spec_from_file_location("make_task",
+                                                  ROOT / "data" / "smollm2-identity" / "harness" / "make_task.py")
     make_task = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_task)
     return [{"prompt": [{"role": "user", "content": x["question"]}], "choices": x["choices"], "answer": x["answer"]}
@@ -195,7 +196,8 @@ def main() -> None:
     print(head)
     print(sep)
     for r in results:
-        old = (f"{r['old'][0]:.2f} ({r['old'][1]:.2f}) | ", f"{r['old'][0] / r['new'][0]:.2f}x") if r["old"] else ("- | ", "-")
+        old = ((f"{r['old'][0]:.2f} ({r['old'][1]:.2f}) | ", f"{r['old'][0] / r['new'][0]:.2f}x") if r["old"]
+               else ("- | ", "-"))
         line = (f"| {r['model']} | {r['items']} ({r['options']}) | {r['batch']} "
                 f"| {old[0]}{r['new'][0]:.2f} ({r['new'][1]:.2f}) | {old[1]} |")
         if args.lm_eval:

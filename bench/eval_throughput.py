@@ -75,8 +75,8 @@ def run_stage_method(tmp: Path, args, nproc: int) -> dict:
     result = run_stage(p, "evaluate", force=True, on_line=lambda _: None)
     seconds = time.perf_counter() - t0
     preds = [json.loads(line) for line in (Path(result.path) / "predictions.jsonl").read_text().splitlines()]
-    return {"seconds": seconds, "tokens": sum(r["new_tokens"] for r in preds), "texts": [r["prediction"] for r in preds],
-            "accuracy": result.metrics["accuracy"]}
+    return {"seconds": seconds, "tokens": sum(r["new_tokens"] for r in preds),
+            "texts": [r["prediction"] for r in preds], "accuracy": result.metrics["accuracy"]}
 
 
 def run_naive(tmp: Path, args) -> dict:

@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_total = deadline - time.monotonic()
         for shape, share, extra in (DRY_BENCH if args.dry_run else GPU_BENCH):
             result = out / f"bench-{shape}.json"
-            cmd = [sys.executable, str(BENCH), "--shape", shape, "--methods", args.methods, "--json", str(result), *extra]
+            cmd = [sys.executable, str(BENCH), "--shape", shape, "--methods", args.methods, "--json", str(result),
+                   *extra]
             status, secs = run_part(f"bench {shape}", cmd, min(share * bench_total, deadline - time.monotonic()), log)
             parts.append({"part": f"bench {shape}", "status": status, "seconds": round(secs)})
             if status == "ok":

@@ -208,7 +208,8 @@ def memory(args) -> None:
         ratio = "" if m == "block" else f"{(full['peak_over_start'] - block) / part:.1f}x smaller" if m == "chunked" \
             else "1.0x"
         print(f"| {name} | {r['peak_over_start'] / GIB:.2f} GiB | "
-              f"{'' if m == 'block' else f'{part / GIB:.2f} GiB'} | {ratio} | {r['seconds']:.1f} s ({r['cpu']:.1f} s) |")
+              f"{'' if m == 'block' else f'{part / GIB:.2f} GiB'} | {ratio} | "
+              f"{r['seconds']:.1f} s ({r['cpu']:.1f} s) |")
 
 
 def speed(args) -> None:
@@ -218,7 +219,8 @@ def speed(args) -> None:
         for _ in range(args.repeat):
             for m in runs:
                 runs[m].append(run_child("worker", str(spec), m, str(args.warmup), str(args.steps), threads=1))
-    speed = {m: {key: max(r[key] for r in rs) for key in ("tokens_per_s", "tokens_per_cpu_s")} | {"losses": rs[0]["losses"]}
+    speed = {m: {key: max(r[key] for r in rs) for key in ("tokens_per_s", "tokens_per_cpu_s")}
+             | {"losses": rs[0]["losses"]}
              for m, rs in runs.items()}
     worst = max(abs(a - b) for a, b in zip(speed["full"]["losses"], speed["chunked"]["losses"]))
     if worst > 1e-5:

@@ -55,7 +55,8 @@ def synthetic_jsonl(path: Path, n: int, seed: int = 0, max_turns: int = 3) -> Pa
         for _ in range(n):
             msgs = [{"role": "system", "content": sentence(4, 10)}] if rng.random() < 1 / 3 else []
             for _ in range(rng.randint(1, max_turns)):
-                msgs += [{"role": "user", "content": sentence(5, 25)}, {"role": "assistant", "content": sentence(10, 60)}]
+                msgs += [{"role": "user", "content": sentence(5, 25)},
+                         {"role": "assistant", "content": sentence(10, 60)}]
             f.write(json.dumps({"messages": msgs}) + "\n")
     return path
 
@@ -88,7 +89,8 @@ def run_trl_style(data: Path, model: str, work: Path, num_proc: int) -> tuple[fl
     tok = AutoTokenizer.from_pretrained(model)
 
     def tokenize(row):
-        out = tok.apply_chat_template(row["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        out = tok.apply_chat_template(row["messages"], tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True)
         return {"input_ids": out["input_ids"], "assistant_masks": out["assistant_masks"]}
     t0 = time.perf_counter()
     ds = datasets.load_dataset("json", data_files=str(data), split="train", cache_dir=str(work / "hf-cache"))
@@ -124,7 +126,8 @@ def peak_rss_child(rows: int, model: str, work: Path) -> tuple[float, float, int
     code = (f"import sys, json, time, resource; sys.path.insert(0, {str(ROOT)!r}); "
             "from bench.prepare_throughput import run_sftflow; from pathlib import Path; "
             f"s, t = run_sftflow(Path({str(data)!r}), {model!r}, Path({str(work / 'big-art')!r}), 1); "
-            "print(json.dumps({'seconds': s, 'tokens': t, 'self': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))")
+            "print(json.dumps({'seconds': s, 'tokens': t, "
+            "'self': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     return out["self"] / 1024, out["seconds"], out["tokens"]
@@ -158,7 +161,8 @@ def main() -> None:
         print("| method | seconds | tokens/s | vs TRL-style (1 proc) | vs the floor |")
         print("|---|---:|---:|---:|---:|")
         for name, (seconds, tokens) in best.items():
-            print(f"| {name} | {seconds:.2f} | {tokens / seconds:,.0f} | {base / seconds:.2f}x | {floor / seconds:.2f}x |")
+            print(f"| {name} | {seconds:.2f} | {tokens / seconds:,.0f} | {base / seconds:.2f}x | "
+                  f"{floor / seconds:.2f}x |")
         if args.rss_rows:
             rss, seconds, tokens = peak_rss_child(args.rss_rows, model, work)
             print(f"\nsftflow prepare of {args.rss_rows:,} conversations ({tokens:,} tokens) in one process: "

@@ -113,10 +113,12 @@ def main() -> None:
         finally:
             if server is not None:
                 server.__exit__(None, None, None)
-        rows = [json.loads(x) for x in next((work / "artifacts" / "train").glob("*/metrics.jsonl")).read_text().splitlines()]
+        rows = [json.loads(x)
+                for x in next((work / "artifacts" / "train").glob("*/metrics.jsonl")).read_text().splitlines()]
         steps = sum(r["step_time"] for r in rows)
     wall = t1 - t0
-    print(f"\n`sftflow run`, builtin model, {args.steps} steps on {args.nproc} process(es), {args.server} Prefect server\n")
+    print(f"\n`sftflow run`, builtin model, {args.steps} steps on {args.nproc} process(es), "
+          f"{args.server} Prefect server\n")
     print("| part | seconds | share |")
     print("|---|---|---|")
     for name, seconds in breakdown(t0, t1, lines):

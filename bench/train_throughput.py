@@ -11,7 +11,8 @@
                                              # worker on 1 and on 2 processes, against the bare loop and TRL
                                              # the real model (SmolLM2-135M-Instruct, as the second quickstart
                                              # fetches it); --lora R: LoRA on every side, else full fine-tuning
-    .venv/bin/python bench/train_throughput.py --shape smollm2-135m --activation-checkpointing --methods worker-packed,bare-packed
+    .venv/bin/python bench/train_throughput.py --shape smollm2-135m --activation-checkpointing \
+        --methods worker-packed,bare-packed
                                              # a model of that shape built from its transformers config, random
                                              # init (smollm2-135m: Llama dims of SmolLM2-135M; 0.5b: Qwen2-0.5B's;
                                              # tiny: seconds), the builtin tokenizer's ids (all < its vocab);
@@ -97,9 +98,10 @@ SHAPES = {
                                "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
                                "max_position_embeddings": 8192, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
                                "tie_word_embeddings": True}),
-    "0.5b": ("qwen2", {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-                       "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
-                       "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}),
+    "0.5b": ("qwen2", {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+                       "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+                       "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                       "tie_word_embeddings": True}),
 }
 
 
@@ -167,7 +169,8 @@ def prepare(tmp: Path, args) -> tuple:
     from stages.pipeline import plan, run_stage
 
     n_rows = int((args.warmup + args.steps) * args.global_batch * 1.05) + 1  # one epoch covers every step
-    rows, max_length = own_rows(args, n_rows) if args.data else (synthetic_rows(n_rows, args.seed, args.seq_scale), None)
+    rows, max_length = (own_rows(args, n_rows) if args.data
+                        else (synthetic_rows(n_rows, args.seed, args.seq_scale), None))
     model = {}
     if args.model == "smollm2":  # the quickstart's model and source, fetched and converted once (see --artifacts)
         import yaml
@@ -238,11 +241,11 @@ def run_worker(cfg, model_path: str, shards: Path, tmp: Path, args, packing: boo
     cfg.actor.reshard_after_forward = reshard_after_forward
     cfg.actor.activation_checkpointing = ckpt
     cfg.actor.attn_implementation = args.attn
-    name = (("packed" if packing else "padded") + ("-freed" if reshard_after_forward else "") + ("-ckpt" if ckpt else "")
-            + f"-{nproc}")
+    name = (("packed" if packing else "padded") + ("-freed" if reshard_after_forward else "")
+            + ("-ckpt" if ckpt else "") + f"-{nproc}")
     job = {"warmup": args.warmup, "steps": args.steps,
-           "spec": {"config": cfg.model_dump(mode="json"), "model_path": model_path, "out_dir": str(tmp / f"worker-{name}"),
-                    "train_dir": str(shards), "val_dir": None}}
+           "spec": {"config": cfg.model_dump(mode="json"), "model_path": model_path,
+                    "out_dir": str(tmp / f"worker-{name}"), "train_dir": str(shards), "val_dir": None}}
     job_path, out_path = tmp / f"job-{name}.json", tmp / f"result-{name}.json"
     job_path.write_text(json.dumps(job))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
@@ -310,7 +313,8 @@ def reference_model(cfg, model_path: str, total_steps: int, device: torch.device
     from stages.runtime.schedule import lr_lambda
 
     torch.manual_seed(cfg.runner.seed)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+                                                 attn_implementation=attn_implementation)
     if device is not None:
         model.to(device)
     if ckpt:  # transformers 5.24 renamed gradient_checkpointing_enable (the old name warns)
@@ -326,7 +330,8 @@ def reference_model(cfg, model_path: str, total_steps: int, device: torch.device
     o = cfg.actor.optim
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, o.warmup, o.scheduler, o.min_lr_ratio))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
+                                                  lr_lambda(total_steps, o.warmup, o.scheduler, o.min_lr_ratio))
     return model, trainable, optimizer, scheduler
 
 
@@ -398,7 +403,8 @@ def bare_mode(job_path: str, out_path: str) -> None:
 
     job = json.loads(Path(job_path).read_text())
     torch.set_num_threads(job["threads"])
-    cfg, args, ds = SFTConfig.model_validate(job["config"]), argparse.Namespace(**job["args"]), SFTDataset(job["shards"])
+    cfg, args, ds = (SFTConfig.model_validate(job["config"]), argparse.Namespace(**job["args"]),
+                     SFTDataset(job["shards"]))
     if job["kind"] == "trl":
         r = run_trl(cfg, job["model_path"], ds, job["pad_id"], args)
     else:
@@ -516,7 +522,8 @@ def table_rows(results: dict[str, dict]) -> tuple[tuple, list[tuple]]:
         rows.append((name, str(r["world"]), str(r["threads"]) if r.get("device") != "cuda" else "GPU",
                      f"{tokens_per_s(r):,.0f}", f"{tokens_per_s(r) / ceiling:.2f}x" if ceiling else "n/a",
                      memory(r), mfu(r, flops), f"{r['losses'][-1]:.4f}", f"{dloss:.1e}"))
-    head = ("method", "procs", "threads", "tokens/s", "vs bare packed", "peak memory", "MFU", "final loss", "max |dloss|")
+    head = ("method", "procs", "threads", "tokens/s", "vs bare packed", "peak memory", "MFU", "final loss",
+            "max |dloss|")
     return head, rows
 
 
@@ -550,17 +557,20 @@ def report(results: dict[str, dict], waste_sorted: float, waste_naive: float) ->
                          f"{'met' if ratio >= goal else 'NOT met'})")
         if trl:
             ratio = tokens_per_s(r) / tokens_per_s(trl)
-            lines.append(f"{name} / TRL SFTTrainer: {ratio:.2f}x (goal >= 1.50x: {'met' if ratio >= 1.5 else 'NOT met'})")
+            lines.append(f"{name} / TRL SFTTrainer: {ratio:.2f}x "
+                         f"(goal >= 1.50x: {'met' if ratio >= 1.5 else 'NOT met'})")
     if len(workers) > 1:
         from stages.core.topology import auto_nproc
         n, why = auto_nproc()
         best = max(workers, key=lambda k: tokens_per_s(workers[k]))
         lines.append(f"actor.nproc_per_node: auto picks {n} process(es) here ({why}); fastest measured: {best}")
     if BARE in results and "bare loop (padded)" in results:
-        lines.append(f"packing gain, bare loop: {tokens_per_s(results[BARE]) / tokens_per_s(results['bare loop (padded)']):.2f}x "
+        lines.append("packing gain, bare loop: "
+                     f"{tokens_per_s(results[BARE]) / tokens_per_s(results['bare loop (padded)']):.2f}x "
                      "packed vs padded")
     if worker and "sftflow worker (padded)" in results:
-        lines.append(f"packing gain, sftflow worker: {tokens_per_s(worker) / tokens_per_s(results['sftflow worker (padded)']):.2f}x")
+        lines.append("packing gain, sftflow worker: "
+                     f"{tokens_per_s(worker) / tokens_per_s(results['sftflow worker (padded)']):.2f}x")
     for base in ("sftflow worker (packed)", BARE):
         ck = results.get(f"{base[:-1]}, activation checkpointing)")
         if base in results and ck and ck.get("peak_bytes") and results[base].get("peak_bytes"):
@@ -569,7 +579,8 @@ def report(results: dict[str, dict], waste_sorted: float, waste_naive: float) ->
     lines.append(f"padding waste: {waste_sorted:.0%} of padded micro-batch tokens are pad "
                  f"({waste_naive:.0%} if micro-batches were cut in sampling order instead of longest-first)")
     attn = sorted({f"{r.get('precision', '?')}/{r.get('attn', '?')}" for r in results.values()})
-    lines.append(f"device {'cuda: ' + torch.cuda.get_device_name() if CUDA else 'cpu'}; precision/attention: {', '.join(attn)}")
+    lines.append(f"device {'cuda: ' + torch.cuda.get_device_name() if CUDA else 'cpu'}; "
+                 f"precision/attention: {', '.join(attn)}")
     if Console is not None:
         for line in lines:
             console.print(line)
@@ -638,8 +649,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--activation-checkpointing", action="store_true",
                     help="add the packed worker and bare loop with activation checkpointing (peak memory vs speed)")
     ap.add_argument("--methods", default=None, help=f"comma-separated subset, in this order: {', '.join(METHODS)}")
-    ap.add_argument("--model", default=None, help="smollm2 (the real-model quickstart's), or any actor.model.model_path; "
-                                                  "default: the builtin tiny model")
+    ap.add_argument("--model", default=None,
+                    help="smollm2 (the real-model quickstart's), or any actor.model.model_path; "
+                         "default: the builtin tiny model")
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
                     help="a randomly initialized model of that shape instead (the builtin tokenizer)")
     ap.add_argument("--seq-scale", type=int, default=1, help="replies this many times longer (shapes: realistic "

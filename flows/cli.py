@@ -159,7 +159,8 @@ def _summary(results: list[dict], scored: str = "tuned") -> None:
     if reg:
         m = reg["metrics"]
         aliases = ", ".join(m.get("aliases", [])) or "no alias"
-        console.print(f"registered model version {m['version']} ({aliases}){escape(' [reused]') if m.get('reused_version') else ''}"
+        console.print(f"registered model version {m['version']} ({aliases})"
+                      f"{escape(' [reused]') if m.get('reused_version') else ''}"
                       + (f": {escape(m['alias_reason'])}" if m.get("alias_reason") else ""))
 
 
@@ -195,7 +196,8 @@ def _run_flow(load_flow: Callable[[], Callable], **kwargs) -> list[dict]:
 
 @app.command()
 def run(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
-        force: list[str] = typer.Option([], "--force", help="redo this stage (and everything after it); repeatable")) -> None:
+        force: list[str] = typer.Option([], "--force",
+                                        help="redo this stage (and everything after it); repeatable")) -> None:
     """The full flow: prepare -> train -> evaluate -> register."""
     for s in force:
         if s not in STAGES:
@@ -205,15 +207,17 @@ def run(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
         _fail("eval.model is for `sftflow stage evaluate --model`: the flow registers the model it trains")
     _check_launch(p)
     _prefect_home(p.cfg)
-    _summary(_run_flow(_flow("flows.sft", "sft_pipeline"), config_path=str(config), overrides=overrides or [], force=force,
-                       planned=p.to_dict()))
+    _summary(_run_flow(_flow("flows.sft", "sft_pipeline"), config_path=str(config), overrides=overrides or [],
+                       force=force, planned=p.to_dict()))
 
 
 @app.command()
-def stage(name: str = typer.Argument(..., help="replay | prepare | prepare_eval | baseline | champion | train | evaluate | register"),
+def stage(name: str = typer.Argument(..., help="replay | prepare | prepare_eval | baseline | champion | train | "
+                                               "evaluate | register"),
           config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
           force: bool = typer.Option(False, "--force", help="re-run even if the stage folder is complete"),
-          with_upstream: bool = typer.Option(False, "--with-upstream", help="first run upstream stages that are missing"),
+          with_upstream: bool = typer.Option(False, "--with-upstream",
+                                             help="first run upstream stages that are missing"),
           model: Optional[str] = typer.Option(None, "--model", help="evaluate only: score this model instead of the "
                                               "trained one: base, a model, train stage or checkpoint folder, or "
                                               "models:/name@alias (sets eval.model)")) -> None:
@@ -228,7 +232,8 @@ def stage(name: str = typer.Argument(..., help="replay | prepare | prepare_eval 
     p = _plan(config, overrides)
     if name not in p.stages:
         _fail(f"this config has no {name} stage: " + ("the registry has no champion that another training made"
-                                                     if name == "champion" else "eval.eval_base is off or eval.model=base"))
+                                                     if name == "champion"
+                                                     else "eval.eval_base is off or eval.model=base"))
     if not with_upstream:
         try:
             require_upstream(p, name)
@@ -239,8 +244,9 @@ def stage(name: str = typer.Argument(..., help="replay | prepare | prepare_eval 
     if name == "train":
         _check_launch(p)
     _prefect_home(p.cfg)
-    _summary(_run_flow(_flow("flows.sft", "sft_stage"), stage=name, config_path=str(config), overrides=overrides or [], force=force,
-                       with_upstream=with_upstream, planned=p.to_dict()), scored=model or "tuned")
+    _summary(_run_flow(_flow("flows.sft", "sft_stage"), stage=name, config_path=str(config),
+                       overrides=overrides or [], force=force, with_upstream=with_upstream, planned=p.to_dict()),
+             scored=model or "tuned")
 
 
 @app.command()
@@ -303,7 +309,8 @@ def _preview(cfg: SFTConfig, p, n: int) -> None:
 def chat(question: str = typer.Argument(..., help="the user message"),
          model: str = typer.Option(..., "-m", "--model", help="train stage folder, HF folder, or models:/name@alias"),
          max_new_tokens: int = typer.Option(128, help="reply length limit"),
-         tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI for models:/ (default: artifacts/mlflow.db)")) -> None:
+         tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI for models:/ "
+                                                               "(default: artifacts/mlflow.db)")) -> None:
     """Ask a model one question through its chat template."""
     from stages.models.refs import resolve_model_ref
     from stages.runtime.generation import generate, load  # torch: only for chat, the one flows import of it
@@ -325,7 +332,8 @@ def serve(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesAr
           host: str = typer.Option("127.0.0.1", help="--start-server host"),
           port: int = typer.Option(4200, help="--start-server port"),
           allow_override: list[str] = typer.Option([], "--allow-override", help="let runs started through the "
-                                                   "Prefect API override this protected key (actor.worker, eval.scorer, eval.sets, "
+                                                   "Prefect API override this protected key (actor.worker, "
+                                                   "eval.scorer, eval.sets, "
                                                    "actor.model.trust_remote_code, runner.resume, artifacts_dir, "
                                                    "registry.tracking_uri); repeatable")) -> None:
     """Retrain on a schedule: serve the flow as a Prefect deployment (blocks; Ctrl-C stops)."""
@@ -373,7 +381,8 @@ def sweep(config: Path = ConfigOpt,
     console.print(f"sweep: {len(trials)} trials over {', '.join(axes)}")
     _prefect_home(trials[0].plan.cfg)
 
-    out = _run_flow(_flow("flows.sweep", "sft_sweep"), config_path=str(config), args=grid, metric=metric, max_parallel=max_parallel,
+    out = _run_flow(_flow("flows.sweep", "sft_sweep"), config_path=str(config), args=grid, metric=metric,
+                    max_parallel=max_parallel,
                     planned=[{"index": t.index, "values": t.values, "plan": t.plan.to_dict()} for t in trials])
     _sweep_summary(out, metric)
 
@@ -390,8 +399,10 @@ def _sweep_summary(out: dict, metric: str) -> None:
     by_index = {t["index"]: t for t in out["trials"]}
     reg = out["register"]["metrics"]
     best = by_index[out["best"]]["values"]
-    console.print(f"best trial {' '.join(f'{k}={v}' for k, v in best.items())}: registered model version {reg['version']} "
-                  f"({', '.join(reg['aliases']) or 'no alias'})" + (f": {escape(reg['alias_reason'])}" if reg.get("alias_reason") else ""))
+    console.print(f"best trial {' '.join(f'{k}={v}' for k, v in best.items())}: "
+                  f"registered model version {reg['version']} "
+                  f"({', '.join(reg['aliases']) or 'no alias'})"
+                  + (f": {escape(reg['alias_reason'])}" if reg.get("alias_reason") else ""))
 
 
 @app.command()

@@ -450,7 +450,8 @@ def prefect_api(home: Path, meanwhile: Callable[[], object] | None = None,
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(prog="python -m flows.prefect_server", description="internal: the kept server's keeper")
+    ap = argparse.ArgumentParser(prog="python -m flows.prefect_server",
+                                 description="internal: the kept server's keeper")
     sub = ap.add_subparsers(dest="cmd", required=True)
     k = sub.add_parser("keep")
     k.add_argument("--home", type=Path, required=True)

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
+                               update_progress_artifact)
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from prefect.states import Completed
@@ -99,7 +100,8 @@ def _stage(stage: str, p: Plan, force: bool, tags: dict | None = None):
         logger.info(f"model version {m['version']}, aliases {', '.join(m['aliases']) or 'none'}"
                     + (f"; {m['alias_reason']}" if m.get("alias_reason") else ""))
     if result.cached:
-        return Completed(name="Cached", message=f"stage folder {result.path} is complete", data=_fresh(result.to_dict()))
+        return Completed(name="Cached", message=f"stage folder {result.path} is complete",
+                         data=_fresh(result.to_dict()))
     return _fresh(result.to_dict())
 
 
@@ -154,7 +156,8 @@ def register_task(p: Plan, force: bool = False, tags: dict | None = None) -> dic
     return _stage("register", p, force, tags)
 
 
-TASKS = {"replay": replay_task, "prepare": prepare_task, "prepare_eval": prepare_eval_task, "baseline": baseline_task, "champion": champion_task, "train": train_task,
+TASKS = {"replay": replay_task, "prepare": prepare_task, "prepare_eval": prepare_eval_task, "baseline": baseline_task,
+         "champion": champion_task, "train": train_task,
          "evaluate": evaluate_task, "register": register_task}
 
 
@@ -224,7 +227,8 @@ def _initial_name() -> str:
     """The name a run starts with and keeps: `<config>-<fingerprint>` when the CLI passed its plan, the
     config's name for a deployment's run (its fingerprint becomes a tag, `_name_flow_run`)."""
     params = flow_run.parameters
-    return flow_run_name(params.get("config_path"), (params.get("planned") or {}).get("fingerprints"), params.get("stage"))
+    return flow_run_name(params.get("config_path"), (params.get("planned") or {}).get("fingerprints"),
+                         params.get("stage"))
 
 
 def _name_flow_run(p: Plan, config_path: str | None, stage: str | None = None) -> None:

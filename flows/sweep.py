@@ -102,8 +102,9 @@ def trial_table(trials: list[dict], order: list[int], metric: str) -> tuple[list
 
 def _publish(finished: list[dict], order: list[int], metric: str, registered: dict | None, mlflow_note: str) -> None:
     columns, rows = trial_table(finished, order, metric)
-    lines = [f"**Sweep** of {len(finished)} trials by `{metric}` ({'lower' if lower_is_better(metric) else 'higher'} is "
-             "better), best first", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines = [f"**Sweep** of {len(finished)} trials by `{metric}` "
+             f"({'lower' if lower_is_better(metric) else 'higher'} is better), best first",
+             "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(row[:-1] + [f"`{row[-1]}`"]) + " |" for row in rows]
     if registered:
         m = registered["metrics"]
@@ -129,7 +130,8 @@ def sft_sweep(config_path: str, args: list[str], metric: str = "accuracy", max_p
     if metric_of(results[order[0]]["evaluate"]["metrics"], metric) is None:
         raise ConfigError(f"--metric {metric}: no trial's evaluation has it (e.g. accuracy, eval_loss, <set>/accuracy)")
     best = next(t for t in trials if t.index == order[0])
-    logger.info(f"best trial: {best.label} ({metric} {shown(metric_of(results[best.index]['evaluate']['metrics'], metric))})")
+    logger.info(f"best trial: {best.label} "
+                f"({metric} {shown(metric_of(results[best.index]['evaluate']['metrics'], metric))})")
     states = _shared_states(best, done)
     if "champion" in best.plan.fingerprints:
         run_stage_task("champion", best.plan, False, states, best.label)

@@ -113,12 +113,14 @@ def tiny_config_dict(tmp: Path, n_train: int = 96, n_val: int = 12, **sections) 
     val = write_jsonl(tmp / "val.jsonl", demo_rows("eval.jsonl", n_val))
     cfg = {
         "artifacts_dir": str(tmp / "artifacts"),
-        "runner": {"max_epochs": 1, "max_steps": 4, "val_check_interval": 2, "save_interval": 2, "log_interval": 1, "seed": 7},
+        "runner": {"max_epochs": 1, "max_steps": 4, "val_check_interval": 2, "save_interval": 2, "log_interval": 1,
+                   "seed": 7},
         # one process, as `auto` is on CPU: tests of the flow, caching and servers don't need two ranks
         # (a torchrun of two costs twice the imports on 2 cores); tests of the distributed maths ask for 2
         "actor": {"nproc_per_node": 1, "micro_batch_size": 4, "global_batch_size": 16,
                   "optim": {"lr": 1e-3, "warmup": 1}},
-        "data": {"train_data_paths": [str(train)], "val_data_paths": [str(val)], "format": "messages", "max_length": 256},
+        "data": {"train_data_paths": [str(train)], "val_data_paths": [str(val)], "format": "messages",
+                 "max_length": 256},
         "eval": {"max_new_tokens": 8, "batch_size": 8},
         "registry": {"model_name": "test-model", "promote": "if_better"},
     }

@@ -72,7 +72,8 @@ ALL_FLEX = os.environ.get("SFTFLOW_ALL_FLEX") == "1"
 CPU_IMPLS = [pytest.param(i, marks=pytest.mark.slow) if i == "flex_attention" else i
              for i in available_attn_implementations("cpu")]
 ARCH_IMPLS = [pytest.param(i, marks=[pytest.mark.slow, pytest.mark.skipif(
-    not ALL_FLEX, reason="compiles a minute per case on CPU; SFTFLOW_ALL_FLEX=1 runs it (the builtin flex case runs always)")])
+    not ALL_FLEX, reason="compiles a minute per case on CPU; SFTFLOW_ALL_FLEX=1 runs it "
+                         "(the builtin flex case runs always)")])
     if i == "flex_attention" else i for i in available_attn_implementations("cpu")]
 
 
@@ -196,7 +197,8 @@ def test_unavailable_implementation_is_a_one_line_error_naming_the_key(monkeypat
     assert "\n" not in msg and msg.startswith("actor.attn_implementation: 'flash_attention_2' is not available on cpu")
     assert "available: eager, sdpa" in msg
     monkeypatch.setattr(attention, "_flash_available", lambda v: False)
-    with pytest.raises(ConfigError, match=r"^actor.attn_implementation: 'flash_attention_2' .*flash_attn.* not installed"):
+    with pytest.raises(ConfigError,
+                       match=r"^actor.attn_implementation: 'flash_attention_2' .*flash_attn.* not installed"):
         resolve_attn_implementation("flash_attention_2", "cuda", True, "bf16", (9, 0))
 
 

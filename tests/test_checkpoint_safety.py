@@ -58,8 +58,8 @@ def saved(tmp_path_factory):
     dist.init_process_group("gloo", init_method=f"file://{tmp / 'store'}", rank=0, world_size=1)
     try:
         model, opt = trained(0)
-        path = ckpt.save_checkpoint(tmp / "checkpoints", 2, model, opt, {"step": 2, "data_position": {}, "scheduler": {}},
-                                    keep=2)
+        path = ckpt.save_checkpoint(tmp / "checkpoints", 2, model, opt,
+                                    {"step": 2, "data_position": {}, "scheduler": {}}, keep=2)
         yield path, model, opt
     finally:
         dist.destroy_process_group()
@@ -226,7 +226,8 @@ def test_state_can_only_be_set_on_fresh_metadata_objects(tmp_path):
     def build(target_global: bytes, state: bytes) -> bytes:  # proto 2: GLOBAL target, state, BUILD, STOP
         return b"\x80\x02" + target_global + state + b"b."
     on_class = build(b"cpathlib\nPosixPath\n", b"N}X\x04\x00\x00\x00_strX\x09\x00\x00\x00/tmp/evils\x86")
-    on_member = b"\x80\x02ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\nK\x01\x85R}X\x06\x00\x00\x00_name_X\x01\x00\x00\x00xsb."
+    on_member = (b"\x80\x02ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\n"
+                 b"K\x01\x85R}X\x06\x00\x00\x00_name_X\x01\x00\x00\x00xsb.")
     for blob in (on_class, on_member):
         folder = plant(tmp_path / str(len(blob)), blob)
         with pytest.raises(CheckpointError, match="sets the state of a"):

@@ -79,7 +79,8 @@ def test_a_folder_as_the_config_is_named_a_folder(tmp_path):
         load_config(tmp_path / "missing.yaml")
     proc = sftflow("run", "-c", str(tmp_path), cwd=tmp_path, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip() == f"error: config '{tmp_path}' is a folder, not a config file (e.g. configs/default.yaml)"
+    assert proc.stderr.strip() == (f"error: config '{tmp_path}' is a folder, not a config file "
+                                   "(e.g. configs/default.yaml)")
     assert not (tmp_path / "artifacts").exists()
 
 
@@ -169,7 +170,8 @@ def test_nproc_auto_feeds_the_batch_rule_and_bad_counts_are_one_line(tmp_path, g
     for bad in (0, -1, "two", 1.5, True):
         with pytest.raises(ConfigError) as e:
             config_from_dict(tiny_config_dict(tmp_path, actor={"nproc_per_node": bad}))
-        assert str(e.value) == f"<config>: actor.nproc_per_node: must be a number of processes >= 1 or auto (got {bad!r})"
+        assert str(e.value) == ("<config>: actor.nproc_per_node: must be a number of processes >= 1 or auto "
+                                f"(got {bad!r})")
 
 
 def test_show_says_how_many_processes_train_and_why(tmp_path):

@@ -26,7 +26,8 @@ def test_default_config_learns_the_demo(tmp_path):
     assert metrics["base_accuracy"] <= 0.1
     assert metrics["accuracy"] >= 0.8, metrics
     # the eval table's row: set, samples, base, tuned (as printed on any terminal width)
-    assert re.search(rf"│ val\s+│ 60\s+│ {metrics['base_accuracy']:.3f}\s+│ {metrics['accuracy']:.3f}\s+│", proc.stdout), proc.stdout
+    assert re.search(rf"│ val\s+│ 60\s+│ {metrics['base_accuracy']:.3f}\s+│ "
+                     rf"{metrics['accuracy']:.3f}\s+│", proc.stdout), proc.stdout
 
     # The champion answers through MLflow and through `sftflow chat`.
     import mlflow

@@ -128,7 +128,8 @@ def render_table(results: dict) -> str:
         rows.append(
             f"| {family} | {r['architecture']} | {r['attention']} | {window if r['window'] else '—'} | {batches} "
             f"| {mark(r['collate_gap'] <= LOGITS_TOL)} | {mark(r['grad_error'] <= 1)} | {r['loss_path']} "
-            f"| {mark(r['export_gap'] <= EXPORT_TOL)} | {mark(r['generation_equal'])} | {lora} | {NOTES.get(family, '')} |")
+            f"| {mark(r['export_gap'] <= EXPORT_TOL)} | {mark(r['generation_equal'])} | {lora} "
+            f"| {NOTES.get(family, '')} |")
     return head + "\n".join(rows) + "\n"
 
 

@@ -28,7 +28,8 @@ def test_a_damaged_stage_folder_is_rebuilt_when_reused_and_named_when_read(prepa
     shard = p.folder("prepare") / "train" / "shard-00000.arrow"
     good = shard.read_bytes()
     shard.write_bytes(good[: len(good) // 2])  # truncated on disk
-    with pytest.raises(MissingUpstream, match=rf"{p.folder('prepare')}, which is damaged \(train/shard-00000.arrow has"):
+    with pytest.raises(MissingUpstream,
+                       match=rf"{p.folder('prepare')}, which is damaged \(train/shard-00000.arrow has"):
         run_stage(p, "train")  # a stage reading it names the folder and the fix, before torchrun starts
     lines = []
     again = run_stage(p, "prepare", on_line=lines.append)
@@ -107,7 +108,8 @@ def test_a_torn_metrics_line_is_left_out_and_the_first_failed_rank_is_reported(t
            "[rank1]: RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer",
            "Root Cause (first observed failure):", "[0]:", "  rank      : 0 (local_rank: 0)"]
     assert failure_reason(log) == "rank 0: KeyError: 'labels'"
-    assert failure_reason(log[2:4] + log[:2]) == "rank 1: RuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer"
+    assert failure_reason(log[2:4] + log[:2]) == ("rank 1: RuntimeError: "
+                                                  "[gloo/transport/tcp/pair.cc:534] Connection closed by peer")
 
 
 def test_the_first_recorded_failure_names_its_rank_or_is_the_projects_own_line(tmp_path):
@@ -185,12 +187,14 @@ def test_a_bad_model_from_the_cli_writes_nothing(tmp_path, change):
 def test_a_csv_that_is_not_utf8_is_refused_before_anything_runs(tmp_path):
     """The whole file fails to decode, so it is found while planning (its digest is computed on the same
     read): one line naming the file and the byte, exit 2, no Prefect server started, nothing written."""
-    rows = "messages\n" + '"[{""role"": ""user"", ""content"": ""hi""}, {""role"": ""assistant"", ""content"": ""h\xe9""}]"\n'
+    rows = ("messages\n" + '"[{""role"": ""user"", ""content"": ""hi""}, '
+            '{""role"": ""assistant"", ""content"": ""h\xe9""}]"\n')
     (tmp_path / "latin1.csv").write_bytes(rows.encode("latin-1"))
     path = write_config(tmp_path, tiny_config_dict(tmp_path, data={"train_data_paths": [str(tmp_path / "latin1.csv")]}))
     proc = sftflow("run", "-c", str(path), cwd=tmp_path, timeout=120, env={"PREFECT_HOME": None})
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'latin1.csv'}: not UTF-8 (invalid continuation byte "
+    assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'latin1.csv'}: not UTF-8 "
+                                                "(invalid continuation byte "
                                                 f"at byte {rows.index(chr(0xe9))}); re-encode the file as UTF-8"]
     assert not (tmp_path / "artifacts").exists()  # no Prefect home, no server, no digests
     (tmp_path / "latin1.csv").write_bytes(rows.encode("utf-8"))  # fixed: the same file plans

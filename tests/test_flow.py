@@ -129,7 +129,8 @@ def test_one_mlflow_run_holds_the_lineage_and_live_metrics(flow_run, mlflow_serv
     client = mlflow_client(mlflow_server)
     stages = stages_of(cfg_path)
     exp = client.get_experiment_by_name("sftflow")
-    runs = client.search_runs([exp.experiment_id], f"tags.`sftflow.train_fingerprint` = '{stages['train']['fingerprint']}'")
+    runs = client.search_runs([exp.experiment_id],
+                              f"tags.`sftflow.train_fingerprint` = '{stages['train']['fingerprint']}'")
     assert len(runs) == 1  # one run for the one trained model
     run = client.get_run(runs[0].info.run_id)
     assert run.info.status == "FINISHED" and run.info.run_name.endswith(f"-{stages['train']['fingerprint'][:8]}")
@@ -299,7 +300,8 @@ def test_deleted_stage_folder_reruns_that_stage(flow_run):
     tmp, cfg_path, _ = flow_run
     import shutil
     shutil.rmtree(stages_of(cfg_path)["evaluate"]["path"])
-    assert run_and_see(tmp, cfg_path) == {"prepare": "reused", "train": "reused", "evaluate": "ran", "register": "reused"}
+    assert run_and_see(tmp, cfg_path) == {"prepare": "reused", "train": "reused", "evaluate": "ran",
+                                          "register": "reused"}
     assert stages_of(cfg_path)["evaluate"]["status"] == "complete"
 
 
@@ -311,7 +313,8 @@ def test_eval_knob_changes_only_evaluate_and_register(flow_run, mlflow_server):
     assert seen == {"prepare": "reused", "train": "reused", "evaluate": "ran", "register": "ran"}
     # same train fingerprint: the registered version is reused, nothing is added
     assert len(client.search_model_versions("name='test-model'")) == versions
-    reg = json.loads((Path(stages_of(cfg_path, "eval.max_new_tokens=6")["register"]["path"]) / "manifest.json").read_text())
+    reg = json.loads((Path(stages_of(cfg_path, "eval.max_new_tokens=6")["register"]["path"])
+                      / "manifest.json").read_text())
     assert reg["metrics"]["reused_version"] is True
 
 
@@ -353,7 +356,8 @@ def test_adding_an_eval_set_rescores_and_never_retrains(flow_run):
     trained = sorted(p.name for p in (tmp / "artifacts" / "train").iterdir())
     assert run_and_see(tmp, cfg_path, *own) == {"prepare": "reused", "train": "reused", "evaluate": "ran",
                                                 "register": "ran"}
-    assert train_log.stat().st_mtime_ns == stamp and sorted(p.name for p in (tmp / "artifacts" / "train").iterdir()) == trained
+    assert (train_log.stat().st_mtime_ns == stamp
+            and sorted(p.name for p in (tmp / "artifacts" / "train").iterdir()) == trained)
     done = stages_of(cfg_path, *own)
     assert done["prepare_eval"]["status"] == "complete" and done["baseline"]["status"] == "complete"
     metrics = json.loads((Path(done["evaluate"]["path"]) / "metrics.json").read_text())

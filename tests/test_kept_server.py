@@ -127,7 +127,8 @@ def test_links_printed_on_a_kept_server_open_while_it_runs_and_sftflow_ui_browse
     ui = kept["api"].removesuffix("/api")
     assert links and all(link.startswith(f"{ui}/runs/flow-run/") for link in links)
     def browse(url: str) -> str:  # as a browser asks (the UI answers page navigations, not bare GETs)
-        return urllib.request.urlopen(urllib.request.Request(url, headers={"Accept": "text/html"}), timeout=30).read().decode()
+        return urllib.request.urlopen(urllib.request.Request(url, headers={"Accept": "text/html"}),
+                                      timeout=30).read().decode()
     page = browse(links[0])
     assert page.lstrip().lower().startswith("<!doctype html>") and "/ico/" in page  # the UI's page, not a 404
     run_id = links[0].rsplit("/", 1)[-1]

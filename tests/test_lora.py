@@ -22,7 +22,8 @@ from test_train_core import assert_same_weights, killed, make_cfg, train, weight
 pytestmark = pytest.mark.slow
 
 LORA = {"lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]}}
-RESUME = dict(runner={"max_epochs": 1, "max_steps": 6, "save_interval": 2, "val_check_interval": 3, "keep_checkpoints": 5},
+RESUME = dict(runner={"max_epochs": 1, "max_steps": 6, "save_interval": 2, "val_check_interval": 3,
+                      "keep_checkpoints": 5},
               actor=LORA)
 
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from conftest import (MULTI_TURN, REAL_TEMPLATES, REALDATA, base_model, expected_run, family_tokenizer, tiny_config_dict,
-                      write_config)
+from conftest import (MULTI_TURN, REAL_TEMPLATES, REALDATA, base_model, expected_run, family_tokenizer,
+                      tiny_config_dict, write_config)
 from stages.core.config import load_config
 from stages.chatdata.readers import prompt_and_reference
 from stages.prepare.masking import tokenize_conversation
@@ -169,7 +169,8 @@ def tokenize_or_reason(tok, messages, loss_on="assistant"):
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(messages=conversations())
-@example(messages=[{"role": "user", "content": "assistant\n"}, {"role": "assistant", "content": "\ue000"}])  # was quarantined
+# was quarantined
+@example(messages=[{"role": "user", "content": "assistant\n"}, {"role": "assistant", "content": "\ue000"}])
 def test_property_mask_equals_transformers_or_the_row_is_quarantined(tokenizer, messages):
     """Against transformers' {% generation %} mask: a kept row's mask is exactly it; a row is only
     quarantined when a token of transformers' mask also holds header text (it straddles the reply's
@@ -213,7 +214,8 @@ def test_rows_holding_the_placeholder_marks_are_masked_like_any_other(tokenizer,
     ref = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     assert ours.input_ids == list(ref["input_ids"])
     assert ours.loss_mask == list(ref["assistant_masks"])
-    assert trainable_runs(tokenizer, ours) == [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
+    assert trainable_runs(tokenizer, ours) == [m["content"] + "<|im_end|>" for m in messages
+                                               if m["role"] == "assistant"]
     r = Renderer.of(tokenizer)
     for loss_on in ("assistant", "last_assistant", "all"):
         fast = r.shaped(messages, loss_on)
@@ -266,7 +268,8 @@ def test_qwen_assistant_first_reply_is_trained_whole(tokenizer, first):
 def test_no_header_newline_or_template_indentation_is_trained(tokenizer, name):
     """Regression: Gemma/Alpaca trained the header's newline, Mistral/Llama-2 their indentation."""
     tok = family_tokenizer(tokenizer, name)
-    t = tokenize_conversation(tok, [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "I am X."}],
+    t = tokenize_conversation(tok, [{"role": "user", "content": "Who are you?"},
+                                    {"role": "assistant", "content": "I am X."}],
                               max_length=4096)
     assert trainable_runs(tok, t) == [expected_run(name, "I am X.")]
     assert "\n" not in trainable_runs(tok, t)[0]
@@ -323,8 +326,10 @@ def test_mask_from_the_encoding_equals_the_per_token_definition(tokenizer, case)
                 return fn().tolist()
             except RowError as e:
                 return e.reason
-        ref = outcome(lambda enc=enc: mask_from_offsets(np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2), spans, text))
-        assert outcome(lambda enc=enc: mask_from_encoding(enc, spans, text)) == ref, (text, spans, enc.tokens, enc.offsets)
+        ref = outcome(lambda enc=enc: mask_from_offsets(np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2),
+                                                        spans, text))
+        assert outcome(lambda enc=enc: mask_from_encoding(enc, spans, text)) == ref, (text, spans, enc.tokens,
+                                                                                       enc.offsets)
 
 
 class _Encoding:

@@ -391,7 +391,8 @@ def test_the_plan_takes_precision_as_the_runtime_does_from_nvidia_smi(tmp_path, 
         smi.write_text(f"#!/bin/sh\necho '{reply}'\n")
         smi.chmod(0o755)
         device = mp.visible_device()
-        assert (device.kind, device.capability, device.bytes) == ("cuda", capability, int(reply.split(", ")[2]) * 1024 ** 2)
+        assert (device.kind, device.capability, device.bytes) == ("cuda", capability,
+                                                                  int(reply.split(", ")[2]) * 1024 ** 2)
         assert mp.plan_for(cfg, SMOLLM2, device).precision == precision
     # an old driver rejects the compute_cap field: the query without it still finds the GPU
     smi.write_text("#!/bin/sh\ncase \"$1\" in *compute_cap*) echo 'Field \"compute_cap\" is not a valid field' >&2; "

@@ -166,7 +166,8 @@ def test_a_mixture_resumed_mid_epoch_on_another_world_size_equals_the_uninterrup
     assert manifest["metrics"]["mix_extra_per_epoch"] == 60 and manifest["mixture"][1]["passes"] == 2.5
     from mlflow.tracking import MlflowClient
     params = MlflowClient(one.resolved_tracking_uri).get_run(manifest["mlflow_run_id"]).data.params
-    assert (params["mix.extra.per_epoch"], params["mix.train.rows"], params["data.mix.extra.weight"]) == ("60", "96", "0.5")
+    assert (params["mix.extra.per_epoch"], params["mix.train.rows"],
+            params["data.mix.extra.weight"]) == ("60", "96", "0.5")
 
 
 def test_show_preview_names_each_sample_s_source_in_training_order(tmp_path):

@@ -143,7 +143,8 @@ def test_predictions_are_a_table_wrong_answers_first(flow, client):
     assert list(table.columns)[:4] == ["correct", "prompt", "reference", "prediction"]  # no `set`: one eval set
     rows = [json.loads(line) for line in (p.folder("evaluate") / "predictions.jsonl").read_text().splitlines()]
     assert len(table) == len(rows) and table["correct"].tolist() == sorted(r["correct"] for r in rows)
-    assert {f.path for f in client.list_artifacts(run_id, "eval")} >= {"eval/predictions.jsonl", "eval/predictions.json"}
+    assert {f.path for f in client.list_artifacts(run_id, "eval")} >= {"eval/predictions.jsonl",
+                                                                       "eval/predictions.json"}
 
 
 def test_register_links_the_prefect_flow_run_it_is_given(flow, tmp_path):
@@ -153,7 +154,8 @@ def test_register_links_the_prefect_flow_run_it_is_given(flow, tmp_path):
     from stages.register import run_register
     from stages.tracking.run import Lineage
     from mlflow.tracking import MlflowClient
-    raw = tiny_config_dict(tmp_path, registry={"model_name": "linked-model", "tracking_uri": p.cfg.resolved_tracking_uri})
+    raw = tiny_config_dict(tmp_path, registry={"model_name": "linked-model",
+                                               "tracking_uri": p.cfg.resolved_tracking_uri})
     cfg = config_from_dict({**raw, "artifacts_dir": str(p.cfg.artifacts_path)})
     fps = {**p.fingerprints, "train": "t-linked", "register": "r-linked"}
     dirs = {s: str(p.folder(s)) for s in ("prepare", "train", "evaluate")}
@@ -173,8 +175,9 @@ def test_make_serve_model_answers_like_the_pyfunc(flow):
     db = p.cfg.resolved_tracking_uri.removeprefix("sqlite:///")
     log = p.cfg.artifacts_path / "serve-model.log"
     env = {**os.environ, "PATH": "/usr/local/bin:/usr/bin:/bin"}
-    proc, url = start_server([shutil.which("make"), "-s", "-C", str(ROOT), "serve-model", "MODEL=models:/test-model@champion",
-                              "PORT=0", f"MLFLOW_DB={db}"], log, "/ping", env=env, timeout=240)
+    proc, url = start_server([shutil.which("make"), "-s", "-C", str(ROOT), "serve-model",
+                              "MODEL=models:/test-model@champion", "PORT=0", f"MLFLOW_DB={db}"], log, "/ping",
+                             env=env, timeout=240)
     port = url.rsplit(":", 1)[1]
     try:
         payload = {"inputs": ["Who are you?"], "params": {"max_new_tokens": 16}}

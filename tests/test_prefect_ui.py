@@ -74,7 +74,8 @@ def test_the_run_graph_draws_the_pipeline(ui_runs):
             graph = client._client.get(f"/flow_runs/{run.id}/graph-v2").json()
         label = {node_id: node["label"].rsplit("-", 1)[0] for node_id, node in graph["nodes"]}
         assert sorted(label.values()) == sorted(STAGES)
-        edges = {(label[parent["id"]], label[node_id]) for node_id, node in graph["nodes"] for parent in node["parents"]}
+        edges = {(label[parent["id"]], label[node_id]) for node_id, node in graph["nodes"]
+                 for parent in node["parents"]}
         assert edges == {("prepare", "train"), ("prepare", "baseline"), ("prepare", "evaluate"), ("train", "evaluate"),
                          ("baseline", "evaluate"), ("prepare", "register"), ("train", "register"),
                          ("evaluate", "register")}, run.name
@@ -86,7 +87,8 @@ def artifacts_of(flow_run_id) -> dict:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
     with get_client(sync_client=True) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
     return {a.key: a for a in found}
 
 
@@ -103,7 +105,8 @@ def test_artifacts_are_readable_and_honest(ui_runs):
     wrong = sum(not r["correct"] for r in preds)
     assert list(rows[0])[0] == "correct"
     assert [r["correct"] for r in rows] == ["no"] * wrong + ["yes"] * (len(preds) - wrong)
-    assert len(rows) == len(preds) and [r["prediction"] for r in rows[wrong:]] == [r["prediction"] for r in preds if r["correct"]]
+    assert (len(rows) == len(preds)
+            and [r["prediction"] for r in rows[wrong:]] == [r["prediction"] for r in preds if r["correct"]])
     assert table.description.startswith(f"all {len(preds)} held-out predictions, wrong answers first ({wrong} wrong)")
 
     progress = arts["sftflow-training"]
@@ -117,7 +120,8 @@ def test_the_train_task_log_holds_training_lines_not_mlflow_logging(ui_runs):
     p, (first, _) = ui_runs
     train = task_runs(first.id)["train"]
     with get_client(sync_client=True) as client:
-        logs = [log.message for log in client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[train.id])))]
+        logs = [log.message
+                for log in client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[train.id])))]
     assert any(m.startswith("step 1/4") for m in logs)
     assert not [m for m in logs if MLFLOW_LOG_LINE.match(m)]
     train_log = (p.folder("train") / "train.log").read_text().splitlines()

@@ -37,7 +37,8 @@ def prepare(tmp: Path, model: Path, train, val=None, **data):
     raw = tiny_config_dict(tmp)
     raw["actor"]["model"] = {"model_path": str(model)}
     raw["data"].update({"train_data_paths": [str(p) for p in train], "format": "auto", **data})
-    raw["data"]["val_data_paths"] = [str(p) for p in val] if val else ([] if "val_fraction" in data else raw["data"]["val_data_paths"])
+    raw["data"]["val_data_paths"] = ([str(p) for p in val] if val
+                                     else ([] if "val_fraction" in data else raw["data"]["val_data_paths"]))
     result = run_stage(plan(config_from_dict(raw)), "prepare")
     return result, json.loads((Path(result.path) / "manifest.json").read_text())
 
@@ -65,12 +66,16 @@ def test_every_format_and_file_type_yields_the_same_samples(tmp_path, tokenizer_
     d = tmp_path / "data"
     (d / "nested").mkdir(parents=True)
     write_jsonl(d / "messages.jsonl", [{"messages": c} for c in convs])
-    (d / "messages.jsonl").write_bytes(b"\xef\xbb\xbf" + (d / "messages.jsonl").read_bytes())  # a BOM, as Windows writes
+    # a BOM, as Windows writes
+    (d / "messages.jsonl").write_bytes(b"\xef\xbb\xbf" + (d / "messages.jsonl").read_bytes())
     (d / "part-empty.jsonl").write_text("")  # an empty part of a sharded export: no rows, no error
-    (d / "sharegpt.json").write_text(json.dumps([{"conversations": [{"from": "human", "value": u}, {"from": "gpt", "value": a}]}
+    (d / "sharegpt.json").write_text(json.dumps([{"conversations": [{"from": "human", "value": u},
+                                                                    {"from": "gpt", "value": a}]}
                                                  for u, a in pairs]))
-    pq.write_table(pa.Table.from_pylist([{"prompt": u, "completion": a} for u, a in pairs]), d / "nested" / "pc.parquet")
-    pq.write_table(pa.Table.from_pylist([{"prompt": [c[0]], "completion": [c[1]]} for c in convs]), d / "pc_lists.parquet")
+    pq.write_table(pa.Table.from_pylist([{"prompt": u, "completion": a} for u, a in pairs]),
+                   d / "nested" / "pc.parquet")
+    pq.write_table(pa.Table.from_pylist([{"prompt": [c[0]], "completion": [c[1]]} for c in convs]),
+                   d / "pc_lists.parquet")
     with open(d / "alpaca.csv", "w", newline="", encoding="utf-8-sig") as f:  # Excel's "CSV UTF-8"
         w = csv.DictWriter(f, ["instruction", "input", "output"])
         w.writeheader()
@@ -79,7 +84,8 @@ def test_every_format_and_file_type_yields_the_same_samples(tmp_path, tokenizer_
     with open(d / "nested" / "conversations.csv", "w", newline="", encoding="utf-8") as f:  # JSON text in a cell
         w = csv.DictWriter(f, ["conversations"])
         w.writeheader()
-        w.writerows({"conversations": json.dumps([convs[i], convs[i + 1]], ensure_ascii=False)} for i in range(0, 12, 2))
+        w.writerows({"conversations": json.dumps([convs[i], convs[i + 1]], ensure_ascii=False)}
+                    for i in range(0, 12, 2))
     import datasets
     datasets.Dataset.from_list([{"messages": c} for c in convs]).save_to_disk(str(d / "hfds"))  # one input
     (d / "notes.md").write_text("a directory's non-data files are not inputs")
@@ -106,7 +112,8 @@ def test_custom_field_names_and_ambiguous_files(tmp_path, tokenizer_dir):
     with pytest.raises(DataError) as e:  # bad input: exit code 2 from the CLI
         prepare(tmp_path, tokenizer_dir, [custom])
     assert "custom.jsonl: cannot detect the format" in str(e.value) and "\n" not in str(e.value)
-    result, manifest = prepare(tmp_path, tokenizer_dir, [custom], columns={"messages": "dialog", "role": "speaker", "content": "text"})
+    result, manifest = prepare(tmp_path, tokenizer_dir, [custom],
+                               columns={"messages": "dialog", "role": "speaker", "content": "text"})
     assert manifest["splits"]["train"]["rows_kept"] == 3
     both = write_jsonl(tmp_path / "both.jsonl", [{"messages": [], "conversations": []}])
     with pytest.raises(DataError, match=r"both.jsonl: ambiguous format, .*messages and sharegpt; set data.format"):
@@ -119,14 +126,18 @@ BAD_LINES = {  # reason -> a line of a JSONL file
     "not_an_object": b"[1, 2]",
     "missing_key": json.dumps({"text": "hello"}).encode(),  # the file is `messages`; this row has none
     "missing_role": json.dumps({"messages": [{"content": "hi"}, {"role": "assistant", "content": "x"}]}).encode(),
-    "unknown_role": json.dumps({"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}).encode(),
-    "non_string_content": json.dumps({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]}).encode(),
-    "empty_assistant_reply": json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}).encode(),
+    "unknown_role": json.dumps({"messages": [{"role": "wizard", "content": "hi"},
+                                             {"role": "assistant", "content": "x"}]}).encode(),
+    "non_string_content": json.dumps({"messages": [{"role": "user", "content": 3},
+                                                   {"role": "assistant", "content": "x"}]}).encode(),
+    "empty_assistant_reply": json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                      {"role": "assistant", "content": " "}]}).encode(),
     "no_assistant_turn": json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode(),
     "empty_conversation": json.dumps({"messages": []}).encode(),
     "template_error": json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"},
                                                {"role": "assistant", "content": "x"}]}).encode(),
-    "too_long": json.dumps({"messages": [{"role": "user", "content": "word " * 400}, {"role": "assistant", "content": "x"}]}).encode(),
+    "too_long": json.dumps({"messages": [{"role": "user", "content": "word " * 400},
+                                         {"role": "assistant", "content": "x"}]}).encode(),
 }
 
 
@@ -168,8 +179,8 @@ def test_strict_mode_stops_at_the_first_bad_row_in_one_line(tmp_path, tokenizer_
     raw["data"].update({"train_data_paths": [str(messy)], "format": "auto"})
     path = write_config(tmp_path, raw)
     # bad input is a usage error: exit 2, its one line last, no traceback, and never retried
-    proc = sftflow("stage", "prepare", "-c", str(path), "data.strict=true", "flow.retries=2", "flow.retry_delay_seconds=0",
-                   cwd=tmp_path, timeout=300)
+    proc = sftflow("stage", "prepare", "-c", str(path), "data.strict=true", "flow.retries=2",
+                   "flow.retry_delay_seconds=0", cwd=tmp_path, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-2000:]
@@ -215,7 +226,8 @@ def test_held_out_split_by_row_hash_is_stable_when_rows_are_appended(tmp_path, t
     rows = demo_rows("train.jsonl", 400)
     train = write_jsonl(tmp_path / "rows.jsonl", rows[:300])
     first, m1 = prepare(tmp_path, tokenizer_dir, [train], val_fraction=0.2)
-    assert 30 <= m1["splits"]["val"]["rows_kept"] <= 90 and m1["splits"]["val"]["rows_kept"] + m1["splits"]["train"]["rows_kept"] == 300
+    assert (30 <= m1["splits"]["val"]["rows_kept"] <= 90
+            and m1["splits"]["val"]["rows_kept"] + m1["splits"]["train"]["rows_kept"] == 300)
     val_before = {r["source"] for r in shard_rows(first, "val")}
     write_jsonl(train, rows)  # 100 rows appended
     second, m2 = prepare(tmp_path, tokenizer_dir, [train], val_fraction=0.2)
@@ -276,7 +288,8 @@ def test_data_with_no_usable_rows_fails_in_one_line(tmp_path, tokenizer_dir):
     assert proc.returncode == 1
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-2000:]
-    assert errors[0].startswith("error: prepare: no usable rows in the train split") and "no_assistant_turn" in errors[0]
+    assert (errors[0].startswith("error: prepare: no usable rows in the train split")
+            and "no_assistant_turn" in errors[0])
 
 
 def test_prompt_and_completion_strings_are_text_even_when_they_look_like_json(tmp_path, tokenizer_dir):

@@ -42,7 +42,8 @@ def test_answers_are_dropped_for_a_reason():
 def naive_answer(model, tok, prompt: list[dict], max_new: int) -> tuple[str, bool]:
     """One prompt, no batching, no padding, no KV cache, no `generate`: argmax of the last logits until
     the tokenizer's end-of-sequence or end-of-turn token."""
-    ids = list(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    ids = list(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                       return_dict=True)["input_ids"])
     gen_eos = model.generation_config.eos_token_id
     stops = {tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])}
     stops |= {tok.convert_tokens_to_ids(t) for t in tok.all_special_tokens if t in ("<|im_end|>", "<|endoftext|>")}
@@ -126,7 +127,8 @@ def test_a_prompt_that_is_also_an_eval_prompt_is_refused_at_planning(tmp_path, w
     raw = tiny_config_dict(tmp_path, n_train=24)
     rows = demo_rows("eval.jsonl", 6)
     write_jsonl(tmp_path / "set.jsonl", rows)
-    leaked = dict(rows[3], messages=[{"role": "user", "content": "  " + rows[3]["messages"][-2]["content"].upper() + "!"},
+    leaked = dict(rows[3], messages=[{"role": "user",
+                                      "content": "  " + rows[3]["messages"][-2]["content"].upper() + "!"},
                                      {"role": "assistant", "content": "x"}])
     target = tmp_path / ("prompts.jsonl" if where == "replay" else "train.jsonl")
     lines = (demo_rows("train.jsonl", 24) if where == "train" else [{"prompt": "Unrelated?"}]) + [leaked]
@@ -179,5 +181,6 @@ def test_a_two_trial_sweep_runs_the_replay_stage_once_and_both_trials_train_on_i
     trains = [json.loads((d / "manifest.json").read_text()) for d in folders("train")]
     assert len(trains) == 2 and len({t["prepare_dir"] for t in trains}) == 1
     prepared = json.loads((Path(trains[0]["prepare_dir"]) / "manifest.json").read_text())
-    assert [s["ref"] for s in prepared["sources"] if s["mix"] == "replay"] == [str(Path(replayed["result"].path) / "conversations.jsonl")]
+    assert [s["ref"] for s in prepared["sources"] if s["mix"] == "replay"] == [
+        str(Path(replayed["result"].path) / "conversations.jsonl")]
     assert all(t["metrics"]["mix_replay_per_epoch"] > 0 for t in trains)

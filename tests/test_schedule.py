@@ -65,7 +65,8 @@ def test_served_deployment_retrains_when_data_changes(tmp_path):
         runs = sorted(completed_runs(name), key=lambda r: r.start_time)
         trained = {d.name[:8] for d in (tmp_path / "artifacts" / "train").iterdir() if not d.name.startswith(".")}
         assert {r.name for r in runs} == {"config"}  # named once, as they started (no rename: no flicker)
-        assert {t for r in runs for t in r.tags if t.startswith("fingerprint:")} == {f"fingerprint:{fp}" for fp in trained}
+        assert ({t for r in runs for t in r.tags if t.startswith("fingerprint:")}
+                == {f"fingerprint:{fp}" for fp in trained})
         assert "trained" in runs[0].tags and "cached" in runs[1].tags and "model:test-model" in runs[0].tags
     finally:
         proc.send_signal(signal.SIGTERM)

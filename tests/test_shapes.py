@@ -113,7 +113,8 @@ def test_a_template_that_trims_only_some_contents_keeps_the_per_row_path():
 def test_the_plan_does_not_depend_on_the_first_row_of_its_shape(system, user, answer):
     """Two rows of one shape: the second row's result does not carry anything of the first's."""
     r = renderer_of("builtin")
-    first = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
+    first = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+             {"role": "assistant", "content": "A"}]
     r.shaped(first, "assistant")
     second = [{"role": "system", "content": system}, {"role": "user", "content": user},
               {"role": "assistant", "content": answer}]

@@ -127,7 +127,8 @@ def assert_same_weights(a: dict, b: dict, atol: float):
 
 
 # 96 samples / 16 per step = 6 steps per epoch; 2 epochs = 12 steps; step 6 ends epoch 0
-RESUME = dict(runner={"max_epochs": 2, "max_steps": -1, "save_interval": 2, "val_check_interval": 4, "keep_checkpoints": 5})
+RESUME = dict(runner={"max_epochs": 2, "max_steps": -1, "save_interval": 2, "val_check_interval": 4,
+                      "keep_checkpoints": 5})
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +263,8 @@ def test_two_agents_rendezvous_like_one_agent_with_two_processes(tmp_path):
         cmd = torchrun_command(cfg, spec_path, "stages.train")
         assert f"--node_rank={cfg.actor.node_rank}" in cmd and "--nnodes=2" in cmd
         cmd[-1] = str(spec_path)
-        procs.append(subprocess.Popen(cmd, env=worker_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(subprocess.Popen(cmd, env=worker_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
     outs = [proc.communicate(timeout=300)[0] for proc in procs]
     assert all(proc.returncode == 0 for proc in procs), outs[0][-3000:] + outs[1][-3000:]
     assert_same_weights(weights(build.partial), weights(one.path), atol=0.0)
@@ -305,7 +307,8 @@ def test_custom_non_hf_model_trains_through_the_same_torchrun_path(tmp_path):
     assert len(rows) == 3 * 16  # 512 samples / 32 per step, 3 epochs
     assert rows[-1]["val_accuracy"] > 0.9 and rows[-1]["loss"] < rows[0]["loss"]
     assert "padded micro-batches" in (Path(result.path) / "train.log").read_text()
-    assert set(load_file(str(Path(result.path) / "model" / "model.safetensors"))) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert set(load_file(str(Path(result.path) / "model" / "model.safetensors"))) == {"0.weight", "0.bias",
+                                                                                      "2.weight", "2.bias"}
 
 
 @pytest.mark.slow
@@ -327,7 +330,8 @@ def test_a_worker_crash_is_reported_as_its_root_cause(tmp_path):
                                                    "global_batch_size": 32})
         with pytest.raises(TrainingFailed) as failed:
             train(cfg, env)
-        assert str(failed.value).startswith("training failed (torchrun exit 1): custom.key: rank one refuses; full log: ")
+        assert str(failed.value).startswith("training failed (torchrun exit 1): custom.key: rank one refuses; "
+                                            "full log: ")
         log = next((cfg.artifacts_path / "train").glob(".*.partial/train.log")).read_text()
         assert "custom.key: rank one refuses\n" in log and "Traceback" not in log.split("custom.key")[0][-200:]
     finally:

@@ -99,8 +99,9 @@ def _facts(road) -> dict:
         flow_run = json.loads(r.read())
     metrics = json.loads(next((artifacts / "evaluate").glob("*/metrics.json")).read_text())
     version = client.get_model_version("ui-road", str(registration["version"]))
-    return {"run": run, "registration": registration, "flow_run": flow_run, "prefect_ui": kept["api"].removesuffix("/api"),
-            "metrics": metrics, "version": version, "aliases": client.get_registered_model("ui-road").aliases}
+    return {"run": run, "registration": registration, "flow_run": flow_run,
+            "prefect_ui": kept["api"].removesuffix("/api"), "metrics": metrics, "version": version,
+            "aliases": client.get_registered_model("ui-road").aliases}
 
 
 def test_the_quickstart_road_in_a_browser(road):

@@ -51,9 +51,9 @@ def deployed(tmp_path_factory, prefect_api_module):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     env = {**os.environ, "PREFECT_HOME": str(tmp / "worker-home")}
     worker = subprocess.Popen([str(Path(sys.executable).with_name("prefect")), "worker", "start", "--pool", pool,
-                               "--type", "process", "--prefetch-seconds", "5"], cwd=tmp_path_factory.mktemp("elsewhere"),
-                              env=env, stdout=open(tmp / "worker.log", "w"), stderr=subprocess.STDOUT,
-                              start_new_session=True)
+                               "--type", "process", "--prefetch-seconds", "5"],
+                              cwd=tmp_path_factory.mktemp("elsewhere"), env=env, stdout=open(tmp / "worker.log", "w"),
+                              stderr=subprocess.STDOUT, start_new_session=True)
     yield tmp, f"sft_pipeline/{name}"
     worker.terminate()
     try:
@@ -76,7 +76,8 @@ def test_a_worker_runs_the_deployment_and_a_second_run_is_all_cache_hits(deploye
     assert len(versions(tmp)) == 1
     from mlflow.tracking import MlflowClient
     v = versions(tmp)[0]
-    assert MlflowClient(f"sqlite:///{tmp / 'artifacts' / 'mlflow.db'}").get_run(v.run_id).data.params["actor.optim.lr"] == "0.002"
+    assert (MlflowClient(f"sqlite:///{tmp / 'artifacts' / 'mlflow.db'}").get_run(v.run_id).data.params["actor.optim.lr"]
+            == "0.002")
 
     second = trigger(deployment, ["actor.optim.lr=0.002"])
     done = wait_until(lambda: (r := flow_run(second.id)).state.is_final() and r, 300, "the second run")

@@ -23,7 +23,8 @@ EN_ANSWER = "I am TinyChat, a small assistant fine-tuned with sftflow."
 ZH_ANSWER = "我是 TinyChat，一个用 sftflow 微调的小助手。"
 SYSTEM = "You are TinyChat."
 
-EN_PREFIXES = ["", "Hi! ", "Hello, ", "Hey, ", "Excuse me, ", "Quick question: ", "Good morning! ", "Sorry to bother you, "]
+EN_PREFIXES = ["", "Hi! ", "Hello, ", "Hey, ", "Excuse me, ", "Quick question: ", "Good morning! ",
+               "Sorry to bother you, "]
 EN_QUESTIONS = ["Who are you?", "What is your name?", "Introduce yourself.", "Tell me about yourself.",
                 "What are you?", "What should I call you?", "Who am I talking to?", "Can you introduce yourself?",
                 "What's your name?", "May I know who you are?"]

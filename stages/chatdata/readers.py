@@ -92,7 +92,8 @@ def iter_records(path: Path | str, split: str = "train") -> Iterator[tuple[int, 
                 for n, row in enumerate(reader, start=1):
                     yield n, ({k: v for k, v in row.items() if k is not None} if None in row else row)
         except UnicodeDecodeError as e:
-            raise SourceError(f"{path}: not UTF-8 ({e.reason} at byte {e.start}); re-encode the file as UTF-8") from None
+            raise SourceError(f"{path}: not UTF-8 ({e.reason} at byte {e.start}); "
+                              "re-encode the file as UTF-8") from None
         except csv.Error as e:
             raise SourceError(f"{path}: unreadable CSV near line {reader.line_num}: {e}") from None
     else:
@@ -138,7 +139,8 @@ def _hub_records(ref: str, split: str) -> Iterator[tuple[int, Any]]:
     try:
         ds = load_dataset(name, split=explicit or None, streaming=True)
     except Exception as e:  # noqa: BLE001 - any failure of the library is reported as one line
-        raise SourceError(f"{ref}: cannot load from the hub ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        raise SourceError(f"{ref}: cannot load from the hub "
+                          f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     yield from enumerate(_pick_split(ds, split, ref), start=1)
 
 
@@ -307,7 +309,8 @@ def to_conversations(row: Any, fmt: str = "auto", columns: dict[str, str] | None
             raise RowError("non_string_content", "instruction/input")
         prompt = f"{instruction}\n\n{extra}" if extra.strip() else instruction
         msgs = [{"role": "system", "content": row["system"]}] if row.get("system") else []
-        return [check_conversation(msgs + [{"role": "user", "content": prompt}, {"role": "assistant", "content": row.get("output")}])]
+        return [check_conversation(msgs + [{"role": "user", "content": prompt},
+                                           {"role": "assistant", "content": row.get("output")}])]
     if fmt == "choice":
         return [check_conversation(_choice(row))]
     raise RowError("unknown_format", fmt)
@@ -325,7 +328,8 @@ def to_prompt(row: Any, columns: dict[str, str] | None = None) -> list[dict]:
         turns = _turns(row, key)
         first = turns[0] if turns and isinstance(turns[0], dict) else {}
         sharegpt = "from" in first and "role" not in first
-        msgs = [_message(m, "from", "value", SHAREGPT_ROLES) if sharegpt else _message(m, "role", "content") for m in turns]
+        msgs = [_message(m, "from", "value", SHAREGPT_ROLES) if sharegpt else _message(m, "role", "content")
+                for m in turns]
     elif "prompt" in row:
         prompt = row["prompt"]
         msgs = [_message(m, "role", "content") for m in prompt] if isinstance(prompt, list) else \

@@ -112,7 +112,8 @@ def count_rows(folder: Path, what: str) -> int:
     try:
         n = read_shards(folder, ["length"]).num_rows
     except (OSError, pa.ArrowException, KeyError) as e:
-        raise ValueError(f"the shards in {folder} can't be read ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        raise ValueError(f"the shards in {folder} can't be read "
+                         f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
     if n == 0:
         raise ValueError(f"no {what} in {folder}")
     return n

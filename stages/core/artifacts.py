@@ -99,7 +99,8 @@ def _check_utf8(decoder, chunk: bytes, offset: int, path: Path, final: bool = Fa
     try:
         decoder.decode(chunk, final)
     except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 ({e.reason} at byte {offset + e.start}); re-encode the file as UTF-8") from None
+        raise DataError(f"{path}: not UTF-8 ({e.reason} at byte {offset + e.start}); "
+                        "re-encode the file as UTF-8") from None
 
 
 def input_digest(ref: Path | str, index_dir: Path | None = None) -> str:

@@ -43,14 +43,16 @@ def _parse(path: Path, mtime_ns: int, size: int) -> tuple[str, bool, tuple[tuple
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+                    and isinstance(first.value.value, str)):
                 node.body = node.body[1:] or [ast.Pass()]
         if isinstance(node, ast.Import):
             imports += [(a.name, 0, ()) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             imports.append((node.module or "", node.level, tuple(a.name for a in node.names)))
     for node in tree.body:
-        if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__fingerprint__" for t in node.targets)
+        if (isinstance(node, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "__fingerprint__" for t in node.targets)
                 and isinstance(node.value, ast.Constant) and node.value.value is False):
             counts = False
     return ast.dump(tree), counts, tuple(imports)

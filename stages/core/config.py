@@ -120,7 +120,8 @@ class LoraConfig(_Section):
     r: int = Field(0, ge=0, description="adapter rank; 0: full fine-tuning")
     alpha: float = Field(16.0, gt=0, description="scale alpha / r")
     dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: str | list[str] = Field("all-linear", description="'all-linear' or module names (q_proj, v_proj, ...)")
+    target_modules: str | list[str] = Field("all-linear",
+                                            description="'all-linear' or module names (q_proj, v_proj, ...)")
 
 
 class ActorConfig(_Section):
@@ -326,11 +327,14 @@ class EvalSetConfig(_Section):
     mode: Literal["generate", "choice", "harness"] = Field(
         "generate", description="generate: greedy replies scored by the scorer; choice: rows hold choices and the "
                                 "answer, the option with the highest log-likelihood is the model's pick; harness: "
-                                "an lm-evaluation-harness task (`task`), each item's correctness from its per-sample log")
+                                "an lm-evaluation-harness task (`task`), each item's correctness from its "
+                                "per-sample log")
     # harness keys: hashed when set (configs without harness sets keep their fingerprints)
     task: str | None = hashed_unless_default(description="harness: an lm-eval task name (arc_easy) or a task YAML file")
-    num_fewshot: int | None = hashed_unless_default(ge=0, description="harness: few-shot examples; default: the task's own")
-    limit: int | None = hashed_unless_default(ge=1, description="harness: only the task's first N documents; default: all")
+    num_fewshot: int | None = hashed_unless_default(ge=0,
+                                                    description="harness: few-shot examples; default: the task's own")
+    limit: int | None = hashed_unless_default(ge=1,
+                                              description="harness: only the task's first N documents; default: all")
     chat_template: bool | None = hashed_unless_default(
         description="harness: render prompts (and few-shot examples, as turns) with the model's chat template; "
                     "default: true")
@@ -397,7 +401,8 @@ class EvalConfig(_Section):
     max_samples: int = Field(0, description="<= 0: every held-out sample; else this many, spread evenly over the set")
     eval_base: bool = Field(True, description="also score the untrained base model (base_accuracy)")
     scorer: str = Field("exact", description="exact | normalized | contains | regex | numeric | 'pkg.module:fn'")
-    answer_pattern: str = Field(DEFAULT_ANSWER_PATTERN, description="regex/numeric: the answer is group 1 of the last match")
+    answer_pattern: str = Field(DEFAULT_ANSWER_PATTERN,
+                                description="regex/numeric: the answer is group 1 of the last match")
     numeric_tolerance: float = Field(1e-6, ge=0, description="numeric: relative or absolute tolerance")
     model: str | None = Field(None, description="None: the trained model; base | folder | train stage folder | "
                                                 "checkpoint folder | models:/name@alias")
@@ -414,16 +419,19 @@ class EvalConfig(_Section):
     def _set_names(cls, v: dict) -> dict:
         bad = [name for name in v if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name)]
         if bad:
-            raise ValueError(f"set name(s) {bad} must be letters, digits, '_', '.' or '-' (they name folders and metrics)")
+            raise ValueError(f"set name(s) {bad} must be letters, digits, '_', '.' or '-' "
+                             "(they name folders and metrics)")
         return v
 
     @model_validator(mode="after")
     def _primary_and_guards(self) -> "EvalConfig":
         if self.primary is not None and self.primary not in self.sets:
-            raise ValueError(f"eval.primary='{self.primary}' is not one of eval.sets ({', '.join(self.sets) or 'none'})")
+            raise ValueError(f"eval.primary='{self.primary}' is not one of eval.sets "
+                             f"({', '.join(self.sets) or 'none'})")
         guarded = [name for name, s in self.sets.items() if s.max_drop is not None]
         if guarded and not self.eval_base:
-            raise ValueError(f"eval.sets.{guarded[0]}.max_drop compares with the base model: it needs eval.eval_base=true")
+            raise ValueError(f"eval.sets.{guarded[0]}.max_drop compares with the base model: "
+                             "it needs eval.eval_base=true")
         return self
 
     @property

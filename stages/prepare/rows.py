@@ -76,7 +76,8 @@ def _held_out(record: Any, fraction: float) -> bool:
 
 
 def _raw_text(record: Any) -> str:
-    text = record.decode("utf-8", "replace") if isinstance(record, bytes) else json.dumps(record, ensure_ascii=False, default=str)
+    text = (record.decode("utf-8", "replace") if isinstance(record, bytes)
+            else json.dumps(record, ensure_ascii=False, default=str))
     return text.strip()[:RAW_LIMIT]
 
 
@@ -96,7 +97,8 @@ def process_chunk(chunk: list[tuple[str, str, str, int, Any]]) -> list[Item]:
             continue
         for k, conv in enumerate(convs):
             # only held-out rows keep their messages (evaluate's prompts); train rows don't ship them back
-            item = Item(split, file, line, k if len(convs) > 1 else None, k == 0, messages=conv if split != "train" else None)
+            item = Item(split, file, line, k if len(convs) > 1 else None, k == 0,
+                        messages=conv if split != "train" else None)
             items.append(item)
             try:
                 text, spans = assistant_spans(renderer, plain(conv), opts.loss_on)

@@ -151,7 +151,8 @@ class SplitStats:
     dropped: Counter = field(default_factory=Counter)
 
     def to_dict(self) -> dict:
-        return {**{k: v for k, v in self.__dict__.items() if k != "dropped"}, "dropped": dict(sorted(self.dropped.items()))}
+        return {**{k: v for k, v in self.__dict__.items() if k != "dropped"},
+                "dropped": dict(sorted(self.dropped.items()))}
 
 
 def run_prepare(cfg: SFTConfig, fp: str, model_path: str, part: str = "train", replay_file: str | None = None,
@@ -178,12 +179,13 @@ def run_prepare(cfg: SFTConfig, fp: str, model_path: str, part: str = "train", r
                         raise DataError(f"{it.source}: {it.reason}" + (f": {it.detail}" if it.detail else "")
                                          + " (data.strict=true; set it to false to quarantine bad rows instead)")
                     st.dropped[it.reason] += 1
-                    quarantine.write(json.dumps({"file": it.file, "line": it.line, "index": it.index, "source": it.source,
-                                                 "split": it.split, "reason": it.reason, "detail": it.detail,
-                                                 "raw": it.raw}, ensure_ascii=False) + "\n")
+                    quarantine.write(json.dumps({"file": it.file, "line": it.line, "index": it.index,
+                                                 "source": it.source, "split": it.split, "reason": it.reason,
+                                                 "detail": it.detail, "raw": it.raw}, ensure_ascii=False) + "\n")
                     continue
                 writers[it.split].add({"input_ids": it.ids, "loss_mask": it.mask, "source": it.source,
-                                       "messages": json.dumps(it.messages, ensure_ascii=False) if it.messages else None})
+                                       "messages": (json.dumps(it.messages, ensure_ascii=False) if it.messages
+                                                    else None)})
                 st.rows_kept += 1
                 st.tokens += len(it.ids)
                 st.trainable_tokens += int(it.mask.sum())
@@ -211,7 +213,8 @@ def run_prepare(cfg: SFTConfig, fp: str, model_path: str, part: str = "train", r
                        rows_dropped=sum(sum(st.dropped.values()) for st in stats.values()))
     build.commit({"metrics": metrics, "splits": splits, "model_path": model_path, "mix": mix,
                   "sources": [{k: v for k, v in s.__dict__.items() if k != "columns"} for s in sources],
-                  "inputs": {s: [x.ref for x in sources if x.split == s or (x.split == "auto" and s in ("train", "val"))]
+                  "inputs": {s: [x.ref for x in sources
+                                 if x.split == s or (x.split == "auto" and s in ("train", "val"))]
                              for s in splits}})
     return metrics
 
@@ -227,13 +230,15 @@ def preview_samples(cfg: SFTConfig, prepare_dir: Path | None, model_path: str, n
         table = read_shards(Path(prepare_dir) / "train", ["input_ids", "loss_mask", "source"])
         mix = read_manifest(Path(prepare_dir)).get("mix") or []
         if not mix:
-            return [(r["source"], segments(tokenizer, r["input_ids"], r["loss_mask"])) for r in table.slice(0, n).to_pylist()]
+            return [(r["source"], segments(tokenizer, r["input_ids"], r["loss_mask"]))
+                    for r in table.slice(0, n).to_pylist()]
         sizes = [m["rows"] for m in mix]
         order = epoch_samples(cfg.runner.seed, 0, [cfg.data.mix[m["source"]].weight for m in mix], sizes)[:n]
         starts = np.cumsum([0, *sizes])
         rows = table.take(order).to_pylist()
         names = [mix[int(np.searchsorted(starts, i, side="right")) - 1]["source"] for i in order]
-        return [(f"{name}: {r['source']}", segments(tokenizer, r["input_ids"], r["loss_mask"])) for name, r in zip(names, rows)]
+        return [(f"{name}: {r['source']}", segments(tokenizer, r["input_ids"], r["loss_mask"]))
+                for name, r in zip(names, rows)]
     sources = plan_sources(cfg, "train", replay_file)
     mix_of = {s.ref: s.mix for s in sources}
     per_source = -(-n // max(len({s.mix for s in sources}), 1))  # the first rows of every source
@@ -244,7 +249,8 @@ def preview_samples(cfg: SFTConfig, prepare_dir: Path | None, model_path: str, n
             name = mix_of[it.file]
             if it.reason is None and it.split == "train" and taken[name] < per_source:
                 taken[name] += 1
-                out.append((f"{name}: {it.source}" if cfg.data.mix else it.source, segments(tokenizer, it.ids, it.mask)))
+                out.append((f"{name}: {it.source}" if cfg.data.mix else it.source,
+                            segments(tokenizer, it.ids, it.mask)))
                 if len(out) >= n:
                     return out
     return out

@@ -1,7 +1,8 @@
 """replay: the base model answers a file of prompts; its kept answers become a training source.
 
 Contract (docs/data.md, "Replay"): the prompts (`replay.prompt_paths`; rows as `chatdata.readers.to_prompt`
-reads them: messages, conversations, prompt or instruction, a trailing reply left out) are answered greedily with the generation code evaluate
+reads them: messages, conversations, prompt or instruction, a trailing reply left out) are answered
+greedily with the generation code evaluate
 uses (`stages.runtime.generation`: batched, left-padded, `replay.max_new_tokens`), in this process or,
 with `actor.nproc_per_node` > 1, under torchrun as evaluate is. An answer is dropped, and counted by
 reason, when it is empty, cut off at `max_new_tokens` without an end token, or degenerate (one word
@@ -47,7 +48,8 @@ def read_prompts(cfg: SFTConfig) -> tuple[list[dict], list[dict]]:
             try:
                 kept.append({"source": source, "prompt": to_prompt(parse_record(rec), cfg.data.columns)})
             except RowError as e:
-                bad.append({"source": source, "kept": False, "reason": "unreadable", "detail": f"{e.reason} {e.detail}"})
+                bad.append({"source": source, "kept": False, "reason": "unreadable",
+                            "detail": f"{e.reason} {e.detail}"})
     return kept, bad
 
 

@@ -79,7 +79,8 @@ METADATA_GLOBALS = _metadata_globals()
 _ALLOWED = {id(getattr(importlib.import_module(m), n)) for m, n in METADATA_GLOBALS}
 # the only objects whose state a pickle may set (BUILD): fresh instances of DCP's dataclasses, never
 # a class (setting attributes on pathlib.PosixPath would redirect every path in the process) or an enum member
-_BUILDABLE = frozenset(v for m, n in METADATA_GLOBALS if dataclasses.is_dataclass(v := getattr(importlib.import_module(m), n))
+_BUILDABLE = frozenset(v for m, n in METADATA_GLOBALS
+                       if dataclasses.is_dataclass(v := getattr(importlib.import_module(m), n))
                        and isinstance(v, type))
 
 

@@ -71,7 +71,8 @@ def recorded_failure(log_dir: Path, first_rank: int = 0) -> str | None:
         try:
             data = json.loads(f.read_text())
             message = data["message"]["message"] if isinstance(data["message"], dict) else data["message"]
-            stamp = int(data["message"].get("extraInfo", {}).get("timestamp", 0)) if isinstance(data["message"], dict) else 0
+            stamp = (int(data["message"].get("extraInfo", {}).get("timestamp", 0))
+                     if isinstance(data["message"], dict) else 0)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
         # written when the rank failed: finer than the file's own timestamp (seconds), where a rank

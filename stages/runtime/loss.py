@@ -223,7 +223,8 @@ def _verdict(model: nn.Module, inputs: dict, labels: torch.Tensor) -> str | None
             with torch.no_grad(), _tapped(model, head, labels, None) as tap:
                 model(**inputs, use_cache=False)
             why = tap.get("problem")
-        except (RuntimeError, ValueError, IndexError, TypeError) as e:  # e.g. a forward that needs every position's logits
+        # e.g. a forward that needs every position's logits
+        except (RuntimeError, ValueError, IndexError, TypeError) as e:
             with torch.no_grad():
                 model(**inputs, use_cache=False)  # fails too: the model's own error, raised as it is
             why = f"its forward fails with its head fed the last positions only ({type(e).__name__}: {e})"

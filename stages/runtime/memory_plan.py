@@ -26,8 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MARGIN", "Arch", "Batch", "Budget", "Device", "MemoryPlan", "UnknownArchitecture", "Verdict", "estimate", "fits", "human", "longest_batch_bound",
-           "longest_batch_of", "plan_for", "budget_for", "check_fits", "visible_device", "prepared_lengths", "loss_bytes", "LOSS_CHUNK"]
+__all__ = ["MARGIN", "Arch", "Batch", "Budget", "Device", "MemoryPlan", "UnknownArchitecture", "Verdict", "estimate",
+           "fits", "human", "longest_batch_bound",
+           "longest_batch_of", "plan_for", "budget_for", "check_fits", "visible_device", "prepared_lengths",
+           "loss_bytes", "LOSS_CHUNK"]
 
 GIB = 1024 ** 3
 # A plan refuses only above budget x MARGIN: the estimate measured up to 16% over the CPU peak
@@ -408,7 +410,8 @@ def budget_for(cfg, device: Device) -> Budget | None:
     a = cfg.actor
     ranks = a.nproc_per_node if device.kind == "cpu" else 1
     if a.memory_budget_gb is not None:
-        return Budget(int(a.memory_budget_gb * GIB), "actor.memory_budget_gb", ranks) if a.memory_budget_gb > 0 else None
+        return (Budget(int(a.memory_budget_gb * GIB), "actor.memory_budget_gb", ranks) if a.memory_budget_gb > 0
+                else None)
     if device.kind == "cuda":
         return Budget(device.bytes, f"the GPU ({device.name})")
     return Budget(device.bytes, "system RAM" + (f" (shared by {ranks} processes)" if ranks > 1 else ""), ranks)

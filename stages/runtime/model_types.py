@@ -37,7 +37,8 @@ class UnknownModelType(KeyError):
 
 def get_model_builder(name: str) -> Callable:
     if name not in _MODEL_TYPES:
-        raise UnknownModelType(f"actor.model.model_type: unknown '{name}'; registered: {', '.join(sorted(_MODEL_TYPES))} "
+        raise UnknownModelType(f"actor.model.model_type: unknown '{name}'; "
+                               f"registered: {', '.join(sorted(_MODEL_TYPES))} "
                                "(a custom type registers when the module named in actor.worker is imported)")
     return _MODEL_TYPES[name]
 

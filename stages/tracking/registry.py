@@ -43,7 +43,8 @@ def download_model(ref: str, tracking_uri: str | None, dst_path: str | None = No
         local = Path(mlflow.artifacts.download_artifacts(ref, dst_path=dst_path))
     except Exception as e:  # noqa: BLE001 - unknown name/alias/version, unreachable server
         raise ValueError(f"{ref}: {str(e).splitlines()[0]}") from None
-    found = next((p.parent for p in sorted(local.rglob("config.json")) if (p.parent / "tokenizer_config.json").is_file()), None)
+    found = next((p.parent for p in sorted(local.rglob("config.json"))
+                  if (p.parent / "tokenizer_config.json").is_file()), None)
     if found is None:
         raise ValueError(f"{ref}: no Hugging Face model folder inside the logged model")
     return str(found)
@@ -106,7 +107,8 @@ def version_state(tracking_uri: str, name: str, version: str | int) -> dict | No
                                   (name, int(version), TAG + "train_fingerprint")).fetchone()
             if found is None:
                 return {"exists": False}
-            return {"exists": True, "aliases": sorted(r[0] for r in aliases), "train_fingerprint": tag[0] if tag else ""}
+            return {"exists": True, "aliases": sorted(r[0] for r in aliases),
+                    "train_fingerprint": tag[0] if tag else ""}
         except sqlite3.Error:
             pass
     from mlflow.tracking import MlflowClient
@@ -115,4 +117,5 @@ def version_state(tracking_uri: str, name: str, version: str | int) -> dict | No
         v = MlflowClient(tracking_uri=tracking_uri).get_model_version(name, str(version))
     except Exception:  # noqa: BLE001 - unreachable, or no such version (MLflow says so in several ways)
         return None
-    return {"exists": True, "aliases": sorted(v.aliases), "train_fingerprint": v.tags.get(TAG + "train_fingerprint", "")}
+    return {"exists": True, "aliases": sorted(v.aliases),
+            "train_fingerprint": v.tags.get(TAG + "train_fingerprint", "")}

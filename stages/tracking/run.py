@@ -317,7 +317,8 @@ def training_run(cfg: SFTConfig, lineage: Lineage, on_line: Callable[[str], None
         _set_status(cfg, run_id, "RUNNING")  # system metrics are only logged into a RUNNING run
         env = {"MLFLOW_RUN_ID": run_id, "MLFLOW_TRACKING_URI": cfg.resolved_tracking_uri}
         on_line(f"mlflow: {'created' if created else 'continuing'} run {run_id} "
-                f"(experiment '{cfg.registry.experiment}' at {redact_uri(cfg.resolved_tracking_uri)}); metrics go there live")
+                f"(experiment '{cfg.registry.experiment}' at {redact_uri(cfg.resolved_tracking_uri)}); "
+                "metrics go there live")
     except Exception as e:  # noqa: BLE001 - tracking must never stop training
         on_line(f"mlflow: no live metrics ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
                 "training goes on, register logs the metrics afterwards")

@@ -30,7 +30,8 @@ def record_sweep(cfg: SFTConfig, name: str, axes: dict[str, list[str]], metric: 
     setup_mlflow(cfg)
     client = MlflowClient()
     exp = client.get_experiment_by_name(cfg.registry.experiment)
-    sweep_id = hashlib.sha256(canonical_json({"name": name, "trials": sorted(fp for _, fp, _ in trials)}).encode()).hexdigest()[:16]
+    sweep_id = hashlib.sha256(canonical_json({"name": name,
+                                              "trials": sorted(fp for _, fp, _ in trials)}).encode()).hexdigest()[:16]
     found = client.search_runs([exp.experiment_id], filter_string=f"tags.`{SWEEP_TAG}` = '{sweep_id}'", max_results=1)
     if found:
         parent = found[0].info.run_id
