@@ -119,8 +119,7 @@ def metric_of(eval_metrics: dict, metric: str) -> float | None:
     """`accuracy` (the primary set's), `eval_loss`, or `<set>/<key>` for a named eval set."""
     if "/" in metric:
         name, key = metric.split("/", 1)
-        sets = eval_metrics.get("sets") or {"val": eval_metrics}  # one unnamed set: the val split
-        value = sets.get(name, {}).get(key)
+        value = eval_metrics["sets"].get(name, {}).get(key)
     else:
         value = eval_metrics.get(metric)
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None

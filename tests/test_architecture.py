@@ -54,6 +54,87 @@ def test_imports_follow_the_floor_plan(path):
     assert not wrong, f"stages/{path.relative_to(STAGES_DIR)} ({me}) imports {wrong}; allowed: {sorted(ALLOWED[me])}"
 
 
+def _own_imports(root: Path, path: Path, packages: tuple[str, ...]) -> set[str]:
+    """The modules of `packages` (under `root`) that `path` imports anywhere: at module level or inside
+    a function (a function-local import is a cycle that waits for its first call). `from pkg import mod`
+    counts as pkg.mod; `from pkg import name` (not a module) as pkg; relative imports resolved."""
+    rel = path.relative_to(root).with_suffix("").parts
+    me = ".".join(rel[:-1] if rel[-1] == "__init__" else rel)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+
+    def is_module(dotted: str) -> bool:
+        target = root.joinpath(*dotted.split("."))
+        return target.with_suffix(".py").is_file() or (target / "__init__.py").is_file()
+
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*up, base] if base else up)
+            subs = [f"{base}.{a.name}" for a in node.names if is_module(f"{base}.{a.name}")]
+            found |= set(subs) if subs else {base}
+    return {m for m in found if m.split(".")[0] in packages and is_module(m) and m != me}
+
+
+def import_cycles(root: Path, packages: tuple[str, ...]) -> list[list[str]]:
+    """Every group of modules that import each other, directly or around a circle (Tarjan's strongly
+    connected components of the import graph, function-local imports included)."""
+    files = [p for pkg in packages for p in sorted((root / pkg).rglob("*.py"))]
+    graph = {}
+    for p in files:
+        rel = p.relative_to(root).with_suffix("").parts
+        graph[".".join(rel[:-1] if rel[-1] == "__init__" else rel)] = _own_imports(root, p, packages)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_module_imports_itself_around_a_circle():
+    """No import cycle in stages/ or flows/, function-local imports included (they only hide one)."""
+    assert import_cycles(ROOT, ("stages", "flows")) == []
+
+
+def test_the_cycle_finder_sees_function_local_and_relative_imports(tmp_path):
+    pkg = tmp_path / "stages" / "room"
+    pkg.mkdir(parents=True)
+    (tmp_path / "stages" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("def run():\n    from .runner import go\n    return go()\n")
+    (pkg / "runner.py").write_text("from . import helper\n\ndef go():\n    return helper.x\n")
+    (pkg / "helper.py").write_text("x = 1\n")
+    assert import_cycles(tmp_path, ("stages",)) == []
+    (pkg / "helper.py").write_text("def late():\n    from stages.room import run\n    return run\n")
+    assert import_cycles(tmp_path, ("stages",)) == [["stages.room", "stages.room.helper", "stages.room.runner"]]
+
+
 def _third_party_imports(path: Path) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):

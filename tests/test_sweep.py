@@ -6,6 +6,7 @@ import json
 import pytest
 
 from conftest import sftflow, tiny_config_dict, write_config
+from stages.core.scores import by_set
 from stages.core.errors import ConfigError
 from stages.sweep import metric_of, parse_grid, plan_trials, ranked, split_values
 
@@ -49,7 +50,7 @@ def test_the_best_trial_is_ranked_by_its_metric():
     m = {"accuracy": 0.5, "sets": {"retention": {"accuracy": 0.75}}}
     assert metric_of(m, "accuracy") == 0.5 and metric_of(m, "retention/accuracy") == 0.75
     assert metric_of(m, "nosuch") is None
-    assert metric_of({"accuracy": 0.25}, "val/accuracy") == 0.25
+    assert metric_of(by_set({"val": {"accuracy": 0.25}}, "val"), "val/accuracy") == 0.25
 
 
 @pytest.mark.slow

@@ -13,10 +13,10 @@ its model with each item by item (`stages/core/paired.py`): `delta` = tuned - ba
 interval, `vs_champion` likewise.
 
 Named eval sets (`eval.sets`, each with its own files and scorer, or an lm-evaluation-harness task:
-`mode: harness`, stages/runtime/harness.py) are each scored; the top-level
-metrics are the primary set's (what promotion compares), and `metrics["sets"][name]` holds every
-set's, with the comparisons and the guard (`max_drop`) verdict. Without named sets the val split
-is the one set.
+`mode: harness`, stages/runtime/harness.py) are each scored; without named sets the val split is
+the one set ("val"). Metrics are always per set (`stages/core/scores.py`): `metrics["sets"][name]`
+holds every set's numbers with the comparisons and the guard (`max_drop`) verdict, and the top
+level repeats the primary set's (what promotion compares).
 
 Output folder: metrics.json, predictions.jsonl (named sets: one row per sample of every set, with
 its `set`), spec.json, eval.log (torchrun only), manifest.json.
@@ -31,75 +31,31 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from pydantic import BaseModel, ConfigDict
-
-from stages.chatdata.readers import choices_of, prompt_and_reference
-from stages.chatdata.shards import count_rows, read_shards
+from stages.chatdata.shards import count_rows
 from stages.core.artifacts import StageBuild, canonical_json, read_manifest, sha256_text
-from stages.core.config import SFTConfig, eval_split
+from stages.core.config import SFTConfig
+from stages.core.paired import clears, compare_sets, read_predictions
+from stages.core.scores import by_set
 from stages.models.refs import resolve_eval_model
 from stages.runtime.launcher import run_torchrun, torchrun_command
 
 from .errors import EvaluationError
-from stages.core.paired import clears, compare_sets, read_predictions
+from .sets import BASE_KEYS, EvalSpec, eval_samples, eval_set_fingerprint, prepared_sets, set_dir
 
-BASE_KEYS = ("accuracy", "correct", "total", "eval_loss")  # what a reference contributes as `base_<key>`
+__all__ = ["BASE_KEYS", "EvalSpec", "EvaluationError", "compare_with_base", "eval_samples", "guard_sets",
+           "run_evaluate", "run_reference"]
 
 # One in-process evaluation at a time: transformers builds models under process-wide patches
 # (meta-device init), so two threads loading at once (a sweep's parallel trials) break each other.
 _IN_PROCESS = threading.Lock()
 
 
-def set_dir(prepare_dir: str | Path, name: str) -> Path:
-    """Where the prepare stage wrote eval set `name` ("val": the val split)."""
-    return Path(prepare_dir) / ("val" if name == "val" else eval_split(name))
-
-
-def sample_indices(n: int, max_samples: int) -> list[int]:
-    """Which of a set's `n` rows `eval.max_samples` keeps: all of them, or that many spread evenly
-    over the whole set in file order (the first N rows are often all one kind of prompt)."""
-    if max_samples <= 0 or max_samples >= n:
-        return list(range(n))
-    return [i * n // max_samples for i in range(max_samples)]
-
-
-def eval_samples(prepare_dir: str, max_samples: int = 0, set_name: str = "val") -> list[dict]:
-    table = read_shards(set_dir(prepare_dir, set_name), ["input_ids", "loss_mask", "source", "messages"])
-    rows = table.take(sample_indices(table.num_rows, max_samples)).to_pylist()
-    for r in rows:
-        messages = json.loads(r["messages"])
-        r["prompt"], r["reference"] = prompt_and_reference(messages)
-        choice = choices_of(messages)
-        if choice is not None:
-            r["choices"], r["answer"] = choice
-    return rows
-
-
-class EvalSpec(BaseModel):
-    """What the evaluation processes are given (`spec.json`): models are `resolve_eval_model` results."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    config: SFTConfig
-    prepare_dir: str
-    out_dir: str
-    base_model: str
-    models: dict[str, dict]
-
-
-def eval_set_fingerprint(rows: list[dict]) -> str:
-    """Identifies *what* was asked, independent of tokenizer and model: accuracies are comparable iff equal."""
-    return sha256_text(canonical_json([[r["prompt"], r["reference"]] for r in rows]))[:16]
-
-
-def compare_with_base(cfg: SFTConfig, metrics: dict, folder: Path, baseline: str | None) -> None:
-    """Per set: the base model's numbers (from the baseline stage's folder) and the paired comparison
-    with it (`delta` = tuned - base accuracy, `delta_low`/`delta_high` its 95% interval, `vs_base`
-    with wins and losses), and the guard's verdict. Top-level keys stay the primary set's."""
-    sets = metrics["sets"] if "sets" in metrics else {"val": metrics}
+def compare_with_base(cfg: SFTConfig, sets: dict[str, dict], folder: Path, baseline: str | None) -> None:
+    """Adds to each set's numbers the base model's (from the baseline stage's folder) and the paired
+    comparison with it (`delta` = tuned - base accuracy, `delta_low`/`delta_high` its 95% interval,
+    `vs_base` with wins and losses), and the guard's verdict."""
     if baseline is not None:
-        manifest = read_manifest(Path(baseline))
-        base_sets = manifest["metrics"].get("sets") or {"val": manifest["metrics"]}
+        base_sets = read_manifest(Path(baseline))["metrics"]["sets"]
         try:
             paired = compare_sets(read_predictions(folder), read_predictions(baseline), f"the baseline folder {baseline}")
         except ValueError as e:
@@ -111,8 +67,6 @@ def compare_with_base(cfg: SFTConfig, metrics: dict, folder: Path, baseline: str
             if c is not None:
                 m.update(delta_low=c["delta_low"], delta_high=c["delta_high"], vs_base=c)
     guard_sets(cfg, sets)
-    if "sets" in metrics:
-        metrics.update(sets[cfg.eval.set_names[0]])
 
 
 def guard_sets(cfg: SFTConfig, sets: dict[str, dict]) -> None:
@@ -127,12 +81,6 @@ def guard_sets(cfg: SFTConfig, sets: dict[str, dict]) -> None:
                  guard_ok=clears(m.get("vs_base") or {"delta": m["delta"]}, s.max_drop, decided_on))
 
 
-def prepared_sets(cfg: SFTConfig) -> list[str]:
-    """The sets scored from prepared rows, in report order: every set but the harness sets (whose
-    lm-eval task holds its own documents, stages/runtime/harness.py)."""
-    return [n for n in cfg.eval.set_names if n not in cfg.eval.sets or not cfg.eval.sets[n].is_harness]
-
-
 def _check_sets(cfg: SFTConfig, prepare_dir: str) -> None:
     for name in prepared_sets(cfg):
         try:  # an empty eval set would report accuracy 0/0 as a result
@@ -144,7 +92,7 @@ def _check_sets(cfg: SFTConfig, prepare_dir: str) -> None:
 def _score(cfg: SFTConfig, build: StageBuild, base_model: str, model: dict, prepare_dir: str,
            on_line: Callable[[str], None]) -> dict:
     """Scores one resolved model on every eval set into `build.partial` (metrics.json, predictions.jsonl),
-    in this process or under torchrun; returns the metrics."""
+    in this process or under torchrun; returns each set's numbers."""
     spec = EvalSpec(config=cfg, prepare_dir=prepare_dir, out_dir=str(build.partial), base_model=base_model,
                     models={"model": model})
     spec_path = build.partial / "spec.json"
@@ -156,10 +104,10 @@ def _score(cfg: SFTConfig, build: StageBuild, base_model: str, model: dict, prep
     else:
         run_torchrun(torchrun_command(cfg, spec_path, module="stages.evaluate"), build.partial / "eval.log",
                      EvaluationError, "evaluation", on_line, cfg.actor.nproc_per_node)
-    return json.loads((build.partial / "metrics.json").read_text())
+    return json.loads((build.partial / "metrics.json").read_text())["sets"]
 
 
-def _set_fingerprints(cfg: SFTConfig, prepare_dir: str, mode: str | None, folder: Path) -> dict[str, str]:
+def _set_fingerprints(cfg: SFTConfig, prepare_dir: str, sets: dict[str, dict], folder: Path) -> dict[str, str]:
     set_fps = {}
     scored = read_predictions(folder)
     for name in cfg.eval.set_names:
@@ -169,7 +117,7 @@ def _set_fingerprints(cfg: SFTConfig, prepare_dir: str, mode: str | None, folder
                                                         s.num_fewshot, s.uses_chat_template]))[:16]
             continue
         set_fps[name] = eval_set_fingerprint(eval_samples(prepare_dir, cfg.eval.max_samples, name))
-        if mode == "worker":  # the worker's own data and counts: not comparable to prompt scoring
+        if sets[name].get("mode") == "worker":  # the worker's own data and counts: not comparable to prompt scoring
             set_fps[name] = sha256_text(f"{set_fps[name]}:{cfg.actor.worker}")[:16]
     return set_fps
 
@@ -182,8 +130,9 @@ def run_reference(cfg: SFTConfig, stage: str, fp: str, base_model: str, model_re
     build = StageBuild(cfg.artifacts_path, stage, fp)
     with tempfile.TemporaryDirectory(dir=build.partial, prefix=".download-") as tmp:  # models:/ downloads
         model = resolve_eval_model(cfg, model_ref, Path(tmp), base_model, identity)
-        metrics = _score(cfg, build, base_model, model, prepare_dir, on_line)
-    build.commit({"metrics": metrics, "eval_sets": _set_fingerprints(cfg, prepare_dir, metrics.get("mode"), build.partial),
+        sets = _score(cfg, build, base_model, model, prepare_dir, on_line)
+    metrics = by_set(sets, cfg.eval.set_names[0])
+    build.commit({"metrics": metrics, "eval_sets": _set_fingerprints(cfg, prepare_dir, sets, build.partial),
                   "model": model_ref, "model_dir": model["source"], "model_kind": model["kind"],
                   **({"version": identity["version"], "model_name": identity["name"],
                       "train_fingerprint": identity.get("train_fingerprint", "")} if identity else {}),
@@ -201,13 +150,14 @@ def run_evaluate(cfg: SFTConfig, fp: str, base_model: str, model_ref: str, prepa
     build = StageBuild(cfg.artifacts_path, "evaluate", fp)
     with tempfile.TemporaryDirectory(dir=build.partial, prefix=".download-") as tmp:  # models:/ downloads
         model = resolve_eval_model(cfg, model_ref, Path(tmp), base_model, model_identity)
-        metrics = _score(cfg, build, base_model, model, prepare_dir, on_line)
+        sets = _score(cfg, build, base_model, model, prepare_dir, on_line)
     if cfg.eval.eval_base and cfg.eval.model == "base":  # the base model *is* the model
-        for m in [metrics, *metrics.get("sets", {}).values()]:
+        for m in sets.values():
             m.update({f"base_{k}": m[k] for k in BASE_KEYS if k in m}, delta=0.0)
-    compare_with_base(cfg, metrics, build.partial, baseline)
+    compare_with_base(cfg, sets, build.partial, baseline)
+    metrics = by_set(sets, cfg.eval.set_names[0])
     (build.partial / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    set_fps = _set_fingerprints(cfg, prepare_dir, metrics.get("mode"), build.partial)
+    set_fps = _set_fingerprints(cfg, prepare_dir, sets, build.partial)
     build.commit({"metrics": metrics, "eval_set_fingerprint": set_fps[cfg.eval.set_names[0]], "eval_sets": set_fps,
                   "model": cfg.eval.model or "trained", "model_dir": model["source"], "model_kind": model["kind"],
                   "baseline": baseline, "base_model": base_model, "prepare_dir": prepare_dir,

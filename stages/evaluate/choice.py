@@ -48,7 +48,9 @@ import inspect
 
 import torch
 
-from stages.runtime.distributed import add_up, gather
+from stages.core.scores import counted
+from stages.runtime.batches import pad_token_id
+from stages.runtime.distributed import add_up, gather, rank_slice
 
 NORMALIZATIONS = ("sum", "chars", "bytes")  # lm-eval: acc, acc_norm, acc_bytes
 
@@ -203,8 +205,7 @@ def option_logprobs(model, tok, prompts: list[list[dict]], options: list[list[st
     if batch_size < 1:
         raise ValueError(f"option_logprobs: batch_size must be >= 1, got {batch_size}")
     encoded = _encode(tok, prompts, options, first_row)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    pad_id = 0 if pad_id is None else pad_id
+    pad_id = pad_token_id(tok)
     device = _device(model)
     sums = None
     if share_prompts and encoded and all(len(ctx) >= 2 for ctx, _ in encoded) and _shares_prompts(model):
@@ -241,7 +242,6 @@ def choice_scores(model, tok, rows: list[dict], rank: int, world: int, batch_siz
     reported."""
     if normalize not in NORMALIZATIONS:
         raise ValueError(f"choice_scores: normalize must be one of {NORMALIZATIONS}, got {normalize!r}")
-    from stages.runtime.distributed import rank_slice
     r = rank_slice(len(rows), rank, world)
     mine = rows[r.start:r.stop]
     for k, s in enumerate(mine):
@@ -268,8 +268,8 @@ def choice_scores(model, tok, rows: list[dict], rank: int, world: int, batch_siz
     parts = gather({"records": records, "sums": sums})
     records = [x for part in parts for x in part["records"]]  # rank order = the original order
     total = add_up([part["sums"] for part in parts])
-    n = total["total"]
-    metrics = {"accuracy": total["correct"] / n if n else 0.0, "correct": int(total["correct"]), "total": int(n),
-               **{f"accuracy_{rule}": total[f"correct_{rule}"] / n if n else 0.0 for rule in NORMALIZATIONS},
+    metrics = {**counted(total["correct"], total["total"]),
+               **{f"accuracy_{rule}": counted(total[f"correct_{rule}"], total["total"])["accuracy"]
+                  for rule in NORMALIZATIONS},
                "mode": "choice"}
     return metrics, records

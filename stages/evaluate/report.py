@@ -24,7 +24,7 @@ def set_rows(metrics: dict, champion: dict[str, dict] | None = None) -> list[dic
     register's comparison with the champion, per set); one row ("val") without named sets.
     `base`/`delta` are None when the base model was not scored; `champion` is "" without a champion
     to compare with; `guard` is "" for an unguarded set, else "ok" or "failed" with its rule."""
-    sets = metrics.get("sets") or {"val": metrics}
+    sets = metrics["sets"]
     rows = []
     for name, m in sets.items():
         base = m.get("base_accuracy")

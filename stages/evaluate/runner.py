@@ -28,6 +28,8 @@ import torch.distributed as dist
 
 from stages.core.config import SFTConfig
 from stages.core.errors import ConfigError
+from stages.core.scores import by_set, counted
+from stages.runtime.batches import pad_token_id
 from stages.runtime.checkpoint import load_model_weights
 from stages.runtime.distributed import add_up, choose_precision, gather, local_device, log, rank_and_world, rank_slice
 from stages.runtime.generation import generate
@@ -36,11 +38,11 @@ from stages.runtime.lora import lora_enabled
 from stages.runtime.proctree import die_with_parent
 from stages.runtime.worker import SFTWorker, WorkerSpec, load_worker_class
 
-from . import BASE_KEYS, EvalSpec, eval_samples, prepared_sets, sample_indices, set_dir
 from .choice import choice_scores
 from .errors import EvaluationError
 from .losses import loss_metrics, teacher_forced_sums
 from .scorers import get_scorer
+from .sets import BASE_KEYS, EvalSpec, eval_samples, prepared_sets, sample_indices, set_dir
 
 
 # --------------------------------------------------------------------------- loading
@@ -101,8 +103,7 @@ def worker_scores(worker_cls, spec: EvalSpec, cfg: SFTConfig, model, device, ran
     total = add_up(gather(sums))
     if total.get("total", 0) <= 0:
         return None
-    metrics = {"accuracy": total["correct"] / total["total"], "correct": int(total["correct"]),
-               "total": int(total["total"]), "mode": "worker"}
+    metrics = {**counted(total["correct"], total["total"]), "mode": "worker"}
     if total.get("n_tokens", 0) > 0:
         metrics.update(loss_metrics({"loss_sum": total.get("loss_sum", 0.0), "tokens": total["n_tokens"],
                                      "token_correct": total.get("token_correct", 0.0)}))
@@ -123,16 +124,13 @@ def generation_scores(cfg: SFTConfig, model, tok, rows: list[dict], rank: int, w
     records = [{**({"set": set_name} if e.sets else {}), "source": s["source"], "prompt": s["prompt"], "reference": s["reference"], "prediction": p["text"],
                 "correct": bool(scorer(p["text"], s["reference"])), "new_tokens": p["new_tokens"]}
                for s, p in zip(mine, preds)]
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    sums = teacher_forced_sums(model, mine, pad_id, e.batch_size)
+    sums = teacher_forced_sums(model, mine, pad_token_id(tok), e.batch_size)
     sums.update(correct=sum(x["correct"] for x in records), total=len(records),
                 new_tokens=sum(x["new_tokens"] for x in records))
     parts = gather({"records": records, "sums": sums})
     records = [x for part in parts for x in part["records"]]  # rank order = the original order
     total = add_up([part["sums"] for part in parts])
-    metrics = {"accuracy": total["correct"] / total["total"] if total["total"] else 0.0,
-               "correct": int(total["correct"]), "total": int(total["total"]),
-               **loss_metrics(total),
+    metrics = {**counted(total["correct"], total["total"]), **loss_metrics(total),
                "mean_generated_tokens": total["new_tokens"] / max(total["total"], 1), "mode": "generate"}
     return metrics, records
 
@@ -167,7 +165,6 @@ def score(cfg: SFTConfig, spec: EvalSpec, worker_cls, model, tok, rows, device, 
         raise EvaluationError(
             f"evaluate: {type(model).__name__} is not a Hugging Face causal LM with a chat template, and actor.worker "
             f"({cfg.actor.worker or 'SFTWorker'}) has no get_eval_model_output returning 'correct' and 'total'")
-    s = cfg.eval.sets.get(set_name)
     if s is not None and s.mode == "choice":
         return multiple_choice_scores(cfg, model, tok, rows, rank, world, set_name)
     return generation_scores(cfg, model, tok, rows, rank, world, set_name)
@@ -188,8 +185,7 @@ def multiple_choice_scores(cfg: SFTConfig, model, tok, rows: list[dict], rank: i
     except ValueError as e:
         raise EvaluationError(f"evaluate: eval set '{set_name}': {e}") from None
     r = rank_slice(len(rows), rank, world)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    total = add_up(gather(teacher_forced_sums(model, rows[r.start:r.stop], pad_id, cfg.eval.batch_size)))
+    total = add_up(gather(teacher_forced_sums(model, rows[r.start:r.stop], pad_token_id(tok), cfg.eval.batch_size)))
     return {**metrics, **loss_metrics(total)}, records
 
 
@@ -212,7 +208,6 @@ def evaluate_spec(spec: EvalSpec) -> dict:
     rows = {s: eval_samples(spec.prepare_dir, cfg.eval.max_samples, s) if s in prepared_sets(cfg) else []
             for s in sets}
     out = Path(spec.out_dir)
-    metrics: dict = {}
     per_set: dict[str, dict] = {s: {} for s in sets}
     for name, ref in spec.models.items():
         model, tok = load_model(cfg, ref, spec.base_model, device)
@@ -227,10 +222,7 @@ def evaluate_spec(spec: EvalSpec) -> dict:
         if rank == 0:
             _write_jsonl(out / ("predictions.jsonl" if name == "model" else f"{name}_predictions.jsonl"), records)
         del model
-    metrics.update(per_set[sets[0]])  # the primary set ranks models
-    if cfg.eval.sets:
-        metrics["primary_set"] = sets[0]
-        metrics["sets"] = {s: {k: v for k, v in m.items() if k != "mode"} for s, m in per_set.items()}
+    metrics = by_set(per_set, sets[0])  # the primary set ranks models
     if rank == 0:
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics

@@ -33,6 +33,7 @@ from pathlib import Path
 from stages.core.artifacts import StageBuild, read_manifest
 from stages.core.config import SFTConfig
 from stages.core.paired import clears, compare_sets, describe, read_predictions
+from stages.core.scores import named_sets
 from stages.tracking.registry import CHALLENGER, CHAMPION
 from stages.tracking.live import champion_metric_values, eval_metric_values, is_number, read_metrics_file, send_values, sync_rows
 from stages.core.errors import StageError
@@ -64,15 +65,14 @@ def failed_guards(eval_metrics: dict) -> list[str]:
         judged = "its 95% interval's lower bound" if m.get("decided_on") == "interval" else "the estimate"
         return (f"'{name}' accuracy {m['accuracy']:.3f} vs the base model's {m['base_accuracy']:.3f}: {shown}; "
                 f"{judged} is below -{m['max_drop']:g} (max_drop)")
-    return [line(name, m) for name, m in (eval_metrics.get("sets") or {}).items() if m.get("guard_ok") is False]
+    return [line(name, m) for name, m in eval_metrics["sets"].items() if m.get("guard_ok") is False]
 
 
 def champion_comparison(eval_metrics: dict, evaluate_dir: str, champion_dir: str) -> dict[str, dict]:
     """Per eval set: the champion's accuracy (scored by the champion stage on this run's sets) and the
     paired comparison of the new model with it (`delta` = new - champion, its 95% interval, wins...)."""
     manifest = read_manifest(Path(champion_dir))
-    theirs = manifest["metrics"].get("sets") or {"val": manifest["metrics"]}
-    mine = eval_metrics.get("sets") or {"val": eval_metrics}
+    theirs, mine = manifest["metrics"]["sets"], eval_metrics["sets"]
     try:
         paired = compare_sets(read_predictions(evaluate_dir), read_predictions(champion_dir),
                               f"the champion folder {champion_dir}")
@@ -133,7 +133,7 @@ SUMMARY_FIRST = ("accuracy", "base_accuracy", "delta", "correct", "total", "base
 def eval_summary(eval_metrics: dict) -> list[dict]:
     """One row per eval set with every number evaluate reported (the `eval/summary.json` table),
     the ones read first in front."""
-    sets = eval_metrics.get("sets") or {eval_metrics.get("primary_set", "val"): eval_metrics}
+    sets = eval_metrics["sets"]
     order = {k: i for i, k in enumerate(SUMMARY_FIRST)}
     return [{"set": name, **{k: m[k] for k in sorted((k for k, v in m.items() if is_number(v)),
                                                       key=lambda k: (order.get(k, len(order)), k))}}
@@ -221,12 +221,12 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
                  "evaluate_fingerprint": fingerprints.get("evaluate", ""), "config_hash": config_hash(cfg),
                  "data_digest": data_digest(lineage.inputs), "eval_accuracy": str(eval_metrics["accuracy"]),
                  "eval_set_fingerprint": eval_set}
-        vtags.update({f"eval_{n}_accuracy": str(m["accuracy"]) for n, m in (eval_metrics.get("sets") or {}).items()})
+        vtags.update({f"eval_{n}_accuracy": str(m["accuracy"]) for n, m in named_sets(eval_metrics).items()})
         for k, v in vtags.items():
             client.set_model_version_tag(name, version.version, TAG + k, v)
 
     guards = failed_guards(eval_metrics)
-    r, primary = cfg.registry, eval_metrics.get("primary_set", "val")
+    r, primary = cfg.registry, eval_metrics["primary_set"]
     alias, why = decide_alias(client, name, r.promote, (versus or {}).get(primary), primary, fingerprints["train"],
                               r.tolerance, r.decide_on, guards, reused=existing is not None)
     client.set_model_version_tag(name, version.version, TAG + "alias_reason", why)

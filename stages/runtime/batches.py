@@ -27,6 +27,16 @@ from .loss import IGNORE_INDEX
 from .mixture import epoch_samples
 
 
+def pad_token_id(tok) -> int:
+    """The id batches are padded with, decided once for training and evaluation: the tokenizer's pad
+    token, else its eos (Llama 3 and Mistral have no pad token), else 0. Pads are masked out of
+    attention and loss, so only a valid id matters, not which."""
+    for token_id in (tok.pad_token_id, tok.eos_token_id):
+        if token_id is not None:
+            return int(token_id)
+    return 0
+
+
 @dataclass
 class DataPosition:
     epoch: int = 0

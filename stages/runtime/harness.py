@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 
 from stages.core.errors import ConfigError
+from stages.core.scores import counted
 
 INSTALL_HINT = "pip install 'sftflow[harness]' (lm_eval==0.4.13)"
 TASK_SUFFIXES = (".yaml", ".yml")
@@ -291,8 +292,6 @@ def score_task(model, tok, set_cfg, set_name: str, batch_size: int) -> tuple[dic
     if out is None or name not in out.get("samples", {}):
         raise ValueError(f"eval set '{set_name}': lm-eval returned no samples for task '{name}'")
     records = records_of(out["samples"][name], metric, filt, set_name, name)
-    correct = sum(r["correct"] for r in records)
-    metrics = {"accuracy": correct / len(records) if records else 0.0, "correct": correct, "total": len(records),
-               "mode": "harness", "task": name, "metric": metric, "filter": filt,
+    metrics = {**counted(sum(r["correct"] for r in records), len(records)), "mode": "harness", "task": name, "metric": metric, "filter": filt,
                "lm_eval": lm_eval_metrics(out["results"].get(name, {})), "lm_eval_version": str(lm_eval.__version__)}
     return metrics, records

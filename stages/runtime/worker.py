@@ -40,7 +40,7 @@ from stages.tracking.live import RankZeroMetrics, read_metrics_file
 
 from . import checkpoint as ckpt
 from .attention import effective_attn_implementation, resolve_attn_implementation
-from .batches import DataPosition, GlobalBatchSampler, SFTDataset, collate_packed, collate_padded
+from .batches import DataPosition, GlobalBatchSampler, SFTDataset, collate_packed, collate_padded, pad_token_id
 from .distributed import choose_precision, local_device, log
 from .lora import adapters_off, lora_enabled, unwrap
 from .loss import model_loss, reference_outputs
@@ -283,7 +283,7 @@ class SFTWorker:
             return None, 0
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(self.spec.model_path, trust_remote_code=self.cfg.actor.model.trust_remote_code)
-        return tok, tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        return tok, pad_token_id(tok)
 
     def supports_packing(self) -> bool:
         """Packed logits must equal unpacked ones; checked once on two short sequences, on every rank."""

@@ -32,6 +32,8 @@ import threading
 import time
 from pathlib import Path
 
+from stages.core.scores import named_sets
+
 __fingerprint__ = False  # observability only: what it sends never changes a stage folder
 
 RUN_ID_ENV = "MLFLOW_RUN_ID"
@@ -93,7 +95,7 @@ def eval_metric_values(eval_metrics: dict) -> dict[str, float]:
         out.update({f"{prefix}/{k}": float(m["vs_base"][k]) for k in VS_BASE if is_number((m.get("vs_base") or {}).get(k))})
         return out
     out = charted("eval", eval_metrics)
-    for name, m in (eval_metrics.get("sets") or {}).items():
+    for name, m in named_sets(eval_metrics).items():
         out.update(charted(f"eval/{name}", m))
         out.update(lm_eval_metric_values(name, m.get("lm_eval") or {}))
     return out

@@ -1,0 +1,65 @@
+"""The eval sets a stage scores, as data (torch-free): where each set's prepared rows live, which of
+them `eval.max_samples` keeps, what they ask (the set fingerprint), and the spec the scoring
+processes are given. docs/evaluation.md describes the sets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from stages.chatdata.readers import choices_of, prompt_and_reference
+from stages.chatdata.shards import read_shards
+from stages.core.artifacts import canonical_json, sha256_text
+from stages.core.config import SFTConfig, eval_split
+
+BASE_KEYS = ("accuracy", "correct", "total", "eval_loss")  # what a reference contributes as `base_<key>`
+
+
+def set_dir(prepare_dir: str | Path, name: str) -> Path:
+    """Where the prepare stage wrote eval set `name` ("val": the val split)."""
+    return Path(prepare_dir) / ("val" if name == "val" else eval_split(name))
+
+
+def sample_indices(n: int, max_samples: int) -> list[int]:
+    """Which of a set's `n` rows `eval.max_samples` keeps: all of them, or that many spread evenly
+    over the whole set in file order (the first N rows are often all one kind of prompt)."""
+    if max_samples <= 0 or max_samples >= n:
+        return list(range(n))
+    return [i * n // max_samples for i in range(max_samples)]
+
+
+def eval_samples(prepare_dir: str, max_samples: int = 0, set_name: str = "val") -> list[dict]:
+    table = read_shards(set_dir(prepare_dir, set_name), ["input_ids", "loss_mask", "source", "messages"])
+    rows = table.take(sample_indices(table.num_rows, max_samples)).to_pylist()
+    for r in rows:
+        messages = json.loads(r["messages"])
+        r["prompt"], r["reference"] = prompt_and_reference(messages)
+        choice = choices_of(messages)
+        if choice is not None:
+            r["choices"], r["answer"] = choice
+    return rows
+
+
+def prepared_sets(cfg: SFTConfig) -> list[str]:
+    """The sets scored from prepared rows, in report order: every set but the harness sets (whose
+    lm-eval task holds its own documents, stages/runtime/harness.py)."""
+    return [n for n in cfg.eval.set_names if n not in cfg.eval.sets or not cfg.eval.sets[n].is_harness]
+
+
+def eval_set_fingerprint(rows: list[dict]) -> str:
+    """Identifies *what* was asked, independent of tokenizer and model: accuracies are comparable iff equal."""
+    return sha256_text(canonical_json([[r["prompt"], r["reference"]] for r in rows]))[:16]
+
+
+class EvalSpec(BaseModel):
+    """What the evaluation processes are given (`spec.json`): models are `resolve_eval_model` results."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: SFTConfig
+    prepare_dir: str
+    out_dir: str
+    base_model: str
+    models: dict[str, dict]
