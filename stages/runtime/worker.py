@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import sys
 import time
@@ -39,6 +38,7 @@ from stages.core.imports import import_object
 from stages.tracking.live import RankZeroMetrics, read_metrics_file
 
 from . import checkpoint as ckpt
+from . import faults
 from .attention import effective_attn_implementation, resolve_attn_implementation
 from .batches import DataPosition, GlobalBatchSampler, SFTDataset, collate_packed, collate_padded, pad_token_id
 from .distributed import choose_precision, local_device, log
@@ -47,7 +47,7 @@ from .loss import model_loss, reference_outputs
 from .mixture import describe, summary_line
 from .model_types import (UnknownModelType, WeightsLoadError, build_configured_model, fsdp_units, get_model_builder,
                           load_state_checked)
-from .proctree import descendants, die_with_parent
+from .proctree import die_with_parent
 from .schedule import lr_lambda
 
 if TYPE_CHECKING:
@@ -129,19 +129,6 @@ class Sharding:
     fsdp: bool           # sharded at all (one fp32 process is not: nothing to shard, reduce or cast)
     keep_gathered: bool  # gathered weights stay until a step's last backward (`reshard_after_forward` off)
 
-
-def _fault(point: str, step: int) -> None:
-    """Test hook: SFTFLOW_FAULT=<point>:<step> SIGKILLs torchrun and every worker at that point,
-    as an OOM killer or a lost node would."""
-    want = os.environ.get("SFTFLOW_FAULT", "")
-    if want == f"{point}:{step}" and dist.get_rank() == 0:
-        agent = os.getppid()
-        print(f"SFTFLOW_FAULT: killing torchrun and its workers at {want}", flush=True)
-        for pid in [agent, *[p for p in descendants(agent) if p != os.getpid()], os.getpid()]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 class SFTWorker:
@@ -392,6 +379,14 @@ class SFTWorker:
             out["val_accuracy"] = total["correct"] / total["total"]
         return out
 
+    def save_checkpoint(self, step: int, pos: DataPosition) -> None:
+        """A resumable checkpoint of `step` (model, optimizer, data position; runtime/checkpoint.py), the
+        oldest beyond `runner.keep_checkpoints` removed. The test hook's two kill points sit around it."""
+        ckpt.save_checkpoint(self.ckpt_dir, step, self.model, self.optimizer, self.trainer_state(step, pos),
+                             keep=self.cfg.runner.keep_checkpoints, before_complete=lambda: faults.inject("save", step))
+        log(f"checkpoint step {step} saved")
+        faults.inject("after_save", step)
+
     def trainer_state(self, step: int, pos: DataPosition) -> dict:
         return {"step": step, "data_position": pos.to_dict(), "scheduler": self.scheduler.state_dict(),
                 "world_size": self.world, "total_steps": self.total_steps}
@@ -587,10 +582,7 @@ class SFTWorker:
                 live.log(row)
             self._report(row, step, bar)
             if (run.save_interval > 0 and step % run.save_interval == 0) or step == self.total_steps:
-                ckpt.save_checkpoint(self.ckpt_dir, step, self.model, self.optimizer, self.trainer_state(step, pos),
-                                     keep=run.keep_checkpoints, before_complete=lambda s=step: _fault("save", s))
-                log(f"checkpoint step {step} saved")
-                _fault("after_save", step)
+                self.save_checkpoint(step, pos)
         if bar:
             bar.close()
         if metrics_f:
