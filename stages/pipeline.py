@@ -97,7 +97,8 @@ class Plan:
         """The plan `to_dict` wrote; nothing is globbed, hashed or looked up again."""
         cfg = SFTConfig.model_validate(d["config"])
         inputs = {s: [(ref, digest) for ref, digest in v] for s, v in d["inputs"].items()}
-        cfg.pin_inputs({s: [ref if ref.startswith(HUB_PREFIX) else Path(ref) for ref, _ in v] for s, v in inputs.items()})
+        cfg.pin_inputs({s: [ref if ref.startswith(HUB_PREFIX) else Path(ref) for ref, _ in v]
+                        for s, v in inputs.items()})
         return cls(cfg, dict(d["fingerprints"]), inputs, d.get("eval_model"), d.get("champion"))
 
 
@@ -378,7 +379,8 @@ def _plan(cfg: SFTConfig) -> Plan:
                                                                   harness)
     baseline = {"baseline": references["baseline"]} if "baseline" in references else {}
     held_out = {"prepare_eval": fps["prepare_eval"]} if "prepare_eval" in fps else {}
-    tasks = {"harness": {name: {**h, "files": digests[eval_split(name)]} for name, h in harness.items()}} if harness else {}
+    tasks = ({"harness": {name: {**h, "files": digests[eval_split(name)]} for name, h in harness.items()}}
+             if harness else {})
     evaluate = fingerprint("evaluate", code=code_version("evaluate"), prepare=prepare, eval=hashed(cfg.eval),
                            scorer=scorer, **scored, **baseline, **held_out, **tasks)
     register = fingerprint("register", code=code_version("register", neutral=True), evaluate=evaluate, train=train,

@@ -96,7 +96,8 @@ def plan_trials(config_path: str | Path, fixed: list[str], axes: dict[str, list[
             except ConfigError as e:
                 raise ConfigError(f"sweep trial {' '.join(f'{k}={v}' for k, v in values.items())}: {e}") from None
     # every trial's config is checked before any is planned (planning may build the base model)
-    configs = [cfg for _, cfg in each(lambda values: load_config(config_path, fixed + [f"{k}={v}" for k, v in values.items()]))]
+    configs = [cfg for _, cfg in each(lambda values: load_config(config_path,
+                                                                 fixed + [f"{k}={v}" for k, v in values.items()]))]
     trials: list[Trial] = []
     seen: dict[str, Trial] = {}
     for i, (values, p) in enumerate(each(lambda values: plan(configs[combos.index(values)]))):

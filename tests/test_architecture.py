@@ -290,7 +290,8 @@ def test_comments_docstrings_and_formatting_change_no_code_version(stages_copy):
     before = _versions(stages_copy)
     path = stages_copy / "runtime" / "worker.py"
     text = path.read_text()
-    text = text.replace('"""The SFT worker', '"""Reworded: the SFT worker', 1).replace("\n\n\n", "\n\n\n# a comment\n", 1)
+    text = (text.replace('"""The SFT worker', '"""Reworded: the SFT worker', 1)
+            .replace("\n\n\n", "\n\n\n# a comment\n", 1))
     path.write_text(text)
     assert _versions(stages_copy) == before
 

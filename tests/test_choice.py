@@ -231,7 +231,8 @@ def test_length_normalized_names_the_rule(tmp_path, value, rule):
     del raw["eval"]["sets"]["mc"]["length_normalized"]
     path = write_config(tmp_path, raw)
     assert load_config(path).eval.sets["mc"].choice_rule == "sum"
-    assert load_config(path, [f"eval.sets.mc.length_normalized={str(value).lower()}"]).eval.sets["mc"].choice_rule == rule
+    assert (load_config(path, [f"eval.sets.mc.length_normalized={str(value).lower()}"]).eval.sets["mc"].choice_rule
+            == rule)
     with pytest.raises(Exception, match="length_normalized"):
         load_config(path, ["eval.sets.mc.length_normalized=tokens"])
 

@@ -77,7 +77,8 @@ def test_rank_slices_cover_every_sample_once():
 
 def naive_greedy(model, tok, prompt: list[dict]) -> tuple[str, int]:
     """One prompt, no batching, no padding, no KV cache, no `generate`: argmax of the last logits."""
-    ids = list(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    ids = list(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                       return_dict=True)["input_ids"])
     gen_eos = model.generation_config.eos_token_id
     stops = {tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])}
     new: list[int] = []
@@ -252,7 +253,8 @@ def test_model_identity_is_in_the_fingerprint(setup, tmp_path):
 
 def test_cli_stage_evaluate_model_option(setup, tmp_path):
     cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path, n_train=48, n_val=N_VAL))
-    proc = sftflow("stage", "evaluate", "-c", str(cfg_path), "--model", str(setup["model_dir"]), cwd=tmp_path, timeout=120)
+    proc = sftflow("stage", "evaluate", "-c", str(cfg_path), "--model", str(setup["model_dir"]), cwd=tmp_path,
+                   timeout=120)
     assert proc.returncode == 2
     assert "needs the prepare stage" in proc.stderr  # not train: --model replaces the trained model
     proc = sftflow("stage", "train", "-c", str(cfg_path), "--model", "base", cwd=tmp_path, timeout=120)
@@ -262,9 +264,10 @@ def test_cli_stage_evaluate_model_option(setup, tmp_path):
 @pytest.mark.slow
 @pytest.mark.usefixtures("prefect_api")
 def test_cli_evaluate_model_with_upstream_prepares_but_never_trains(tmp_path):
-    cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path, n_train=48, n_val=N_VAL, actor={"nproc_per_node": 1,
-                                                                                                "global_batch_size": 4}))
-    proc = sftflow("stage", "evaluate", "-c", str(cfg_path), "--model", "base", "--with-upstream", cwd=tmp_path, timeout=300)
+    cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path, n_train=48, n_val=N_VAL,
+                                                       actor={"nproc_per_node": 1, "global_batch_size": 4}))
+    proc = sftflow("stage", "evaluate", "-c", str(cfg_path), "--model", "base", "--with-upstream", cwd=tmp_path,
+                   timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "scored: base" in proc.stdout
     art = tmp_path / "artifacts"
@@ -357,7 +360,8 @@ def test_named_eval_sets_are_each_scored_with_their_own_scorer(setup):
     base = baseline_records(cfg)
     assert sorted({r["set"] for r in base}) == ["echo", "words"] and len(base) == 2 * N_VAL
     manifest = read_manifest(result.path)
-    assert set(manifest["eval_sets"]) == {"echo", "words"} and manifest["eval_set_fingerprint"] == manifest["eval_sets"]["echo"]
+    assert (set(manifest["eval_sets"]) == {"echo", "words"}
+            and manifest["eval_set_fingerprint"] == manifest["eval_sets"]["echo"])
 
 
 def test_eval_set_config_errors_are_one_line(tmp_path):

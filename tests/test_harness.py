@@ -170,7 +170,8 @@ def test_the_guard_on_a_harness_set_holds_back_a_loss(setup):
     from stages.register import failed_guards
     m = setup["result"].metrics
     mc = m["sets"]["mc_h"]
-    losses = sum(p != k for p, k in zip(picks_of(setup["model"], setup["tok"], QUESTIONS, OPTIONS), setup["base_picks"]))
+    losses = sum(p != k for p, k in zip(picks_of(setup["model"], setup["tok"], QUESTIONS, OPTIONS),
+                                        setup["base_picks"]))
     assert losses > 0  # the check means something
     assert (mc["vs_base"]["wins"], mc["vs_base"]["losses"]) == (0, losses)
     assert mc["base_accuracy"] == 1.0 and mc["delta"] == pytest.approx(-losses / len(QUESTIONS))
@@ -286,7 +287,8 @@ def test_relative_data_files_are_read_from_the_task_folder_then_the_working_dire
     monkeypatch.chdir(tmp_path)
     r = resolve_task("t/a.yaml", "eval.sets.a.task")
     assert r["name"] == "tiny_mc" and r["output_type"] == "multiple_choice" and r["metrics"] == ["acc", "acc_norm"]
-    assert r["files"] == [str(tmp_path / "t" / "a.yaml"), str(tmp_path / "t" / "here.jsonl"), str(tmp_path / "cwd.jsonl")]
+    assert r["files"] == [str(tmp_path / "t" / "a.yaml"), str(tmp_path / "t" / "here.jsonl"),
+                          str(tmp_path / "cwd.jsonl")]
     assert r["config"]["dataset_kwargs"]["data_files"] == {"test": [str(tmp_path / "t" / "here.jsonl"),
                                                                     str(tmp_path / "cwd.jsonl")]}
     (tmp_path / "t" / "b.yaml").write_text(MC_TASK.replace("test: mc.jsonl", "test: gone.jsonl"))
@@ -336,7 +338,8 @@ def test_task_errors_are_one_line_naming_the_key(setup, tmp_path):
     one_line_error(harness_raw(setup, task=str(tmp_path / "group.yaml")), tmp_path, r"not a single task")
     raw = harness_raw(setup)
     cases = [({"mode": "harness"}, "mode: harness needs task"),
-             ({"mode": "harness", "task": "x.yaml", "data_paths": ["a.jsonl"]}, "data_paths does not apply to mode: harness"),
+             ({"mode": "harness", "task": "x.yaml", "data_paths": ["a.jsonl"]},
+              "data_paths does not apply to mode: harness"),
              ({"mode": "harness", "task": "x.yaml", "scorer": "exact"}, "scorer does not apply to mode: harness"),
              ({"mode": "harness", "task": "x.yaml", "length_normalized": "chars"}, "metric: acc_norm"),
              ({"mode": "choice", "data_paths": raw["data"]["train_data_paths"], "task": "arc_easy"},
@@ -416,6 +419,8 @@ def test_the_flows_predictions_table_shows_a_harness_document():
     """The Prefect table of predictions read every prompt as chat messages; a harness record's prompt is
     the task's document (a dict): the run scored every set, then stopped with KeyError -1."""
     from flows.sft import _prompt_text
-    assert _prompt_text([{"role": "system", "content": "s"}, {"role": "user", "content": "Who are you?"}]) == "Who are you?"
-    assert _prompt_text({"question": "What is 2+2?", "choices": ["4", "5"]}) == '{"question": "What is 2+2?", "choices": ["4", "5"]}'
+    assert (_prompt_text([{"role": "system", "content": "s"}, {"role": "user", "content": "Who are you?"}])
+            == "Who are you?")
+    assert (_prompt_text({"question": "What is 2+2?", "choices": ["4", "5"]})
+            == '{"question": "What is 2+2?", "choices": ["4", "5"]}')
     assert _prompt_text("plain") == "plain"

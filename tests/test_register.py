@@ -32,7 +32,8 @@ CURRENT = {"eval_accuracy": 0.8, "train_fingerprint": "old"}
 def versus(new: list[bool], champion: list[bool], version: str = "3", train: str = "old") -> dict:
     """register's `champion_comparison` of one set: the paired comparison with champion v`version` on the same items."""
     from stages.core.paired import compare
-    return {"version": version, "train_fingerprint": train, "accuracy": sum(champion) / len(champion), **compare(new, champion)}
+    return {"version": version, "train_fingerprint": train, "accuracy": sum(champion) / len(champion),
+            **compare(new, champion)}
 
 
 SAME = versus([True] * 20 + [False] * 4, [True] * 20 + [False] * 4)
@@ -81,7 +82,8 @@ def test_a_version_registered_before_takes_the_alias_back_only_when_strictly_bet
 def test_decide_alias(policy, champion, vs, tolerance, decide_on, expected):
     alias, why = decide_alias(FakeRegistry(champion), "m", policy, vs, "identity", "t", tolerance, decide_on)
     assert alias == expected and why
-    if vs and policy == "if_better" and champion == CURRENT and (vs["version"], vs["train_fingerprint"]) == ("3", "old"):
+    if (vs and policy == "if_better" and champion == CURRENT
+            and (vs["version"], vs["train_fingerprint"]) == ("3", "old")):
         assert f"[{vs['delta_low']:+.3f}, {vs['delta_high']:+.3f}] vs champion v3" in why  # the numbers it decided on
 
 

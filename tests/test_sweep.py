@@ -68,12 +68,14 @@ def test_a_two_by_two_sweep_shares_prepare_registers_the_best_and_resumes(tmp_pa
     art = tmp_path / "artifacts"
 
     def folders(stage):
-        return {d.name: d for d in (art / stage).iterdir() if not d.name.startswith(".")} if (art / stage).is_dir() else {}
+        return ({d.name: d for d in (art / stage).iterdir() if not d.name.startswith(".")}
+                if (art / stage).is_dir() else {})
     assert len(folders("prepare")) == 1, "every trial shares one prepare folder"
     assert len(folders("train")) == 4 and len(folders("evaluate")) == 4 and len(folders("register")) == 1
     assert len(folders("baseline")) == 1, "the base model is scored once for the whole sweep"
     (baseline,) = folders("baseline").values()
-    assert {json.loads((d / "manifest.json").read_text())["baseline"] for d in folders("evaluate").values()} == {str(baseline)}
+    assert ({json.loads((d / "manifest.json").read_text())["baseline"] for d in folders("evaluate").values()}
+            == {str(baseline)})
 
     # the best trial, found from the evaluate folders: highest accuracy, ties to the first in grid order
     trials = plan_trials(cfg_path, *parse_grid(grid))

@@ -57,9 +57,11 @@ def compare_with_base(cfg: SFTConfig, sets: dict[str, dict], folder: Path, basel
     if baseline is not None:
         base_sets = read_manifest(Path(baseline))["metrics"]["sets"]
         try:
-            paired = compare_sets(read_predictions(folder), read_predictions(baseline), f"the baseline folder {baseline}")
+            paired = compare_sets(read_predictions(folder), read_predictions(baseline),
+                                  f"the baseline folder {baseline}")
         except ValueError as e:
-            raise EvaluationError(f"evaluate: {e}; re-run it with `sftflow stage baseline --force -c <config>`") from None
+            raise EvaluationError(f"evaluate: {e}; re-run it with "
+                                  "`sftflow stage baseline --force -c <config>`") from None
         for name, m in sets.items():
             r, c = base_sets[name], paired.get(name)
             m.update({f"base_{k}": r[k] for k in BASE_KEYS if k in r})
@@ -84,9 +86,11 @@ def guard_sets(cfg: SFTConfig, sets: dict[str, dict]) -> None:
 def _check_sets(cfg: SFTConfig, prepare_dir: str) -> None:
     for name in prepared_sets(cfg):
         try:  # an empty eval set would report accuracy 0/0 as a result
-            count_rows(set_dir(prepare_dir, name), "held-out samples" if name == "val" else f"eval set '{name}' samples")
+            count_rows(set_dir(prepare_dir, name),
+                       "held-out samples" if name == "val" else f"eval set '{name}' samples")
         except ValueError as e:
-            raise EvaluationError(f"evaluate: {e}; rebuild them with `sftflow stage prepare --force -c <config>`") from None
+            raise EvaluationError(f"evaluate: {e}; rebuild them with "
+                                  "`sftflow stage prepare --force -c <config>`") from None
 
 
 def _score(cfg: SFTConfig, build: StageBuild, base_model: str, model: dict, prepare_dir: str,

@@ -76,7 +76,8 @@ def load_model(cfg: SFTConfig, ref: dict, base_model: str, device: torch.device)
     model.eval()
     tok = None
     if is_hf:
-        tok = AutoTokenizer.from_pretrained(path if kind == "hf" else base_model, trust_remote_code=mc.trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(path if kind == "hf" else base_model,
+                                            trust_remote_code=mc.trust_remote_code)
     return model, tok
 
 
@@ -109,7 +110,8 @@ def worker_scores(worker_cls, spec: EvalSpec, cfg: SFTConfig, model, device, ran
                                      "token_correct": total.get("token_correct", 0.0)}))
         if "token_correct" not in total:
             del metrics["token_accuracy"]
-    metrics.update({k: v for k, v in total.items() if k not in ("correct", "total", "loss_sum", "n_tokens", "token_correct")})
+    metrics.update({k: v for k, v in total.items()
+                    if k not in ("correct", "total", "loss_sum", "n_tokens", "token_correct")})
     return metrics
 
 
@@ -121,7 +123,8 @@ def generation_scores(cfg: SFTConfig, model, tok, rows: list[dict], rank: int, w
     r = rank_slice(len(rows), rank, world)
     mine = rows[r.start:r.stop]
     preds = generate(model, tok, [s["prompt"] for s in mine], e.max_new_tokens, e.batch_size)
-    records = [{**({"set": set_name} if e.sets else {}), "source": s["source"], "prompt": s["prompt"], "reference": s["reference"], "prediction": p["text"],
+    records = [{**({"set": set_name} if e.sets else {}), "source": s["source"], "prompt": s["prompt"],
+                "reference": s["reference"], "prediction": p["text"],
                 "correct": bool(scorer(p["text"], s["reference"])), "new_tokens": p["new_tokens"]}
                for s, p in zip(mine, preds)]
     sums = teacher_forced_sums(model, mine, pad_token_id(tok), e.batch_size)
@@ -216,7 +219,8 @@ def evaluate_spec(spec: EvalSpec) -> dict:
             m, recs = score(cfg, spec, worker_cls, model, tok, rows[s], device, rank, world, s)
             records += recs
             where = "" if s == "val" else f" on '{s}'"
-            log(f"evaluate {name} ({ref['kind']} {ref.get('source', ref['path'])}){where}: accuracy {m['accuracy']:.4f} "
+            log(f"evaluate {name} ({ref['kind']} {ref.get('source', ref['path'])}){where}: "
+                f"accuracy {m['accuracy']:.4f} "
                 f"({m['correct']}/{m['total']}) on {world} process(es)")
             per_set[s].update(m if name == "model" else {f"{name}_{k}": m[k] for k in BASE_KEYS if k in m})
         if rank == 0:

@@ -19,7 +19,8 @@ The version is tagged with fingerprints, data digest, config hash and accuracy;
   never      no alias
 A set in `eval.sets` with `max_drop` guards promotion under `always` and `if_better`: a version
 whose accuracy on it fell more than that below the base model's (per the set's `decide_on`)
-becomes `challenger`, never `champion`. See docs/evaluation.md. The decision and its reason are in the stage's manifest and the version's tags.
+becomes `challenger`, never `champion`. See docs/evaluation.md.
+The decision and its reason are in the stage's manifest and the version's tags.
 Registering a train fingerprint that already has a version reuses that version.
 `registration.json` links the run's and the version's pages in the MLflow UI (`run_url`, `version_url`).
 """
@@ -35,7 +36,8 @@ from stages.core.config import SFTConfig
 from stages.core.paired import clears, compare_sets, describe, read_predictions
 from stages.core.scores import named_sets
 from stages.tracking.registry import CHALLENGER, CHAMPION
-from stages.tracking.live import champion_metric_values, eval_metric_values, is_number, read_metrics_file, send_values, sync_rows
+from stages.tracking.live import (champion_metric_values, eval_metric_values, is_number, read_metrics_file, send_values,
+                                  sync_rows)
 from stages.core.errors import StageError
 from stages.tracking.run import (FLOW_RUN_ID, FLOW_RUN_URL, NOTE_TAG, RUN_TAG, TAG, Lineage, config_hash, data_digest,
                                  find_or_create_run, reachable, redact_uri, run_note, run_url, setup_mlflow, ui_url,
@@ -106,7 +108,9 @@ def decide_alias(client, name: str, policy: str, vs: dict | None, primary: str, 
         return CHAMPION, "no champion yet"
     if current.tags.get(RUN_TAG) == train_fp:
         return CHAMPION, f"v{current.version} is this training's version and the champion already"
-    if vs is None or (str(vs.get("version")), vs.get("train_fingerprint")) != (str(current.version), current.tags.get(RUN_TAG)):
+    if (vs is None
+            or (str(vs.get("version")), vs.get("train_fingerprint"))
+            != (str(current.version), current.tags.get(RUN_TAG))):
         seen = "none" if vs is None else f"v{vs['version']}" + (
             "" if vs.get("train_fingerprint") == current.tags.get(RUN_TAG) else " of another training")
         return CHALLENGER, (f"champion v{current.version} was not compared in this run (the run compared with {seen}; "
@@ -183,7 +187,8 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
         reachable(cfg.resolved_tracking_uri)
     except OSError as e:
         raise StageError(f"register: MLflow at {uri} can't be reached ({getattr(e, 'reason', e)}); start it or fix "
-                         "registry.tracking_uri, then `sftflow stage register -c <config>` registers the model") from None
+                         "registry.tracking_uri, then `sftflow stage register -c <config>` "
+                         "registers the model") from None
     build = StageBuild(cfg.artifacts_path, "register", fp)
     mlflow = setup_mlflow(cfg)
     client = MlflowClient()
@@ -233,7 +238,8 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
     if "champion" in fingerprints or existing is None:
         # what this decision compared with: once the version is champion, planning finds this register
         # folder by it (a re-registration of the champion itself compared with nothing new: kept)
-        client.set_model_version_tag(name, version.version, TAG + "champion_fingerprint", fingerprints.get("champion", ""))
+        client.set_model_version_tag(name, version.version, TAG + "champion_fingerprint",
+                                     fingerprints.get("champion", ""))
     aliases = set(client.get_model_version(name, version.version).aliases)
     if alias and alias not in aliases and CHAMPION not in aliases:
         client.set_registered_model_alias(name, alias, version.version)

@@ -150,7 +150,8 @@ class GlobalBatchSampler:
         return balanced_shares(batch, self.lengths, self.world)[rank]
 
     def rank_micro_batches(self, batch: np.ndarray, rank: int) -> list[np.ndarray]:
-        return split_micro_batches(self.rank_share(batch, rank), self.lengths, self.mbs, self.max_tokens, self.interleave)
+        return split_micro_batches(self.rank_share(batch, rank), self.lengths, self.mbs, self.max_tokens,
+                                   self.interleave)
 
 
 def _labels(s: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,7 +45,8 @@ def generate(model, tok, prompts: list[list[dict]], max_new_tokens: int, batch_s
     stops = stop_ids(model, tok)
     out = []
     for i in range(0, len(prompts), batch_size):
-        texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts[i:i + batch_size]]
+        texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+                 for p in prompts[i:i + batch_size]]
         enc = tok(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(model.device)
         gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stops,
                              pad_token_id=pad_id, use_cache=True)
@@ -53,5 +54,6 @@ def generate(model, tok, prompts: list[list[dict]], max_new_tokens: int, batch_s
         for row in new:
             ids = row.tolist()
             n = next((k for k, t in enumerate(ids) if t in stops), len(ids))
-            out.append({"text": tok.decode(ids[:n], skip_special_tokens=True), "new_tokens": n, "stopped": n < len(ids)})
+            out.append({"text": tok.decode(ids[:n], skip_special_tokens=True), "new_tokens": n,
+                        "stopped": n < len(ids)})
     return out

@@ -163,7 +163,8 @@ def resolve_task(task: str, key: str) -> dict:
             yaml_path = str(entry.yaml_path)
         name, cfg = task, None if entry.yaml_path is None else cfg
     shown = cfg or {}
-    metrics = [m["metric"] for m in shown.get("metric_list") or [] if isinstance(m, dict) and isinstance(m.get("metric"), str)]
+    metrics = [m["metric"] for m in shown.get("metric_list") or []
+               if isinstance(m, dict) and isinstance(m.get("metric"), str)]
     filters = [f["name"] for f in shown.get("filter_list") or [] if isinstance(f, dict) and "name" in f]
     return {"name": name, "yaml": yaml_path, "config": cfg if yaml_path and is_task_file(task) else None,
             "files": [str(f) for f in files], "output_type": shown.get("output_type"), "metrics": metrics,
@@ -198,10 +199,12 @@ def chosen(set_cfg, resolved: dict, key: str) -> tuple[str, str]:
     if metric is None:
         raise ConfigError(f"{key}: the task names no metric; set eval.sets.<set>.metric (a per-sample 0/1 metric)")
     if set_cfg.metric and resolved["metrics"] and set_cfg.metric not in resolved["metrics"]:
-        raise ConfigError(f"{key}: metric '{set_cfg.metric}' is not one of the task's ({', '.join(resolved['metrics'])})")
+        raise ConfigError(f"{key}: metric '{set_cfg.metric}' is not one of the task's "
+                          f"({', '.join(resolved['metrics'])})")
     filt = set_cfg.filter or (resolved["filters"][0] if resolved["filters"] else "none")
     if set_cfg.filter and resolved["filters"] and set_cfg.filter not in resolved["filters"]:
-        raise ConfigError(f"{key}: filter '{set_cfg.filter}' is not one of the task's ({', '.join(resolved['filters'])})")
+        raise ConfigError(f"{key}: filter '{set_cfg.filter}' is not one of the task's "
+                          f"({', '.join(resolved['filters'])})")
     return metric, filt
 
 
@@ -245,7 +248,8 @@ def records_of(samples: list[dict], metric: str, filt: str, set_name: str, task:
             logprobs = [float(r[0]) for r in s["filtered_resps"]]
             picked = max(range(len(logprobs)), key=lambda i: (logprobs[i], -i))
             rec.update(choices=choices, answer=target, picked=picked, logprobs=logprobs, prediction=choices[picked],
-                       reference=choices[target] if isinstance(target, int) and 0 <= target < len(choices) else str(target))
+                       reference=(choices[target] if isinstance(target, int) and 0 <= target < len(choices)
+                                  else str(target)))
         else:
             resp = s.get("filtered_resps") or [None]
             rec.update(reference=target if isinstance(target, str) else json.dumps(target, ensure_ascii=False),
@@ -292,6 +296,7 @@ def score_task(model, tok, set_cfg, set_name: str, batch_size: int) -> tuple[dic
     if out is None or name not in out.get("samples", {}):
         raise ValueError(f"eval set '{set_name}': lm-eval returned no samples for task '{name}'")
     records = records_of(out["samples"][name], metric, filt, set_name, name)
-    metrics = {**counted(sum(r["correct"] for r in records), len(records)), "mode": "harness", "task": name, "metric": metric, "filter": filt,
+    metrics = {**counted(sum(r["correct"] for r in records), len(records)), "mode": "harness", "task": name,
+               "metric": metric, "filter": filt,
                "lm_eval": lm_eval_metrics(out["results"].get(name, {})), "lm_eval_version": str(lm_eval.__version__)}
     return metrics, records

@@ -149,7 +149,8 @@ class SFTWorker:
     rank: int
     world: int
     precision: str              # "bf16" or "fp32": actor.precision resolved for the device
-    attn_implementation: str    # what the built model runs (actor.attn_implementation resolved; "n/a": not transformers)
+    # what the built model runs (actor.attn_implementation resolved; "n/a": not transformers)
+    attn_implementation: str
 
     # The tokenizer of Hugging Face models (load_tokenizer); other model types have none, and
     # export writes their bare state dict.
@@ -195,7 +196,8 @@ class SFTWorker:
         self.last_ce = None
 
     @classmethod
-    def for_eval(cls, spec: WorkerSpec, model: torch.nn.Module, device: torch.device, rank: int, world: int) -> "SFTWorker":
+    def for_eval(cls, spec: WorkerSpec, model: torch.nn.Module, device: torch.device, rank: int,
+                 world: int) -> "SFTWorker":
         """A worker around an already loaded, unsharded `model` for scoring: no process group,
         optimizer or FSDP of its own; its tokenizer, `build_dataset`, `collate` and
         `get_eval_model_output` are the subclass's."""
@@ -269,7 +271,8 @@ class SFTWorker:
         if not self.spec.model_path or self.cfg.actor.model.model_type != "causal_lm":
             return None, 0
         from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(self.spec.model_path, trust_remote_code=self.cfg.actor.model.trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(self.spec.model_path,
+                                            trust_remote_code=self.cfg.actor.model.trust_remote_code)
         return tok, pad_token_id(tok)
 
     def supports_packing(self) -> bool:

@@ -92,7 +92,8 @@ def eval_metric_values(eval_metrics: dict) -> dict[str, float]:
     interval and win/loss counts."""
     def charted(prefix: str, m: dict) -> dict[str, float]:
         out = {f"{prefix}/{name}": float(m[k]) for k, name in CHARTED_EVAL.items() if is_number(m.get(k))}
-        out.update({f"{prefix}/{k}": float(m["vs_base"][k]) for k in VS_BASE if is_number((m.get("vs_base") or {}).get(k))})
+        out.update({f"{prefix}/{k}": float(m["vs_base"][k]) for k in VS_BASE
+                    if is_number((m.get("vs_base") or {}).get(k))})
         return out
     out = charted("eval", eval_metrics)
     for name, m in named_sets(eval_metrics).items():
