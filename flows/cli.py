@@ -10,8 +10,9 @@ import json
 import os
 import time
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -164,24 +165,23 @@ def _summary(results: list[dict], scored: str = "tuned") -> None:
                       + (f": {escape(m['alias_reason'])}" if m.get("alias_reason") else ""))
 
 
-def _flow(module: str, name: str) -> Callable[[], Callable]:
-    return lambda: getattr(importlib.import_module(module), name)
-
-
 def _say(message: str) -> None:
     err.print(message, highlight=False)
 
 
-def _run_flow(load_flow: Callable[[], Callable], **kwargs) -> list[dict]:
-    """Runs a flow on the Prefect API `prefect_api` picks (PREFECT_API_URL, else a local server on
-    PREFECT_HOME: flows/prefect_server.py); its failure ends as one line (Prefect's log above has
-    the details). `load_flow` imports the flow: importing Prefect takes seconds, spent while a
+@contextmanager
+def _on_prefect(module: str, name: str) -> Iterator[Callable]:
+    """The flow `module.name`, to be called on the Prefect API `prefect_api` picks (PREFECT_API_URL,
+    else a local server on PREFECT_HOME: flows/prefect_server.py); its failure ends as one line
+    (Prefect's log above has the details). Importing the flow (Prefect: seconds) happens while a
     server starts rather than before it."""
+    def load_flow() -> Callable:
+        return getattr(importlib.import_module(module), name)
     try:
         with prefect_api(Path(os.environ["PREFECT_HOME"]), meanwhile=load_flow, say=_say):
             flow = load_flow()
             try:
-                return flow(**kwargs)
+                yield flow
             except ConfigError as e:
                 _fail(str(e))
             except StageError as e:
@@ -207,8 +207,9 @@ def run(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
         _fail("eval.model is for `sftflow stage evaluate --model`: the flow registers the model it trains")
     _check_launch(p)
     _prefect_home(p.cfg)
-    _summary(_run_flow(_flow("flows.sft", "sft_pipeline"), config_path=str(config), overrides=overrides or [],
-                       force=force, planned=p.to_dict()))
+    with _on_prefect("flows.sft", "sft_pipeline") as sft_pipeline:
+        results = sft_pipeline(config_path=str(config), overrides=overrides or [], force=force, planned=p.to_dict())
+    _summary(results)
 
 
 @app.command()
@@ -244,9 +245,10 @@ def stage(name: str = typer.Argument(..., help="replay | prepare | prepare_eval 
     if name == "train":
         _check_launch(p)
     _prefect_home(p.cfg)
-    _summary(_run_flow(_flow("flows.sft", "sft_stage"), stage=name, config_path=str(config),
-                       overrides=overrides or [], force=force, with_upstream=with_upstream, planned=p.to_dict()),
-             scored=model or "tuned")
+    with _on_prefect("flows.sft", "sft_stage") as sft_stage:
+        results = sft_stage(stage=name, config_path=str(config), overrides=overrides or [], force=force,
+                            with_upstream=with_upstream, planned=p.to_dict())
+    _summary(results, scored=model or "tuned")
 
 
 @app.command()
@@ -381,9 +383,9 @@ def sweep(config: Path = ConfigOpt,
     console.print(f"sweep: {len(trials)} trials over {', '.join(axes)}")
     _prefect_home(trials[0].plan.cfg)
 
-    out = _run_flow(_flow("flows.sweep", "sft_sweep"), config_path=str(config), args=grid, metric=metric,
-                    max_parallel=max_parallel,
-                    planned=[{"index": t.index, "values": t.values, "plan": t.plan.to_dict()} for t in trials])
+    with _on_prefect("flows.sweep", "sft_sweep") as sft_sweep:
+        out = sft_sweep(config_path=str(config), args=grid, metric=metric, max_parallel=max_parallel,
+                        planned=[{"index": t.index, "values": t.values, "plan": t.plan.to_dict()} for t in trials])
     _sweep_summary(out, metric)
 
 

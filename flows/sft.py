@@ -29,7 +29,7 @@ from flows.prefect_server import TEMPORARY_SERVER_ENV
 from stages.core.config import check_overrides_allowed, load_config
 from stages.core.errors import ConfigError
 from stages.evaluate.report import COLUMNS, table_cells
-from stages.pipeline import KEY_METRIC, UPSTREAM, Plan, plan, requires, run_stage, upstream
+from stages.pipeline import KEY_METRIC, STAGES, UPSTREAM, Plan, plan, requires, run_stage, upstream
 
 STEP_LINE = re.compile(r"^step (\d+)/(\d+)\b")
 # MLflow's own logging ("2026/12/01 06:45:02 INFO mlflow.system_metrics...: ..."), timestamped by
@@ -90,21 +90,6 @@ def _training_progress(logger) -> Callable[[str], None]:
     return on_line
 
 
-def _stage(stage: str, p: Plan, force: bool, tags: dict | None = None):
-    logger = get_run_logger()
-    on_line = _training_progress(logger) if stage == "train" else logger.info
-    result = run_stage(p, stage, force=force, on_line=on_line, tags=tags)
-    logger.info(f"{stage} {'reused' if result.cached else 'done'} -> {result.path}")
-    if stage == "register":
-        m = result.metrics
-        logger.info(f"model version {m['version']}, aliases {', '.join(m['aliases']) or 'none'}"
-                    + (f"; {m['alias_reason']}" if m.get("alias_reason") else ""))
-    if result.cached:
-        return Completed(name="Cached", message=f"stage folder {result.path} is complete",
-                         data=_fresh(result.to_dict()))
-    return _fresh(result.to_dict())
-
-
 def _fresh(value: dict) -> dict:
     """A copy that shares no object with the plan. Prefect links a task's result and the items in it to
     the task run by identity, and the plan every later task gets holds the same fingerprint strings:
@@ -116,49 +101,28 @@ def _fresh(value: dict) -> dict:
 _opts = dict(cache_policy=NO_CACHE, persist_result=False, retry_condition_fn=_worth_retrying)
 
 
-@task(name="replay", **_opts)
-def replay_task(p: Plan, force: bool = False) -> dict:
-    return _stage("replay", p, force)
+def _stage_task(stage: str):
+    """The Prefect task of `stage`: runs it with `run_stage` (its folder is the cache) and logs to the
+    task run; a reused folder ends as a `Cached` state. `tags` (train, register): the MLflow run's."""
+    def task_fn(p: Plan, force: bool = False, tags: dict | None = None):
+        logger = get_run_logger()
+        on_line = _training_progress(logger) if stage == "train" else logger.info
+        result = run_stage(p, stage, force=force, on_line=on_line, tags=tags)
+        logger.info(f"{stage} {'reused' if result.cached else 'done'} -> {result.path}")
+        if stage == "register":
+            m = result.metrics
+            logger.info(f"model version {m['version']}, aliases {', '.join(m['aliases']) or 'none'}"
+                        + (f"; {m['alias_reason']}" if m.get("alias_reason") else ""))
+        if result.cached:
+            return Completed(name="Cached", message=f"stage folder {result.path} is complete",
+                             data=_fresh(result.to_dict()))
+        return _fresh(result.to_dict())
+    # Prefect keys a task by its function's name and code: one name per stage keeps them apart
+    task_fn.__name__ = task_fn.__qualname__ = f"{stage}_task"
+    return task(name=stage, **_opts)(task_fn)
 
 
-@task(name="prepare", **_opts)
-def prepare_task(p: Plan, force: bool = False) -> dict:
-    return _stage("prepare", p, force)
-
-
-@task(name="prepare_eval", **_opts)
-def prepare_eval_task(p: Plan, force: bool = False) -> dict:
-    return _stage("prepare_eval", p, force)
-
-
-@task(name="baseline", **_opts)
-def baseline_task(p: Plan, force: bool = False) -> dict:
-    return _stage("baseline", p, force)
-
-
-@task(name="champion", **_opts)
-def champion_task(p: Plan, force: bool = False) -> dict:
-    return _stage("champion", p, force)
-
-
-@task(name="train", **_opts)
-def train_task(p: Plan, force: bool = False, tags: dict | None = None) -> dict:
-    return _stage("train", p, force, tags)
-
-
-@task(name="evaluate", **_opts)
-def evaluate_task(p: Plan, force: bool = False) -> dict:
-    return _stage("evaluate", p, force)
-
-
-@task(name="register", **_opts)
-def register_task(p: Plan, force: bool = False, tags: dict | None = None) -> dict:
-    return _stage("register", p, force, tags)
-
-
-TASKS = {"replay": replay_task, "prepare": prepare_task, "prepare_eval": prepare_eval_task, "baseline": baseline_task,
-         "champion": champion_task, "train": train_task,
-         "evaluate": evaluate_task, "register": register_task}
+TASKS = {stage: _stage_task(stage) for stage in STAGES}
 
 
 def _git_commit() -> str:

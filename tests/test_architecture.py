@@ -4,6 +4,7 @@ follow exactly the code each stage runs."""
 import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -310,3 +311,77 @@ def test_metrics_reach_mlflow_through_one_sender():
     senders = sorted(str(p.relative_to(STAGES_DIR)) for p in _modules()
                      if any(call in p.read_text() for call in ("log_metric(", "log_metrics(", "metrics=")))
     assert senders == ["tracking/live.py"], senders
+
+
+# --------------------------------------------------------------------------- the road to the loop
+
+ROAD_ROW = re.compile(r"^\| (\d+|–) \| (\w+) \| ([\w/\\.]+) \| (.+?) \| `(\w+)`")
+
+
+def _road() -> list[dict]:
+    """docs/architecture.md's table "From the CLI to the training loop", row by row."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## From the CLI to the training loop", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        m = ROAD_ROW.match(line)
+        if m:
+            fn = re.match(r"`(\w+)`", m.group(4))
+            rows.append({"file": ROOT / m.group(3).replace("\\", ""), "function": fn.group(1) if fn else None,
+                         "calls": m.group(5)})
+    return rows
+
+
+def _body(path: Path, function: str | None) -> ast.AST:
+    """A function defined anywhere in `path` (nested ones too), or the module's own statements."""
+    tree = ast.parse(path.read_text())
+    if function is None:
+        return ast.Module(body=[n for n in tree.body if not isinstance(n, (ast.FunctionDef, ast.ClassDef))],
+                          type_ignores=[])
+    found = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == function]
+    assert found, f"{path.relative_to(ROOT)} defines no {function}() (docs/architecture.md's road)"
+    return found[0]
+
+
+def _calls(node: ast.AST) -> list[ast.Call]:
+    return [c for c in ast.walk(node) if isinstance(c, ast.Call)]
+
+
+def _callee(call: ast.Call) -> str | None:
+    f = call.func
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+
+
+def test_the_road_from_the_cli_to_the_loop_is_walked_as_written():
+    """Every row's function exists in its file and calls what the row says; each call reaches the
+    next row: by name, or through the hop the row names (the stage's Prefect task, the torchrun
+    launch, torch elastic's `record`)."""
+    road = _road()
+    assert [r["function"] for r in road] == ["run", "sft_pipeline", "run_stage_task", "task_fn", "run_stage",
+                                             "run_train", "run_torchrun", None, "run_rank", "main"]
+    for row, nxt in zip(road, [*road[1:], None]):
+        body = _body(row["file"], row["function"])
+        calls = [c for c in _calls(body) if _callee(c) == row["calls"]]
+        assert calls, f"{row['function'] or row['file'].name} makes no call to {row['calls']}"
+        if nxt is None:
+            assert row["calls"] == "fit" and _body(ROOT / "stages" / "runtime" / "worker.py", "fit")
+        elif row["calls"] == "t":  # the stage's task: configured_task hands out TASKS[stage], made by _stage_task
+            assert "TASKS[stage]" in ast.unparse(_body(row["file"], "configured_task"))
+            assert "TASKS = {stage: _stage_task(stage)" in row["file"].read_text()
+            assert _body(row["file"], "_stage_task") and nxt["function"] == "task_fn"
+        elif row["calls"] == "Popen":  # torchrun runs `-m <module> spec.json`; run_train names stages.train
+            assert any(isinstance(k.value, ast.Constant) and k.value.value == "stages.train"
+                       for c in _calls(_body(ROOT / "stages" / "train" / "__init__.py", "run_train"))
+                       for k in c.keywords if k.arg == "module")
+            launcher = ROOT / "stages" / "runtime" / "launcher.py"
+            assert "['-m', module" in ast.unparse(_body(launcher, "torchrun_command"))
+            assert nxt["file"] == ROOT / "stages" / "train" / "__main__.py" and nxt["function"] is None
+        elif row["calls"] == "record":  # record(main)(): the rank's main, recorded
+            assert any(isinstance(a, ast.Name) and a.id == nxt["function"] for c in calls for a in c.args)
+        else:
+            assert row["calls"] == nxt["function"], f"{row['function']} calls {row['calls']}, the next row is " \
+                                                    f"{nxt['function']}"
+    # the module row's run_rank is the one in distributed.py, given the worker's main
+    entry = (ROOT / "stages" / "train" / "__main__.py").read_text()
+    assert "from stages.runtime.worker import main" in entry
+    assert "from stages.runtime.distributed import run_rank" in entry

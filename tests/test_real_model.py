@@ -22,7 +22,8 @@ QUICKSTART = ROOT / "configs" / "examples" / "smollm2-identity.yaml"
 
 
 def shrunk_quickstart(tmp: Path) -> dict:
-    """The quickstart config, with absolute data paths, 2 steps and 4 prompts per eval set."""
+    """The quickstart config, with absolute data paths, 2 steps of 4 rows, 4 prompts per eval set and
+    short generations."""
     raw = yaml.safe_load(QUICKSTART.read_text())
     raw["artifacts_dir"] = str(tmp / "artifacts")
     d = raw["data"]
@@ -34,9 +35,11 @@ def shrunk_quickstart(tmp: Path) -> dict:
     prompts = (ROOT / raw["replay"]["prompt_paths"][0]).read_text(encoding="utf-8").splitlines()[:8]
     (tmp / "replay_prompts.jsonl").write_text("\n".join(prompts) + "\n", encoding="utf-8")
     raw["replay"]["prompt_paths"] = [str(tmp / "replay_prompts.jsonl")]
+    raw["replay"]["max_new_tokens"] = 32
     raw["runner"].update(max_steps=2, save_interval=1, val_check_interval=2)
-    raw["actor"].update(micro_batch_size=2, global_batch_size=8)
-    raw["eval"].update(max_samples=4)  # 4 samples spread over each set
+    raw["actor"].update(micro_batch_size=2, global_batch_size=4)
+    # 4 samples spread over each set; short replies (what is checked is the road, not the scores)
+    raw["eval"].update(max_samples=4, max_new_tokens=16)
     raw["registry"]["live_after_seconds"] = 0
     return raw
 
