@@ -20,7 +20,7 @@ from safetensors import safe_open
 from conftest import ROOT, base_model, tiny_config_dict, write_config
 from stages.core.config import load_config
 from stages.pipeline import plan, run_stage
-from stages.runtime import worker as worker_module
+from stages.runtime import faults
 from stages.runtime.checkpoint import read_metadata
 from stages.runtime.launcher import worker_env
 from stages.runtime.worker import SFTWorker, WorkerSpec
@@ -180,7 +180,7 @@ def test_a_bf16_checkpoint_holds_fp32_weights_and_resumes_bit_exact(prepared, bf
         if (point, step) == ("after_save", 2):
             raise Interrupted
     spec = prepared("bf16-resumed", precision="bf16")
-    monkeypatch.setattr(worker_module, "_fault", stop_after_step_2_is_saved)
+    monkeypatch.setattr(faults, "inject", stop_after_step_2_is_saved)  # the SFTFLOW_FAULT hook's points
     with pytest.raises(Interrupted):
         fit(spec)
     monkeypatch.undo()

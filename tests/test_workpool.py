@@ -4,6 +4,7 @@ parameter overrides, all cache hits the second time, and a cancel through the wo
 stops torchrun and its workers."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -55,11 +56,12 @@ def deployed(tmp_path_factory, prefect_api_module):
                               cwd=tmp_path_factory.mktemp("elsewhere"), env=env, stdout=open(tmp / "worker.log", "w"),
                               stderr=subprocess.STDOUT, start_new_session=True)
     yield tmp, f"sft_pipeline/{name}"
-    worker.terminate()
+    worker.send_signal(signal.SIGINT)  # a Prefect worker takes 30 s over a SIGTERM; nothing is checked here
     try:
-        worker.wait(timeout=30)
+        worker.wait(timeout=5)
     except subprocess.TimeoutExpired:
-        os.killpg(worker.pid, 9)
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
 
 
 def versions(tmp: Path) -> list:
