@@ -304,12 +304,70 @@ def flow_runs(api: str) -> list[dict]:
         return json.loads(r.read())
 
 
-def sftflow(*args: str, cwd: Path, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+# Variables the CLI and what it imports read when they run, not when a library is imported: a call
+# whose environment differs from the warm process's only in these can run as its fork.
+RUN_TIME_ENV = ("PREFECT_", "MLFLOW_", "SFTFLOW_", "PYTEST_", "COLUMNS", "LINES")
+
+
+class _WarmCLI:
+    """tests/cli_zygote.py, started on first use in this pytest process and ended with it (its stdin
+    closes): `python -m flows.cli` minus the ~6 s of CPU importing torch, transformers and mlflow."""
+
+    def __init__(self):
+        import threading
+        self.proc = None
+        self.env = None
+        self.busy = threading.Lock()  # one call at a time; a concurrent one runs as a subprocess
+
+    def accepts(self, env: dict) -> bool:
+        if os.environ.get("SFTFLOW_TEST_FORK", "1") == "0":
+            return False
+        if self.proc is None:
+            self.env = dict(os.environ)
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cli_zygote.py"))],
+                                         cwd=ROOT, env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, text=True, bufsize=1)
+        changed = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
+        return self.proc.poll() is None and all(k.startswith(RUN_TIME_ENV) for k in changed)
+
+    def run(self, args: tuple, cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+        import select
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+            self.proc.stdin.write(json.dumps({"argv": list(args), "cwd": str(cwd), "env": env,
+                                              "stdout": str(out), "stderr": str(err)}) + "\n")
+            pid = json.loads(self.proc.stdout.readline())["pid"]
+            ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+            if not ready:  # as subprocess.run's timeout does: kill the child, wait, raise
+                os.kill(pid, signal.SIGKILL)
+            code = json.loads(self.proc.stdout.readline())["returncode"]
+            read = {p: p.read_text(encoding="utf-8", errors="replace") if p.exists() else "" for p in (out, err)}
+        argv = [sys.executable, "-m", "flows.cli", *args]
+        if not ready:
+            raise subprocess.TimeoutExpired(argv, timeout, output=read[out], stderr=read[err])
+        return subprocess.CompletedProcess(argv, code, read[out], read[err])
+
+
+_warm_cli = _WarmCLI()
+
+
+def sftflow(*args: str, cwd: Path, env: dict | None = None, timeout: int = 600,
+            fresh: bool = False) -> subprocess.CompletedProcess:
     """The CLI as a user runs it, with Prefect's home inside the test's folder; it talks to the
-    session's Prefect server in a test that asks for `prefect_api`, else starts a temporary one."""
+    session's Prefect server in a test that asks for `prefect_api`, else starts a temporary one.
+    It runs as a fork of a process that has the heavy libraries imported (tests/cli_zygote.py) when
+    the call's environment allows; `fresh=True` always starts `python -m flows.cli` from scratch."""
     # COLUMNS/LINES come from the terminal pytest runs in (or a worker's): the CLI's output must not
+    # depend on them
     full_env = {**os.environ, "PREFECT_HOME": str(cwd / ".prefect"), "COLUMNS": None, "LINES": None, **(env or {})}
     full_env = {k: v for k, v in full_env.items() if v is not None}  # env={"X": None} unsets X
+    if not fresh and _warm_cli.busy.acquire(blocking=False):
+        try:
+            if _warm_cli.accepts(full_env):
+                return _warm_cli.run(args, cwd, full_env, timeout)
+        finally:
+            _warm_cli.busy.release()
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=full_env, capture_output=True,
                           text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 

@@ -63,14 +63,14 @@ def test_show_reports_a_damaged_prepare_folder_and_its_memory_plan(prepared):
     assert prepared["shard"].stat().st_size == len(prepared["good"]) // 2  # show changes nothing
 
 
-def test_run_rebuilds_a_damaged_prepare_folder(prepared):
+def test_run_rebuilds_a_damaged_prepare_folder(prepared, prefect_api):
     warning = truncate(prepared)
     proc = sftflow("run", "-c", str(prepared["path"]), "runner.max_steps=2", cwd=prepared["tmp"])
     assert_rebuilt(prepared, proc, warning)
     assert "registered model version" in proc.stdout
 
 
-def test_stage_train_with_upstream_rebuilds_a_damaged_prepare_folder(prepared):
+def test_stage_train_with_upstream_rebuilds_a_damaged_prepare_folder(prepared, prefect_api):
     warning = truncate(prepared)
     # another step count than the `run` test's: a complete train folder would skip the launch check
     proc = sftflow("stage", "train", "--with-upstream", "-c", str(prepared["path"]), "runner.max_steps=1",

@@ -74,9 +74,10 @@ def test_smollm2_masks_are_exact_on_its_real_template(quickstart):
         assert trainable_runs(tok, t) == [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
 
 
-def test_smollm2_quickstart_path_end_to_end(quickstart):
+def test_smollm2_quickstart_path_end_to_end(quickstart, prefect_api):
+    # on the session's Prefect server: a temporary one is tests/test_demo.py's road
     tmp, config, p = quickstart
-    env = {"PREFECT_HOME": str(tmp / ".prefect"), "PREFECT_API_URL": None}
+    env = {"PREFECT_HOME": str(tmp / ".prefect")}
     proc = sftflow("run", "-c", str(config), cwd=ROOT, env=env, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     art = tmp / "artifacts"
