@@ -23,10 +23,11 @@ run: $(STAMP)
 
 # The full suite (CI): the linter, then torchrun, the Prefect and MLflow servers, the whole flow.
 # Two workers, a test file each at a time (module fixtures stay in one process): much of the suite waits on
-# servers, subprocess starts and torchrun rendezvous, which the other worker's tests fill.
+# servers, subprocess starts and torchrun rendezvous, which the other worker's tests fill. The longest
+# files go first (tests/conftest.py LONG_FILES), in that order.
 TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ARGS)
 
 # The fast tier while you work: in-process, no torchrun, no servers (under 2 minutes).
 test-fast: lint

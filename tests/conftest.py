@@ -46,6 +46,20 @@ hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE")
                                  or ("ci" if os.environ.get("CI", "").lower() not in ("", "0", "false") else "dev"))
 
 
+# The files that take minutes, longest first (pytest --durations, 2 cores). `make test` hands each file
+# to one of two workers whole (--dist loadfile) in collection order (--no-loadscope-reorder; xdist would
+# otherwise put the files with the most tests first, which left a 4-minute test starting last with the
+# other worker idle): started first, they run beside the short files instead of after them.
+LONG_FILES = ("test_flow.py", "test_real_model.py", "test_train_core.py", "test_demo.py", "test_cancel.py",
+              "test_kept_server.py", "test_memory_plan.py", "test_workpool.py", "test_schedule.py",
+              "test_concurrency.py", "test_sweep.py")
+
+
+def pytest_collection_modifyitems(items):
+    first = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(LONG_FILES)))  # stable: the rest keep their order
+
+
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     return path
