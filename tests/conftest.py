@@ -325,24 +325,41 @@ RUN_TIME_ENV = ("PREFECT_", "MLFLOW_", "SFTFLOW_", "PYTEST_", "COLUMNS", "LINES"
 
 class _WarmCLI:
     """tests/cli_zygote.py, started on first use in this pytest process and ended with it (its stdin
-    closes): `python -m flows.cli` minus the ~6 s of CPU importing torch, transformers and mlflow."""
+    closes): `python -m flows.cli` minus the ~6 s of CPU importing torch, transformers and mlflow.
+    Started again when this process's own environment has changed since (a library or a test set a
+    variable and left it) or when it has ended."""
 
     def __init__(self):
         import threading
         self.proc = None
-        self.env = None
+        self.env: dict = {}
         self.busy = threading.Lock()  # one call at a time; a concurrent one runs as a subprocess
+        self.refused: list[str] = []  # why the last call ran from scratch
+        self.started = 0
+
+    def _start(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()  # it exits once its input ends
+            self.proc.wait(timeout=30)
+        self.env = dict(os.environ)
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cli_zygote.py"))],
+                                     cwd=ROOT, env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True, bufsize=1)
+        self.started += 1
+
+    @staticmethod
+    def _import_time(env: dict) -> dict:
+        return {k: v for k, v in env.items() if not k.startswith(RUN_TIME_ENV)}
 
     def accepts(self, env: dict) -> bool:
         if os.environ.get("SFTFLOW_TEST_FORK", "1") == "0":
             return False
-        if self.proc is None:
-            self.env = dict(os.environ)
-            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cli_zygote.py"))],
-                                         cwd=ROOT, env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=subprocess.DEVNULL, text=True, bufsize=1)
-        changed = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
-        return self.proc.poll() is None and all(k.startswith(RUN_TIME_ENV) for k in changed)
+        if self.proc is None or self.proc.poll() is not None or \
+                self._import_time(os.environ) != self._import_time(self.env):
+            self._start()
+        mine, theirs = self._import_time(self.env), self._import_time(env)
+        self.refused = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+        return not self.refused
 
     def run(self, args: tuple, cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
         import select

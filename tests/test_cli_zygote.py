@@ -16,7 +16,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("SFTFLOW_TEST_FORK", "1") == "0",
 
 def _no_subprocess(monkeypatch):
     def refuse(*args, **kwargs):
-        raise AssertionError(f"ran as a subprocess: {args[0] if args else kwargs}")
+        raise AssertionError(f"ran as a subprocess: {args[0] if args else kwargs}; variables that differ from the "
+                             f"warm process's: {conftest._warm_cli.refused}")
     monkeypatch.setattr(conftest.subprocess, "run", refuse)
 
 
