@@ -2,6 +2,7 @@
 follow exactly the code each stage runs."""
 
 import ast
+import gc
 import json
 import os
 import re
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
+from stages.core import codeversion
 from stages.core.codeversion import code_version, imported_modules, module_closure
 
 STAGES_DIR = ROOT / "stages"
@@ -295,6 +297,46 @@ def test_comments_docstrings_and_formatting_change_no_code_version(stages_copy):
             .replace("\n\n\n", "\n\n\n# a comment\n", 1))
     path.write_text(text)
     assert _versions(stages_copy) == before
+
+
+class _ParsesWhenCollected:
+    def __del__(self):
+        ast.parse("x = 1")
+
+
+def _parse_with_a_foreign_parse_inside(parse, src: bytes):
+    """Interleave another parse with `parse` the way a second thread does: the collector runs
+    finalizers while the tree is being converted, and this finalizer parses."""
+    gc.collect()
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        for _ in range(20):
+            cycle = _ParsesWhenCollected()
+            cycle.me = cycle
+        del cycle
+        return parse(src)
+    finally:
+        gc.set_threshold(*threshold)
+
+
+def test_a_parse_that_loses_the_interpreter_race_is_retried(monkeypatch):
+    """CPython 3.11's ast.parse fails spuriously when another parse interleaves with it
+    (python/cpython#106905); a Prefect worker's flow run hit it while planning."""
+    src = (STAGES_DIR / "pipeline.py").read_bytes()
+    want = ast.dump(ast.parse(src))
+    if sys.version_info < (3, 12):   # the reference: the interleaving breaks a bare ast.parse
+        with pytest.raises(SystemError, match="recursion depth mismatch"):
+            _parse_with_a_foreign_parse_inside(ast.parse, src)
+    tree = _parse_with_a_foreign_parse_inside(lambda b: codeversion._parse_source(b, "pipeline.py"), src)
+    assert ast.dump(tree) == want
+
+    def other(*a, **k):
+        raise SystemError("another failure")
+
+    monkeypatch.setattr(codeversion.ast, "parse", other)
+    with pytest.raises(SystemError, match="another failure"):
+        codeversion._parse_source(src, "pipeline.py")
 
 
 def test_the_real_tree_closures_hold_the_modules_each_stage_runs():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import threading
 from functools import lru_cache
 from pathlib import Path
 
@@ -21,6 +22,24 @@ __fingerprint__ = False  # what it computes is the fingerprint's input, not a st
 
 STAGES_ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "stages"
+
+# CPython 3.11 keeps ast.parse's recursion counter per interpreter, not per thread, so two
+# threads converting trees at once can fail with "AST constructor recursion depth mismatch"
+# (python/cpython#106905, fixed in 3.12). A Prefect worker's flow run plans in one thread while
+# others run; the lock covers our own threads, the retry a parse racing someone else's.
+_PARSE_LOCK = threading.Lock()
+_PARSE_TRIES = 5
+
+
+def _parse_source(source: bytes, filename: str) -> ast.Module:
+    for attempt in range(_PARSE_TRIES):
+        try:
+            with _PARSE_LOCK:
+                return ast.parse(source, filename=filename)
+        except SystemError as e:
+            if "recursion depth mismatch" not in str(e) or attempt == _PARSE_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _module_file(root: Path, dotted: str) -> Path | None:
@@ -37,7 +56,7 @@ def _module_file(root: Path, dotted: str) -> Path | None:
 @lru_cache(maxsize=1024)
 def _parse(path: Path, mtime_ns: int, size: int) -> tuple[str, bool, tuple[tuple[str, int, tuple[str, ...]], ...]]:
     """(normalized source, counts for fingerprints, imports as (module, level, names))."""
-    tree = ast.parse(path.read_bytes(), filename=str(path))
+    tree = _parse_source(path.read_bytes(), str(path))
     counts = True
     imports = []
     for node in ast.walk(tree):
