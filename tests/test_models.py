@@ -65,6 +65,29 @@ def test_a_gguf_file_converts_once_to_the_model_it_was_written_from(tiny_gguf, t
     assert p.status("prepare") == "complete"
 
 
+def test_planning_reads_the_gguf_fields_until_the_file_is_converted(tiny_gguf, tmp_path, monkeypatch):
+    """Reading every field of a real GGUF file takes seconds (SmolLM2's vocabulary); once a folder
+    converted from these bytes exists, transformers has loaded them and a plan skips the read.
+    A damaged converted folder is rebuilt, so its plan checks the file again."""
+    import gguf
+    _, gguf_path = tiny_gguf
+    cfg = gguf_cfg(tmp_path, str(gguf_path))
+    reads = []
+    real = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: reads.append(a) or real(*a, **k))
+
+    def planned() -> tuple[str, int]:
+        before = len(reads)
+        return plan(cfg).fingerprints["models"], len(reads) - before
+
+    fp, read = planned()
+    assert read == 1
+    folder = Path(resolve_model(cfg, fp, say=lambda line: None))  # converting reads the file too
+    assert planned() == (fp, 0)
+    (folder / "config.json").write_text("{}")  # damaged: a size differs from the manifest's
+    assert planned() == (fp, 1)
+
+
 def _wheel(dist: Path, name: str, version: str, member: str, payload: Path) -> Path:
     """A minimal valid wheel holding `payload` at `member`."""
     dist.mkdir(exist_ok=True)

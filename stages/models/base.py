@@ -30,8 +30,13 @@ def model_fingerprint(cfg: SFTConfig, corpus_digests: list[str], say=to_stderr) 
     path = cfg.actor.model.model_path
     if is_gguf_ref(path):
         src = gguf_file(path, cfg.actor.model.model_sha256, cfg.artifacts_path, say)
-        check_gguf(src)
-        return fingerprint("models", gguf=file_digest(src, cfg.artifacts_path))
+        fp = fingerprint("models", gguf=file_digest(src, cfg.artifacts_path)) if src.is_file() else None
+        # a converted folder for these bytes means transformers loaded them; reading every field of
+        # the file again would cost seconds at each plan
+        folder = stage_dir(cfg.artifacts_path, "models", fp) if fp else None
+        if folder is None or not is_complete(folder) or damage(folder) is not None:
+            check_gguf(src)
+        return fp
     if path.startswith(BUILTIN_PREFIX):
         name = path[len(BUILTIN_PREFIX):]
         if name not in BUILTINS:
