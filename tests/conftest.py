@@ -22,6 +22,12 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite runs two workers, each starting torch processes whose OpenMP threads assume the cores are
+# theirs. libgomp's threads spin after each parallel region while waiting for work, which on shared cores
+# burns the time another process needs: PASSIVE makes them sleep (the numbers are the same; measured
+# on 4 torch-heavy files over 2 workers: 119-121 s of CPU against 137-146 s, 77 s wall against 84-90 s).
+# Set before anything loads torch here; subprocesses and the warm CLI inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # A CLI call without PREFECT_API_URL gets a temporary server that dies with it, not one kept for
 # minutes in the background (tests/test_kept_server.py covers that path).
 os.environ["SFTFLOW_KEEP_SERVER"] = "0"
