@@ -326,7 +326,8 @@ def flow_runs(api: str) -> list[dict]:
 
 # Variables the CLI and what it imports read when they run, not when a library is imported: a call
 # whose environment differs from the warm process's only in these can run as its fork.
-RUN_TIME_ENV = ("PREFECT_", "MLFLOW_", "SFTFLOW_", "PYTEST_", "COLUMNS", "LINES")
+# `_MLFLOW_` is MLflow's own telemetry session id, set in whichever process imports mlflow.
+RUN_TIME_ENV = ("PREFECT_", "MLFLOW_", "_MLFLOW_", "SFTFLOW_", "PYTEST_", "COLUMNS", "LINES")
 
 
 class _WarmCLI:
@@ -341,7 +342,7 @@ class _WarmCLI:
         self.env: dict = {}
         self.busy = threading.Lock()  # one call at a time; a concurrent one runs as a subprocess
         self.refused: list[str] = []  # why the last call ran from scratch
-        self.started = 0
+        self.child: int | None = None  # the pid of the last call's fork
 
     def _start(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -351,7 +352,6 @@ class _WarmCLI:
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("cli_zygote.py"))],
                                      cwd=ROOT, env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True, bufsize=1)
-        self.started += 1
 
     @staticmethod
     def _import_time(env: dict) -> dict:
@@ -367,6 +367,13 @@ class _WarmCLI:
         self.refused = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
         return not self.refused
 
+    def _answer(self, key: str):
+        line = self.proc.stdout.readline()
+        if not line:  # the next call starts a new one (`accepts`)
+            raise RuntimeError(f"the warm CLI process (tests/cli_zygote.py) ended during a call, "
+                               f"exit status {self.proc.wait(timeout=30)}")
+        return json.loads(line)[key]
+
     def run(self, args: tuple, cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
         import select
         import tempfile
@@ -374,11 +381,11 @@ class _WarmCLI:
             out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
             self.proc.stdin.write(json.dumps({"argv": list(args), "cwd": str(cwd), "env": env,
                                               "stdout": str(out), "stderr": str(err)}) + "\n")
-            pid = json.loads(self.proc.stdout.readline())["pid"]
+            pid = self.child = self._answer("pid")
             ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
             if not ready:  # as subprocess.run's timeout does: kill the child, wait, raise
                 os.kill(pid, signal.SIGKILL)
-            code = json.loads(self.proc.stdout.readline())["returncode"]
+            code = self._answer("returncode")
             read = {p: p.read_text(encoding="utf-8", errors="replace") if p.exists() else "" for p in (out, err)}
         argv = [sys.executable, "-m", "flows.cli", *args]
         if not ready:

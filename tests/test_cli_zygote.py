@@ -4,7 +4,9 @@ take runs from scratch; a timeout ends the child as subprocess.run's does."""
 
 import json
 import os
+import signal
 import subprocess
+import threading
 
 import pytest
 
@@ -67,5 +69,27 @@ def test_a_warm_call_past_its_timeout_is_killed(tmp_path):
     with pytest.raises(subprocess.TimeoutExpired):
         sftflow("run", "-c", str(path), cwd=tmp_path, timeout=2, env={"PREFECT_API_URL": None})
     assert conftest._warm_cli.proc.poll() is None  # the warm process itself lives on
+    with pytest.raises(ProcessLookupError):  # the call's process was killed and reaped
+        os.kill(conftest._warm_cli.child, 0)
     after = sftflow("show", "-c", str(path), cwd=tmp_path)
     assert after.returncode == 0, after.stderr
+
+
+def test_a_warm_process_that_dies_during_a_call_is_named_and_replaced(tmp_path):
+    path = write_config(tmp_path, tiny_config_dict(tmp_path))
+    sftflow("show", "-c", str(path), cwd=tmp_path)
+    warm = conftest._warm_cli.proc
+    killer = threading.Timer(1.0, warm.kill)  # the call (a flow on its own Prefect server) takes longer
+    killer.start()
+    try:
+        with pytest.raises(RuntimeError, match=r"warm CLI process \(tests/cli_zygote.py\) ended during a call"):
+            sftflow("run", "-c", str(path), cwd=tmp_path, timeout=120, env={"PREFECT_API_URL": None})
+    finally:
+        killer.join()
+        try:
+            os.kill(conftest._warm_cli.child, signal.SIGKILL)  # the orphaned call (its server dies with it)
+        except ProcessLookupError:
+            pass
+    after = sftflow("show", "-c", str(path), cwd=tmp_path)
+    assert after.returncode == 0, after.stderr
+    assert conftest._warm_cli.proc is not warm and conftest._warm_cli.proc.poll() is None

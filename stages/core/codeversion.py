@@ -27,7 +27,7 @@ PACKAGE = "stages"
 # threads converting trees at once can fail with "AST constructor recursion depth mismatch"
 # (python/cpython#106905, fixed in 3.12). A Prefect worker's flow run plans in one thread while
 # others run; the lock covers our own threads, the retry a parse racing someone else's.
-_PARSE_LOCK = threading.Lock()
+_PARSE_LOCK = threading.RLock()  # re-entrant: a finalizer run mid-parse may plan too
 _PARSE_TRIES = 5
 
 
