@@ -25,7 +25,7 @@ PACKAGE = "stages"
 
 # CPython 3.11 keeps ast.parse's recursion counter per interpreter, not per thread, so two
 # threads converting trees at once can fail with "AST constructor recursion depth mismatch"
-# (python/cpython#106905, fixed in 3.12). A Prefect worker's flow run plans in one thread while
+# (python/cpython#106905). A Prefect worker's flow run plans in one thread while
 # others run; the lock covers our own threads, the retry a parse racing someone else's.
 _PARSE_LOCK = threading.RLock()  # re-entrant: a finalizer run mid-parse may plan too
 _PARSE_TRIES = 5
