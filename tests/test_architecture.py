@@ -397,10 +397,11 @@ def _callee(call: ast.Call) -> str | None:
 def test_the_road_from_the_cli_to_the_loop_is_walked_as_written():
     """Every row's function exists in its file and calls what the row says; each call reaches the
     next row: by name, or through the hop the row names (the stage's Prefect task, the torchrun
-    launch, torch elastic's `record`)."""
+    launch)."""
     road = _road()
     assert [r["function"] for r in road] == ["run", "sft_pipeline", "run_stage_task", "task_fn", "run_stage",
-                                             "run_train", "run_torchrun", None, "run_rank", "main"]
+                                             "run_train", "run_torchrun", None]
+    assert len(road) <= 8, "the CLI reaches the training loop in at most 8 calls (issue 34)"
     for row, nxt in zip(road, [*road[1:], None]):
         body = _body(row["file"], row["function"])
         calls = [c for c in _calls(body) if _callee(c) == row["calls"]]
@@ -418,12 +419,13 @@ def test_the_road_from_the_cli_to_the_loop_is_walked_as_written():
             launcher = ROOT / "stages" / "runtime" / "launcher.py"
             assert "['-m', module" in ast.unparse(_body(launcher, "torchrun_command"))
             assert nxt["file"] == ROOT / "stages" / "train" / "__main__.py" and nxt["function"] is None
-        elif row["calls"] == "record":  # record(main)(): the rank's main, recorded
-            assert any(isinstance(a, ast.Name) and a.id == nxt["function"] for c in calls for a in c.args)
         else:
             assert row["calls"] == nxt["function"], f"{row['function']} calls {row['calls']}, the next row is " \
                                                     f"{nxt['function']}"
-    # the module row's run_rank is the one in distributed.py, given the worker's main
-    entry = (ROOT / "stages" / "train" / "__main__.py").read_text()
-    assert "from stages.runtime.worker import main" in entry
-    assert "from stages.runtime.distributed import run_rank" in entry
+    # the rank's module calls fit on the worker load_worker builds, inside rank_entry (the error file)
+    entry = ast.parse((ROOT / "stages" / "train" / "__main__.py").read_text())
+    [with_] = [n for n in entry.body if isinstance(n, ast.With)]
+    assert ast.unparse(with_.items[0].context_expr) == "rank_entry()"
+    assert ast.unparse(with_.body[0]) == "load_worker(sys.argv[1]).fit()"
+    assert _body(ROOT / "stages" / "runtime" / "worker.py", "load_worker")
+    assert _body(ROOT / "stages" / "runtime" / "distributed.py", "rank_entry")

@@ -1,6 +1,9 @@
 """torchrun entry point: `python -m stages.evaluate <spec.json>` runs one rank of the evaluation."""
 
-from stages.evaluate.runner import main
-from stages.runtime.distributed import run_rank
+import sys
 
-run_rank(main)
+from stages.evaluate.runner import main
+from stages.runtime.distributed import rank_entry
+
+with rank_entry():
+    main(sys.argv[1])

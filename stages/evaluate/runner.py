@@ -19,8 +19,6 @@ Two ways to score a model:
 from __future__ import annotations
 
 import json
-import signal
-import sys
 from pathlib import Path
 
 import torch
@@ -35,7 +33,6 @@ from stages.runtime.distributed import add_up, choose_precision, gather, local_d
 from stages.runtime.generation import generate
 from stages.runtime.harness import score_task
 from stages.runtime.lora import lora_enabled
-from stages.runtime.proctree import die_with_parent
 from stages.runtime.worker import SFTWorker, WorkerSpec, load_worker_class
 
 from .choice import choice_scores
@@ -232,10 +229,9 @@ def evaluate_spec(spec: EvalSpec) -> dict:
     return metrics
 
 
-def main(argv: list[str] | None = None) -> None:
-    die_with_parent(signal.SIGKILL)  # as the training workers: never outlive torchrun's agent
-    argv = sys.argv[1:] if argv is None else argv
-    spec = EvalSpec.model_validate_json(Path(argv[0]).read_text())
+def main(spec_path: str) -> None:
+    """One rank's share of the work for the `spec.json` torchrun was given."""
+    spec = EvalSpec.model_validate_json(Path(spec_path).read_text())
     # Only Python objects travel between ranks (records and sums), so gloo serves CPU and GPU runs alike.
     dist.init_process_group("gloo")
     try:

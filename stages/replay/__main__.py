@@ -1,6 +1,9 @@
 """torchrun entry point: `python -m stages.replay <spec.json>` runs one rank of the replay stage."""
 
-from stages.replay.runner import main
-from stages.runtime.distributed import run_rank
+import sys
 
-run_rank(main)
+from stages.replay.runner import main
+from stages.runtime.distributed import rank_entry
+
+with rank_entry():
+    main(sys.argv[1])

@@ -4,15 +4,12 @@
 from __future__ import annotations
 
 import json
-import signal
-import sys
 from pathlib import Path
 
 import torch.distributed as dist
 
 from stages.runtime.distributed import gather, local_device, log, rank_and_world
 from stages.runtime.generation import generate, load
-from stages.runtime.proctree import die_with_parent
 
 from .spec import ReplaySpec
 
@@ -30,10 +27,9 @@ def answer_spec(spec: ReplaySpec) -> list[dict]:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    die_with_parent(signal.SIGKILL)  # never outlive torchrun's agent
-    argv = sys.argv[1:] if argv is None else argv
-    spec = ReplaySpec.model_validate_json(Path(argv[0]).read_text())
+def main(spec_path: str) -> None:
+    """One rank's share of the work for the `spec.json` torchrun was given."""
+    spec = ReplaySpec.model_validate_json(Path(spec_path).read_text())
     dist.init_process_group("gloo")
     try:
         answers = answer_spec(spec)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
-from typing import Callable
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
+
+from .proctree import die_with_parent
 
 
 def log(msg: str) -> None:
@@ -61,20 +65,33 @@ def add_up(parts: list[dict]) -> dict:
     return total
 
 
-def run_rank(main: Callable[[], None]) -> None:
-    """A torchrun rank's entry point (`python -m stages.train|evaluate|replay`). An exception is
-    recorded by torch elastic (`@record`: the error file the agent gives each rank, which the launcher
-    reads to name the failing rank and cause). One of the project's own errors (a config or stage
-    problem, phrased for the user) is then printed as its one line, without a traceback."""
-    from torch.distributed.elastic.multiprocessing.errors import record
+@contextmanager
+def rank_entry() -> Iterator[None]:
+    """The body of a torchrun rank's module (`python -m stages.train|evaluate|replay`), which then calls
+    the stage's work itself: `with rank_entry(): load_worker(spec).fit()`. The rank dies with torchrun's
+    agent. An exception is recorded as torch elastic's `@record` records it (the error file the agent
+    gives each rank, which the launcher reads to name the failing rank and cause); one of the project's
+    own errors (a config or stage problem, phrased for the user) is then printed as its one line,
+    without a traceback. A rank that finished its work exits without interpreter finalization."""
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
     from stages.core.errors import ConfigError, StageError
+    die_with_parent(signal.SIGKILL)  # torchrun's agent supervises the ranks: killed, they stop too
+    handler = get_error_handler()
+    handler.initialize()
     try:
-        record(main)()
+        yield
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise
     except (ConfigError, StageError) as e:
+        handler.record_exception(e)
         print(e, file=sys.stderr, flush=True)
         raise SystemExit(1) from None
-    exit_skipping_finalization()  # only reached when the rank finished its work
+    except Exception as e:
+        handler.record_exception(e)
+        raise
+    exit_skipping_finalization()
 
 
 def exit_skipping_finalization(code: int = 0) -> None:

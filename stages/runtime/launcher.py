@@ -4,7 +4,7 @@ The child gets a new session so that a cancel, timeout or SIGTERM of the caller 
 down torchrun *and* every worker with one `killpg`. Output is streamed line by line to a
 callback (Prefect's task logger, or stdout) and to `train.log` in the stage folder.
 
-Why a rank failed comes from torch elastic's error files: each rank's entry (`run_rank`) records
+Why a rank failed comes from torch elastic's error files: each rank's entry (`rank_entry`) records
 its exception in the file the agent gives it, under `--log-dir` (the stage folder's `elastic/`),
 and `recorded_failure` reads them. Only a rank that left no file (killed by a signal, or dead
 before its entry ran) falls back to the log's text.

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -47,7 +46,6 @@ from .loss import model_loss, reference_outputs
 from .mixture import describe, summary_line
 from .model_types import (UnknownModelType, WeightsLoadError, build_configured_model, fsdp_units, get_model_builder,
                           load_state_checked)
-from .proctree import die_with_parent
 from .schedule import lr_lambda
 
 if TYPE_CHECKING:
@@ -703,9 +701,7 @@ def check_worker_config(cfg: SFTConfig) -> type[SFTWorker]:
     return cls
 
 
-def main(argv: list[str] | None = None) -> None:
-    # torchrun's agent supervises the workers; if it is killed (alone, or its process group), they stop too
-    die_with_parent(signal.SIGKILL)
-    argv = sys.argv[1:] if argv is None else argv
-    spec = WorkerSpec.read(argv[0])
-    load_worker_class(spec.config.actor.worker)(spec).fit()
+def load_worker(spec_path: str) -> SFTWorker:
+    """A rank's worker for the `spec.json` torchrun was given (`python -m stages.train <spec.json>`)."""
+    spec = WorkerSpec.read(spec_path)
+    return load_worker_class(spec.config.actor.worker)(spec)

@@ -4,7 +4,10 @@ A package entry (rather than `-m stages.runtime.worker`) keeps the worker module
 under its real name, so `actor.worker` subclasses of `SFTWorker` are recognised as such.
 """
 
-from stages.runtime.worker import main
-from stages.runtime.distributed import run_rank
+import sys
 
-run_rank(main)
+from stages.runtime.distributed import rank_entry
+from stages.runtime.worker import load_worker
+
+with rank_entry():
+    load_worker(sys.argv[1]).fit()
