@@ -75,7 +75,7 @@ def run_families(tmp: Path, families: list[str] | None = None) -> dict:
                       train_dir=str(p.folder("prepare") / "train"), val_dir=None)
     spec_path = spec.write(tmp / "spec.json")
     out = tmp / "families.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", "stages.runtime.local_torchrun", "--nproc_per_node=2",
            str(ROOT / "tests" / "dist" / "families_check.py"), str(out), str(tmp / "work"), str(spec_path),
            *(families or [])]
     env = worker_env(2) | {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}

@@ -50,7 +50,7 @@ def test_lora_gradients_equal_a_single_process_reference(tmp_path, kl_to_base):
     spec = {"config": cfg.model_dump(mode="json"), "model_path": model_path, "out_dir": str(tmp_path / "out"),
             "train_dir": str(p.folder("prepare") / "train"), "val_dir": None}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", "stages.runtime.local_torchrun", "--nproc_per_node=2",
            str(ROOT / "tests" / "dist" / "lora_grad_check.py"), str(tmp_path / "spec.json"), str(tmp_path / "g.pt")]
     proc = subprocess.run(cmd, env=worker_env(2), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

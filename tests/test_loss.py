@@ -406,7 +406,7 @@ def test_fsdp2_two_ranks_with_weights_freed_after_forward_equal_one_sample_at_a_
     specs = {"full": prepared("fsdp-dft", **two),
              "lora": prepared("fsdp-lora-kl", **two, lora=lora, kl_to_base=0.5, optim={"lr": 0.05, "warmup": 0})}
     paths = {name: spec.write(tmp_path / f"{name}.json") for name, spec in specs.items()}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", "stages.runtime.local_torchrun", "--nproc_per_node=2",
            str(ROOT / "tests" / "dist" / "loss_check.py"), str(tmp_path / "out.pt"), *map(str, paths.values())]
     proc = subprocess.run(cmd, env=worker_env(2), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -278,7 +278,7 @@ def test_exported_model_logits_equal_the_trained_model(tmp_path):
     spec = {"config": cfg.model_dump(mode="json"), "model_path": base_model(cfg), "out_dir": str(tmp_path / "out"),
             "train_dir": str(p.folder("prepare") / "train"), "val_dir": None}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", "stages.runtime.local_torchrun", "--nproc_per_node=2",
            str(ROOT / "tests" / "dist" / "export_check.py"), str(tmp_path / "spec.json"), str(tmp_path / "logits.pt")]
     proc = subprocess.run(cmd, env=worker_env(2), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

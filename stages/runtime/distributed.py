@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import sys
@@ -98,7 +99,13 @@ def exit_skipping_finalization(code: int = 0) -> None:
     """Ends a torchrun worker whose work is done, written and whose process group is destroyed,
     without Python's interpreter finalization: gloo's C++ threads can abort the process there
     (SIGABRT, "terminate called without an active exception"; seen after complete trainings),
-    and torchrun would report finished work as a failed stage."""
+    and torchrun would report finished work as a failed stage. A rank forked by torchrun's agent
+    (stages/runtime/local_torchrun.py) returns instead: torch elastic waits for its entry point to
+    return, then ends the process the same way (multiprocessing's `os._exit`)."""
     sys.stdout.flush()
     sys.stderr.flush()
+    if multiprocessing.parent_process() is not None:
+        if code:
+            raise SystemExit(code)
+        return
     os._exit(code)
