@@ -78,9 +78,10 @@ def run_entry(script: str, module: bool, *args: str) -> None:
 def forked_entry(args) -> tuple | None:
     """(entry point, its arguments) that fork the ranks of torchrun's `args` from this process, their
     entry's imports done; None where they start as fresh interpreters: on a machine with GPUs, for a
-    program that is not Python, or with SFTFLOW_FORK_RANKS=0."""
+    program that is not Python, off Linux, or with SFTFLOW_FORK_RANKS=0."""
     from stages.core.topology import visible_gpus  # torch-free: nvidia-smi, as the CLI decides the topology
-    if args.no_python or visible_gpus() or os.environ.get(FORK_ENV, "1") == "0":
+    if args.no_python or not sys.platform.startswith("linux") or os.environ.get(FORK_ENV, "1") == "0" \
+            or visible_gpus():
         return None
     path = entry_file(args.training_script, args.module)
     if path is None:
