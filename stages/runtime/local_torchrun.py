@@ -9,11 +9,12 @@ same process, where `multi_tenant` makes torchrun reuse that store instead of op
 Workers reach it as clients (torchrun's agent store), and gloo/NCCL are kept on the loopback
 interface unless the environment says otherwise.
 
-Without a GPU, the ranks of a `-m <module>` entry are forked from this process (torch elastic's
-function entry point, start method `fork`) once it has imported what the module imports: a rank then
-starts in a fraction of a second instead of importing torch, FSDP and transformers again (seconds of
-CPU each). With GPUs they start as fresh interpreters (torchrun's own `python -m`), since CUDA must
-not be initialized in the process a CUDA rank is forked from.
+On Linux without a GPU, the ranks of a Python entry (`-m <module>` or a script) are forked from this
+process (torch elastic's function entry point, start method `fork`) once it has imported what the
+entry imports: a rank then starts in a fraction of a second instead of importing torch, FSDP and
+transformers again (seconds of CPU each). With GPUs they start as fresh interpreters (torchrun's own
+`python -u -m`), since CUDA must not be initialized in the process a CUDA rank is forked from;
+SFTFLOW_FORK_RANKS=0 asks for fresh interpreters everywhere.
 """
 
 from __future__ import annotations
