@@ -205,3 +205,49 @@ def test_a_test_that_does_not_ask_for_the_server_sees_none_of_it(prefect_server)
     `prefect_api` start their own server, in every order the tests run in."""
     from prefect.settings import PREFECT_API_URL
     assert "PREFECT_API_URL" not in os.environ and PREFECT_API_URL.value() != prefect_server
+
+
+def _schema(db) -> tuple[set, list]:
+    import sqlite3
+    from contextlib import closing
+    def lines(sql):  # Prefect's own builds differ in the order of a table's constraints
+        return frozenset(line.strip().rstrip(",") for line in (sql or "").splitlines())
+    with closing(sqlite3.connect(db)) as conn:
+        objects = conn.execute("SELECT type, name, sql FROM sqlite_master").fetchall()
+        return ({(kind, name, lines(sql)) for kind, name, sql in objects},
+                conn.execute("SELECT version_num FROM alembic_version").fetchall())
+
+
+def _block_type_ids(db) -> set:
+    """Made at random when a server registers the block types: a copy has the same, a rebuild new ones."""
+    import sqlite3
+    from contextlib import closing
+    with closing(sqlite3.connect(db)) as conn:
+        return {row[0] for row in conn.execute("SELECT id FROM block_type")}
+
+
+def test_a_new_prefect_home_starts_from_the_template_database_prefect_built(tmp_path, monkeypatch):
+    """The first server on a new home builds its database (migrations, block types) and it is kept as
+    the template; the next new home gets a copy, whose schema equals the one Prefect built, and its
+    server serves from it. A damaged template is not used: that home's server builds its own, which
+    replaces the template."""
+    from flows.prefect_server import DATABASE, database_template, local_server
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # this test's own template
+    template = database_template()
+    built, seeded, rebuilt = (tmp_path / n for n in ("built", "seeded", "rebuilt"))
+    with local_server("127.0.0.1", 0, built, tmp_path / "built.log", ui=False):
+        pass
+    assert template.is_file() and _schema(template) == _schema(built / DATABASE)
+
+    seeded.mkdir()
+    with local_server("127.0.0.1", 0, seeded, tmp_path / "seeded.log", ui=False) as api:
+        assert flow_runs(api) == []  # the API reads its tables
+    assert _schema(seeded / DATABASE) == _schema(built / DATABASE)
+    assert _block_type_ids(seeded / DATABASE) == _block_type_ids(template), "a copy of the template"
+
+    template.write_bytes(template.read_bytes()[:4096])  # truncated: not a database any more
+    with local_server("127.0.0.1", 0, rebuilt, tmp_path / "rebuilt.log", ui=False) as api:
+        assert flow_runs(api) == []
+    assert _schema(rebuilt / DATABASE) == _schema(built / DATABASE)
+    assert _block_type_ids(rebuilt / DATABASE).isdisjoint(_block_type_ids(seeded / DATABASE)), "built anew"
+    assert _schema(template) == _schema(built / DATABASE), "the damaged template was replaced"
