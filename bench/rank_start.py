@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import shutil
 import statistics
 import sys
 import tempfile
@@ -60,7 +59,6 @@ def main() -> None:
                 with tempfile.TemporaryDirectory(prefix="sftflow-bench-ranks-") as tmp:
                     wall, cpu, weights[fork] = timed_train(Path(tmp), nproc, fork)
                     runs[fork].append((wall, cpu))
-                    shutil.rmtree(tmp, ignore_errors=True)
         worst = max((weights[True][k] - weights[False][k]).abs().max().item() for k in weights[True])
         assert worst <= 1e-6, f"forked and fresh ranks trained different weights (max |diff| {worst})"
         for fork in (False, True):

@@ -190,6 +190,17 @@ def seed_database(home: Path) -> bool:
     return True
 
 
+@contextmanager
+def template_database(home: Path) -> Iterator[None]:
+    """Around the start of a server on `home`, until it answers: the home seeded from the template
+    (`seed_database`) before, its new database kept as the template (`save_template`) after; an
+    exception (a server that did not start) keeps nothing."""
+    new_database = seed_database(home)
+    yield
+    if new_database:
+        save_template(home)
+
+
 def save_template(home: Path) -> None:
     """Keeps the new database of the server that just started on `home` as `database_template`
     (sqlite's online backup: consistent while the server writes). Best effort: it only saves time."""
@@ -238,8 +249,7 @@ def local_server(host: str, port: int, home: Path, log_path: Path, timeout: floa
         return
     home.mkdir(parents=True, exist_ok=True)
     cmd, env = _server_command(host, port, home, ui)
-    with FileLock(str(home / "server-start.lock")):
-        new_database = seed_database(home)
+    with FileLock(str(home / "server-start.lock")), template_database(home):
         with open(log_path, "a") as log:
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                     cwd=str(Path(__file__).resolve().parents[1]))
@@ -253,8 +263,6 @@ def local_server(host: str, port: int, home: Path, log_path: Path, timeout: floa
         except BaseException:
             _stop(proc)
             raise
-        if new_database:
-            save_template(home)
     marker = home / RUNNING_SERVER
     if shared:  # announced for other CLI calls on this home; a temporary server dies with its CLI
         marker.write_text(json.dumps({"api": api, "pid": proc.pid}))
@@ -376,7 +384,8 @@ def keep(home: Path, port: int, idle_s: float) -> int:
     ours: dict = {}
     proc = None
     try:
-        proc, api = _start_ui_server(home, port, time.time() + 180)
+        with template_database(home):
+            proc, api = _start_ui_server(home, port, time.time() + 180)
         ours = {"api": api, "pid": os.getpid(), "kind": "kept", "ui": True, "prefect": version("prefect"),
                 "idle_s": idle_s}
         tmp = home / f".{RUNNING_SERVER}.{os.getpid()}"
@@ -418,7 +427,6 @@ def _start_ui_server(home: Path, port: int, deadline: float, tries: int = 3) -> 
     for attempt in range(tries):
         api = f"http://127.0.0.1:{port}/api"
         cmd, env = _server_command("127.0.0.1", port, home, ui=True)
-        new_database = seed_database(home)
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
         try:
             _wait_healthy(api, proc, deadline, home / KEPT_LOG)
@@ -430,8 +438,6 @@ def _start_ui_server(home: Path, port: int, deadline: float, tries: int = 3) -> 
                 raise
         else:
             if listening_port(proc.pid) == port:  # not another process's server answering on it
-                if new_database:
-                    save_template(home)
                 return proc, api
             _stop(proc)
             if attempt == tries - 1:

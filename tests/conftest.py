@@ -259,12 +259,10 @@ def prefect_server(tmp_path_factory) -> str:
            "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2"}
     env.pop("PREFECT_API_URL", None)
     prefect = Path(sys.executable).with_name("prefect")
-    from flows.prefect_server import save_template, seed_database
-    new_database = seed_database(home)  # as the CLI's servers: a copy of a migrated database when there is one
-    proc, url = start_server([str(prefect), "server", "start", "--host", "127.0.0.1", "--port", "0"],
-                             home / "server.log", "/api/health", env=env)
-    if new_database:
-        save_template(home)
+    from flows.prefect_server import template_database
+    with template_database(home):  # as the CLI's servers: a copy of a migrated database when there is one
+        proc, url = start_server([str(prefect), "server", "start", "--host", "127.0.0.1", "--port", "0"],
+                                 home / "server.log", "/api/health", env=env)
     yield f"{url}/api"
     proc.terminate()
     try:

@@ -238,7 +238,6 @@ def test_weights_kept_gathered_between_forward_and_backward_train_like_one_proce
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 @pytest.mark.parametrize("fork", ["1", "0"])
 def test_ranks_fork_from_the_agent_without_a_gpu_and_start_fresh_when_told(tmp_path, fork):
     """local_torchrun forks the ranks of a Python entry (its imports done once) unless
@@ -258,6 +257,7 @@ def test_ranks_fork_from_the_agent_without_a_gpu_and_start_fresh_when_told(tmp_p
                for r in ranks)
 
 
+@pytest.mark.slow
 def test_two_agents_rendezvous_like_one_agent_with_two_processes(tmp_path):
     one = train(make_cfg(subdir(tmp_path, "one"), actor=TWO_PROCS))  # one agent, two processes
     # The rendezvous store is hosted here, bound to a port the kernel picks (0) and held until both

@@ -79,7 +79,7 @@ def run_entry(script: str, module: bool, *args: str) -> None:
 def forked_entry(args) -> tuple | None:
     """(entry point, its arguments) that fork the ranks of torchrun's `args` from this process, their
     entry's imports done; None where they start as fresh interpreters: on a machine with GPUs, for a
-    program that is not Python, off Linux, or with SFTFLOW_FORK_RANKS=0."""
+    program that is not Python, off Linux, with SFTFLOW_FORK_RANKS=0, or when an import fails here."""
     from stages.core.topology import visible_gpus  # torch-free: nvidia-smi, as the CLI decides the topology
     if args.no_python or not sys.platform.startswith("linux") or os.environ.get(FORK_ENV, "1") == "0" \
             or visible_gpus():
@@ -89,8 +89,11 @@ def forked_entry(args) -> tuple | None:
         return None
     if not args.module:  # as `python script.py`: its folder first on the path
         sys.path.insert(0, str(path.resolve().parent))
-    for name in [*entry_imports(path), *RANK_IMPORTS]:
-        importlib.import_module(name)
+    try:
+        for name in [*entry_imports(path), *RANK_IMPORTS]:
+            importlib.import_module(name)
+    except Exception:  # noqa: BLE001 - the ranks then import it themselves and report it as a rank's failure
+        return None
     return run_entry, [args.training_script, args.module, *args.training_script_args]
 
 
