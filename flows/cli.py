@@ -34,8 +34,8 @@ from flows.prefect_server import KeepSettingError, ServerDidNotStart, prefect_ap
 from stages.core.config import ConfigError, SFTConfig, default_tracking_uri, flatten, load_config
 from stages.core.errors import MissingUpstream, StageError
 from stages.evaluate.report import COLUMNS, table_cells
-from stages.pipeline import (KEY_METRIC, STAGES, Plan, check_launch, check_memory, plan, replay_file, require_upstream,
-                             train_memory)
+from stages.pipeline import (KEY_METRIC, STAGES, Plan, check_launch, check_memory, launch_report, plan, replay_file,
+                             require_upstream, train_memory)
 from stages.runtime.launcher import request_stop, stop_requested
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -264,8 +264,8 @@ def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg
         return
     stages = {s: {"fingerprint": p.fingerprints[s], "status": p.status(s), "path": str(p.folder(s))} for s in p.stages}
     if as_json:
-        print(json.dumps({"config": cfg.model_dump(mode="json"), "topology": cfg.actor.topology, "stages": stages},
-                         indent=2))
+        print(json.dumps({"config": cfg.model_dump(mode="json"), "topology": cfg.actor.topology, "stages": stages,
+                          "launch": launch_report(p)}, indent=2))
         return
     table = Table(title=f"config {config}")
     table.add_column("key")
@@ -280,7 +280,16 @@ def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg
         st.add_row(s, info["fingerprint"], info["status"], info["path"])
     console.print(st)
     console.print(f"training runs {escape(cfg.actor.topology)}", highlight=False)
+    launch = launch_report(p)
+    dev = launch["device"]
+    where = (f"{dev['count']} x {dev['name']}" + (f" (compute {dev['capability']})" if dev["capability"] else "")
+             if dev["kind"] == "cuda" else "the CPU")
+    console.print(f"on {escape(where)}: {launch['backend']}, {launch['precision']}, attention "
+                  f"{launch['attn_implementation'] or '-'}" + (f" ({escape(dev['note'])})" if dev["note"] else ""),
+                  highlight=False)
     _memory_table(p)
+    if launch["refused_by"] in ("processes", "attention"):  # the memory table says its own
+        err.print(f"[bold red]would not launch:[/] {escape(launch['refused'])}", highlight=False, soft_wrap=True)
 
 
 def _preview(cfg: SFTConfig, p, n: int) -> None:

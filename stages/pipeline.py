@@ -326,13 +326,77 @@ def check_attention(cfg: SFTConfig, device: memory_plan.Device | None = None) ->
                                  device.precision(cfg.actor.precision))
 
 
+def check_processes(cfg: SFTConfig, device: memory_plan.Device | None = None) -> None:
+    """Training on GPUs runs one process per GPU (FSDP2 over NCCL shards over distinct devices; NCCL
+    refuses two ranks on one GPU): a count above the GPUs this machine shows is a ConfigError naming
+    `actor.nproc_per_node`. On CPU any count runs (gloo processes share the cores); evaluation and
+    replay ranks hold whole models and talk over gloo, so they may share a GPU."""
+    device = device or memory_plan.visible_device()
+    n = cfg.actor.nproc_per_node
+    if device.kind == "cuda" and n > device.count:
+        gpus = f"{device.count} visible GPU{'s' if device.count > 1 else ''} ({device.name})"
+        raise ConfigError(f"actor.nproc_per_node={n} but this machine has {gpus}: training runs one process per "
+                          f"GPU; set actor.nproc_per_node=auto (uses what the machine has) or at most "
+                          f"{device.count}")
+
+
 def check_launch(p: Plan, device: memory_plan.Device | None = None, warn: Callable[[str], None] = print) -> None:
     """What only the machine that trains can tell, checked on it right before training launches
-    (the CLI's run/stage train, and the train stage itself on a worker): the attention kernel, then
-    the memory plan. Planning alone (`sftflow show`, a deployment) checks neither."""
+    (the CLI's run/stage train, and the train stage itself on a worker): the process count against
+    the GPUs, the attention kernel, then the memory plan. Planning alone (`sftflow show`, a
+    deployment) checks none of them."""
     device = device or memory_plan.visible_device()
+    check_processes(p.cfg, device)
     check_attention(p.cfg, device)
     check_memory(p, device, warn)
+
+
+def launch_report(p: Plan, device: memory_plan.Device | None = None) -> dict:
+    """Every decision the machine makes for training, as `sftflow show --json` reports it: the device
+    inventory, processes per node and why, the backend, the precision, the attention kernel, each
+    rank's device, the memory plan against the budget, and what `check_launch` would refuse (the
+    first check that does, in its order) or warn of (torch-free: the rules the worker applies, on what planning sees)."""
+    from .core.topology import backend, inventory, rank_gpu
+    device = device or memory_plan.visible_device()
+    a = p.cfg.actor
+    precision = device.precision(a.precision)
+    report: dict = {
+        "device": {"kind": device.kind, "name": device.name, "count": device.count,
+                   "memory_gib": round(device.bytes / memory_plan.GIB, 1),
+                   "capability": ".".join(map(str, device.capability)) if device.capability else None,
+                   "source": inventory().source, "note": inventory().note},
+        "nproc_per_node": a.nproc_per_node, "topology": a.topology, "backend": backend(device.kind),
+        "precision": precision, "attn_implementation": None,
+        "train_devices": [f"cuda:{rank_gpu(r, device.count)}" if device.kind == "cuda" else "cpu"
+                          for r in range(a.nproc_per_node)],
+        "eval_devices": [f"cuda:{rank_gpu(r, device.count, shared=True)}" if device.kind == "cuda" else "cpu"
+                         for r in range(a.nproc_per_node)],
+        "memory": None, "warnings": [], "refused": None, "refused_by": None,
+    }
+    try:
+        report["attn_implementation"] = memory_plan.attention_kernel(a.attn_implementation, device, a.packing,
+                                                                     precision)
+    except ConfigError:
+        pass  # check_launch below names it
+    mp, source = train_memory(p, device)
+    budget = memory_plan.budget_for(p.cfg, device)
+    if mp is not None:
+        report["memory"] = {"per_rank_bytes": mp.total, "ranks_sharing_budget": budget.ranks if budget else None,
+                            "budget_bytes": budget.bytes if budget else None,
+                            "budget": budget.what if budget else None, "dims": source}
+    else:
+        report["memory"] = {"unknown": source}
+    for check, name in ((check_processes, "processes"), (check_attention, "attention")):
+        try:
+            check(p.cfg, device)
+        except ConfigError as e:
+            report["refused"], report["refused_by"] = str(e), name
+            return report
+    try:
+        check_memory(p, device, warn=report["warnings"].append)
+    except ConfigError as e:
+        report["refused"], report["refused_by"] = str(e), "memory"
+    return report
 
 
 def _plan(cfg: SFTConfig) -> Plan:

@@ -238,13 +238,11 @@ def test_weights_kept_gathered_between_forward_and_backward_train_like_one_proce
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fork", ["1", "0"])
-def test_ranks_fork_from_the_agent_without_a_gpu_and_start_fresh_when_told(tmp_path, fork):
-    """local_torchrun forks the ranks of a Python entry (its imports done once) unless
-    SFTFLOW_FORK_RANKS=0 (or a GPU is visible); either way each rank is a child of the agent, runs
-    the entry as __main__ with its arguments, and gets torchrun's one thread per rank of two."""
+def test_ranks_start_as_fresh_interpreters_as_on_gpus(tmp_path):
+    """local_torchrun starts every rank as torchrun does on GPUs: a fresh interpreter, a child of the
+    agent, running the entry as __main__ with its arguments, with torchrun's one thread per rank of two."""
     env = {k: v for k, v in worker_env(2).items() if k != "OMP_NUM_THREADS"}  # torchrun sets it per rank
-    env.update(SFTFLOW_FORK_RANKS=fork, CUDA_VISIBLE_DEVICES="")
+    env.update(CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "stages.runtime.local_torchrun", "--nproc_per_node=2",
            str(ROOT / "tests" / "dist" / "rank_check.py"), str(tmp_path), "extra"]
     agent = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -252,7 +250,9 @@ def test_ranks_fork_from_the_agent_without_a_gpu_and_start_fresh_when_told(tmp_p
     assert agent.returncode == 0, out[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(r["ppid"] == agent.pid and r["pid"] != agent.pid for r in ranks)
-    assert all(r["forked"] == (fork == "1") for r in ranks)
+    assert not any(r["forked"] for r in ranks)
+    # a fresh interpreter has no torch elastic signal handler of the agent's: SIGTERM is the default
+    assert all(r["sigterm"] == "default" for r in ranks)
     assert all(r["threads"] == 1 and r["argv"] == [str(tmp_path), "extra"] and r["main"] == "__main__"
                for r in ranks)
 
@@ -338,9 +338,8 @@ def test_a_worker_crash_is_reported_as_its_root_cause(tmp_path):
                                     "micro_batch_size": 8, "global_batch_size": 32})
     sys.path.insert(0, str(ROOT / "tests"))
     try:
-        # ranks started as fresh interpreters here (as on GPUs), forked from the agent below
         with pytest.raises(TrainingFailed, match=r"training failed \(torchrun exit 1\): rank \d: KeyError: 'y'"):
-            train(cfg, {**env, "SFTFLOW_FORK_RANKS": "0"})
+            train(cfg, env)
         # the cause came from torch elastic's error file (one per failed rank), not from the log's text
         errors = list((cfg.artifacts_path / "train").glob(".*.partial/elastic/*/attempt_0/*/error.json"))
         assert errors and all("KeyError: 'y'" in e.read_text() for e in errors)

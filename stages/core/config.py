@@ -128,7 +128,11 @@ class ActorConfig(_Section):
     # How the work is spread and memory/speed knobs don't change the maths (world size included:
     # a run checkpointed on 2 processes resumes on 1 under the same fingerprint).
     nproc_per_node: int | Literal["auto"] = unhashed(
-        "auto", description="processes per node; auto: one per visible GPU, else one on CPU (core/topology.py)")
+        "auto", description="processes per node; auto: one per visible GPU the batch sizes can use, else "
+                            "actor.cpu_nproc_per_node on CPU (core/topology.py); a number above the visible GPUs is "
+                            "refused before training launches")
+    cpu_nproc_per_node: int = unhashed(1, ge=1, description="processes per node for auto on a machine without a GPU "
+                                                            "(FSDP2 over gloo)")
     nnodes: int = unhashed(1, ge=1)
     node_rank: int = unhashed(0, ge=0)
     rdzv_endpoint: str | None = unhashed(None, description="host:port of the c10d rendezvous; required when nnodes > 1")
@@ -192,7 +196,8 @@ class ActorConfig(_Section):
         # Resolved where the config is loaded, which is where torchrun starts: every later reader
         # (batch sizes, the memory plan, the worker's spec) sees a number.
         if self.nproc_per_node == "auto":
-            self._auto = auto_nproc()
+            self._auto = auto_nproc(self.micro_batch_size, self.global_batch_size, self.nnodes,
+                                    self.cpu_nproc_per_node)
             self.__dict__["nproc_per_node"] = self._auto[0]  # not an assignment: no second validation round
         return self
 

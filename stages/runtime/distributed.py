@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import sys
@@ -11,6 +10,8 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+
+from stages.core.topology import rank_gpu
 
 from .proctree import die_with_parent
 
@@ -35,8 +36,7 @@ def local_device(shared: bool = False) -> torch.device:
     nothing is sharded, e.g. 2 evaluation processes on 1 GPU), else the CPU."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    index = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", index % torch.cuda.device_count() if shared else index)
+    device = torch.device("cuda", rank_gpu(int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count(), shared))
     torch.cuda.set_device(device)
     return device
 
@@ -99,13 +99,7 @@ def exit_skipping_finalization(code: int = 0) -> None:
     """Ends a torchrun worker whose work is done, written and whose process group is destroyed,
     without Python's interpreter finalization: gloo's C++ threads can abort the process there
     (SIGABRT, "terminate called without an active exception"; seen after complete trainings),
-    and torchrun would report finished work as a failed stage. A rank forked by torchrun's agent
-    (stages/runtime/local_torchrun.py) returns instead: torch elastic waits for its entry point to
-    return, then ends the process the same way (multiprocessing's `os._exit`)."""
+    and torchrun would report finished work as a failed stage."""
     sys.stdout.flush()
     sys.stderr.flush()
-    if multiprocessing.parent_process() is not None:
-        if code:
-            raise SystemExit(code)
-        return
     os._exit(code)

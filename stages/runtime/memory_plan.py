@@ -268,6 +268,7 @@ class Device:
     name: str
     bytes: int  # a GPU's total memory, or the RAM this machine (or its cgroup) allows
     capability: tuple[int, int] | None = None  # a GPU's compute capability (nvidia-smi's compute_cap); None: unknown
+    count: int = 1  # how many such GPUs are visible (0 on CPU)
 
     @property
     def bf16(self) -> bool:
@@ -326,40 +327,22 @@ def largest_fitting(lo: int, hi: int, fits_at) -> int | None:
 
 
 def visible_device() -> Device:
-    """The first GPU that CUDA_VISIBLE_DEVICES leaves visible, from nvidia-smi (no torch: planning
-    runs in the CLI); else the CPU, with the machine's RAM or its cgroup's limit when smaller."""
+    """The first GPU this process may train on (`core.topology.inventory`: nvidia-smi, or torch where
+    nvidia-smi can't tell; no torch import here, planning runs in the CLI), with how many there are;
+    else the CPU, with the machine's RAM or its cgroup's limit when smaller."""
     import os
-    import shutil
-    import subprocess
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    smi = shutil.which("nvidia-smi")
-    if smi and visible not in ("", "-1"):
-        gpus = []
-        # compute_cap needs a driver from 2021 or later: without it, the same query less that field
-        for fields in ("index,name,memory.total,compute_cap", "index,name,memory.total"):
-            try:
-                out = subprocess.run([smi, f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
-                                     capture_output=True, text=True, timeout=20).stdout
-            except (OSError, subprocess.SubprocessError):
-                out = ""
-            n = fields.count(",")
-            gpus = [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.count(",") == n]
-            if gpus:
-                break
-        wanted = [v.strip() for v in (visible or "").split(",") if v.strip()]
-        if wanted and all(v.isdigit() for v in wanted):
-            gpus = [g for g in gpus if g[0] in wanted]
-        if gpus and gpus[0][2].isdigit():
-            cap = gpus[0][3].split(".") if len(gpus[0]) > 3 else []
-            capability = (int(cap[0]), int(cap[1])) if len(cap) == 2 and all(c.isdigit() for c in cap) else None
-            return Device("cuda", gpus[0][1], int(gpus[0][2]) * 1024 ** 2, capability)
+
+    from stages.core.topology import inventory
+    gpus = inventory().gpus
+    if gpus:
+        return Device("cuda", gpus[0].name, gpus[0].bytes, gpus[0].capability, len(gpus))
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         limit = open("/sys/fs/cgroup/memory.max").read().strip()
         ram = min(ram, int(limit)) if limit.isdigit() else ram
     except OSError:
         pass
-    return Device("cpu", "CPU", ram)
+    return Device("cpu", "CPU", ram, count=0)
 
 
 def attention_kernel(requested: str, device: Device, packing: bool, precision: str) -> str:

@@ -34,6 +34,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from stages.core.config import SFTConfig
 from stages.core.errors import ConfigError, StageError
 from stages.core.imports import import_object
+from stages.core.topology import backend
 from stages.tracking.live import RankZeroMetrics, read_metrics_file
 
 from . import checkpoint as ckpt
@@ -210,7 +211,7 @@ class SFTWorker:
     def init_distributed(self) -> tuple[torch.device, int, int, str]:
         """Starts this rank's process group; (device, rank, world size, precision)."""
         device = local_device()
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend(device.type))
         return device, dist.get_rank(), dist.get_world_size(), choose_precision(self.cfg.actor.precision, device)
 
     def build_model(self) -> tuple[torch.nn.Module, Sharding]:
