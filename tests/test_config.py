@@ -116,13 +116,15 @@ def gpus(tmp_path, monkeypatch):
         bin_dir.mkdir(exist_ok=True)
         smi = bin_dir / "nvidia-smi"
         if n:
-            smi.write_text("#!/bin/sh\n" + "".join(f"echo 'GPU {i}: NVIDIA H200 (UUID: GPU-{i})'\n" for i in range(n)))
+            smi.write_text("#!/bin/sh\n" + "".join(f"echo '{i}, NVIDIA H200, 143771, 9.0'\n" for i in range(n)))
             smi.chmod(0o755)
         elif smi.exists():
             smi.unlink()
         monkeypatch.setenv("PATH", str(bin_dir) if not n else f"{bin_dir}:/usr/bin:/bin")
         topology._smi_gpus.cache_clear()
 
+    monkeypatch.setattr(topology, "torch_build", lambda: "cuda")  # as on a GPU machine (this one's torch is CPU)
+    monkeypatch.setattr(topology, "_torch_gpus", lambda visible: ())  # no nvidia-smi: torch sees none either
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     yield install
     topology._smi_gpus.cache_clear()
@@ -161,11 +163,20 @@ def test_nproc_auto_is_one_process_on_cpu_one_per_gpu_and_an_explicit_count_is_o
     assert type(a).model_validate(actor().model_dump(mode="json")).topology == actor().topology
 
 
-def test_nproc_auto_feeds_the_batch_rule_and_bad_counts_are_one_line(tmp_path, gpus):
+def test_nproc_auto_uses_the_gpus_the_batch_splits_over_and_bad_counts_are_one_line(tmp_path, gpus):
     gpus(4)
+    a = config_from_dict(tiny_config_dict(tmp_path, actor={"nproc_per_node": "auto", "micro_batch_size": 4,
+                                                           "global_batch_size": 8})).actor
+    assert a.nproc_per_node == 2 and a.topology == (
+        "2 processes: auto: 2 of 4 visible GPUs, one process each: actor.global_batch_size=8 in micro-batches of 4 "
+        "splits evenly over at most 2 processes (a smaller actor.micro_batch_size uses more GPUs)")
+    gpus(8)
+    for micro, n in ((4, 6), (2, 8), (16, 3)):  # 48 = 4 x 6 x 2 micro-batches; 2 x 8 x 3; 16 x 3 x 1
+        assert config_from_dict(tiny_config_dict(tmp_path, actor={"nproc_per_node": "auto", "micro_batch_size": micro,
+                                                                  "global_batch_size": 48})).actor.nproc_per_node == n
     with pytest.raises(ConfigError, match=r"actor.global_batch_size=8 must be divisible by micro_batch_size x "
                                           r"world size = 4 x 4 = 16"):
-        config_from_dict(tiny_config_dict(tmp_path, actor={"nproc_per_node": "auto", "micro_batch_size": 4,
+        config_from_dict(tiny_config_dict(tmp_path, actor={"nproc_per_node": 4, "micro_batch_size": 4,
                                                            "global_batch_size": 8}))
     for bad in (0, -1, "two", 1.5, True):
         with pytest.raises(ConfigError) as e:

@@ -388,9 +388,12 @@ def test_smollm2_shaped_estimate_within_25_percent_of_the_measured_step_peak(tmp
 def test_the_plan_takes_precision_as_the_runtime_does_from_nvidia_smi(tmp_path, monkeypatch):
     """A T4 (compute capability 7.5) has no bf16 for torch.cuda.is_bf16_supported(): the plan of
     `auto` is fp32 there, as the worker's; an H200 (9.0) bf16; a driver without compute_cap: bf16."""
+    from stages.core import topology
     smi = tmp_path / "nvidia-smi"
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(topology, "torch_build", lambda: "cuda")  # as on a GPU machine (this one's torch is CPU)
+    monkeypatch.setattr(topology, "_smi_gpus", topology._smi_gpus.__wrapped__)  # each reply below read afresh
     (tmp_path / "cfg").mkdir()
     cfg = config(tmp_path / "cfg")
     for reply, capability, precision in [("0, Tesla T4, 15360, 7.5", (7, 5), "fp32"),

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -255,6 +256,42 @@ def test_ranks_start_as_fresh_interpreters_as_on_gpus(tmp_path):
     assert all(r["sigterm"] == "default" for r in ranks)
     assert all(r["threads"] == 1 and r["argv"] == [str(tmp_path), "extra"] and r["main"] == "__main__"
                for r in ranks)
+
+
+@pytest.mark.slow
+def test_sigterm_ends_a_rank_blocked_in_a_collective_at_once_and_reads_as_a_cancel(tmp_path):
+    """A stop request (the CLI's SIGTERM or Ctrl-C) while rank 0 waits in a gloo all_reduce: torchrun's
+    agent passes SIGTERM on, which ends both ranks (the default handler; a rank forked from the agent
+    used to inherit torch elastic's and wait for the SIGKILL 10 s later), and the launcher reports a
+    cancel (KeyboardInterrupt), not a rank's failure."""
+    import threading
+
+    import psutil
+
+    from stages.core.errors import StageError
+    from stages.runtime import launcher
+    cmd = [sys.executable, "-m", "stages.runtime.local_torchrun", "--nproc_per_node=2",
+           f"--log-dir={tmp_path / 'elastic'}", str(ROOT / "tests" / "dist" / "blocked_rank.py"), str(tmp_path)]
+    ready = [tmp_path / f"rank{r}.ready" for r in (0, 1)]
+
+    def stop_once_blocked():
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not all(f.exists() for f in ready):
+            time.sleep(0.1)
+        time.sleep(1.0)  # rank 0 is inside the all_reduce by now
+        launcher.request_stop()
+    threading.Thread(target=stop_once_blocked, daemon=True).start()
+    lines: list[str] = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launcher.run_torchrun(cmd, tmp_path / "run.log", StageError, "blocked", on_line=lines.append,
+                                  nproc_per_node=2)
+    finally:
+        launcher._stop_requested.clear()
+    pids = [int(f.read_text()) for f in ready]
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    log = "\n".join(lines)
+    assert "forcefully exiting via SIGKILL" not in log and "Unable to shutdown" not in log, log[-3000:]
 
 
 @pytest.mark.slow
