@@ -1,10 +1,11 @@
-"""The GPU check of issue #27, one command: the GPU-marked tests, then the train benchmark on a
+"""The GPU check (issues #27, #44), one command: the GPU-marked tests, the demo's stages on this
+machine's GPUs (bench/gpu_demo.py: `make run`'s work without Prefect and MLflow), then the train benchmark on a
 SmolLM2-135M-shaped and a Qwen2-0.5B-shaped model (random init, built from their transformers
 configs): sftflow's worker against the bare packed loop, packed and padded, packed with
 activation checkpointing; trained tokens/s, MFU and peak memory in one table.
 
-    python3 bench/gpu_check.py --out DIR      # on a GPU machine: <= 8 minutes on one H200
-    .venv/bin/python bench/gpu_check.py --dry-run   # the same code on CPU, tiny: about a minute
+    python3 bench/gpu_check.py --out DIR      # on a GPU machine: <= 8.5 minutes on one H200
+    .venv/bin/python bench/gpu_check.py --dry-run   # the same code on CPU (the demo's stages included): ~4 min
 
 On the device machine (docs/benchmarks.md, "GPU check"), pydantic and orjson are carried as wheels
 (the image has torch, transformers, peft, pyarrow, tokenizers, pytest, hypothesis, psutil):
@@ -16,8 +17,8 @@ On the device machine (docs/benchmarks.md, "GPU check"), pydantic and orjson are
         "python3 -m pip install -q --no-index --no-deps --target /tmp/site build/device-wheels/*.whl &&
          PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --out $OUT")
 
-Every part runs in a subprocess under a timeout cut from one overall budget (`--budget`, 450 s by
-default), in order of importance: the tests, the 135M shape, the 0.5B shape. A part that no longer
+Every part runs in a subprocess under a timeout cut from one overall budget (`--budget`, 480 s by
+default), in order of importance: the tests, the demo, the 135M shape, the 0.5B shape. A part that no longer
 fits is reported as skipped, never left to overrun the device's time. The table goes to stdout and,
 with --out, to DIR/gpu_check.md (with the parts' logs in DIR/gpu_check.log).
 """
@@ -50,7 +51,8 @@ GPU_BENCH = [
                     "--seq-scale", "8"]),
 ]
 DRY_BENCH = [("tiny", 1.0, ["--steps", "1", "--warmup", "1", "--global-batch", "4", "--micro-batch", "2"])]
-TESTS_SHARE = 0.4  # of the budget, at most; the benches share what is left
+TESTS_SHARE = 0.3  # of the budget, at most
+DEMO_SHARE = 0.25  # the demo's stages (bench/gpu_demo.py); the benches share what is left
 
 
 def run_part(name: str, cmd: list[str], timeout: float, log) -> tuple[str, float]:
@@ -88,9 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU, the tiny shape, 1 + 1 steps: the same code in seconds")
     ap.add_argument("--out", type=Path, default=None, help="write gpu_check.md, gpu_check.json and gpu_check.log here")
-    ap.add_argument("--budget", type=float, default=None, help="seconds for everything (default 450; dry run 240)")
+    ap.add_argument("--budget", type=float, default=None, help="seconds for everything (default 480; dry run 360)")
     ap.add_argument("--methods", default=MATRIX, help="bench methods (bench/train_throughput.py --methods)")
-    ap.add_argument("--skip-tests", action="store_true", help="the benchmark only")
+    ap.add_argument("--skip-tests", action="store_true", help="leave out the GPU-marked tests")
+    ap.add_argument("--skip-demo", action="store_true", help="leave out the demo's stages (bench/gpu_demo.py)")
     return ap.parse_args(argv)
 
 
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda and not args.dry_run:
         print("no CUDA device here: use --dry-run for the CPU path", file=sys.stderr)
         return 2
-    budget = args.budget or (240.0 if args.dry_run else 450.0)
+    budget = args.budget or (360.0 if args.dry_run else 480.0)
     deadline = time.monotonic() + budget
     out = args.out or Path(tempfile.mkdtemp(prefix="sftflow-gpu-check-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -117,6 +120,21 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_gpu.py"]
             status, secs = run_part("tests", cmd, min(TESTS_SHARE * budget, deadline - time.monotonic()), log)
             parts.append({"part": "pytest -m gpu", "status": status, "seconds": round(secs)})
+        # the first command on this machine: the demo through its stages, one process per GPU it can use
+        demo_out = out / "demo"
+        if args.skip_demo:
+            cmd = []
+        else:
+            cmd = [sys.executable, str(ROOT / "bench" / "gpu_demo.py"), "--out", str(demo_out)]
+        if cmd:
+            status, secs = run_part("demo", cmd, min(DEMO_SHARE * budget, deadline - time.monotonic()), log)
+            demo = (json.loads((demo_out / "gpu_demo.json").read_text()) if (demo_out / "gpu_demo.json").is_file()
+                    else {})
+            detail = (f": accuracy {demo['accuracy']:.3f} (base {demo['base_accuracy']:.3f}), {demo['topology']}, "
+                      f"{demo['launch']['precision']}, {demo['launch']['attn_implementation']}, stages "
+                      + ", ".join(f"{k} {v} s" for k, v in demo["seconds"].items())) if demo else ""
+            parts.append({"part": "demo (make run's stages, no Prefect/MLflow)", "status": status + detail,
+                          "seconds": round(secs)})
         bench_total = deadline - time.monotonic()
         for shape, share, extra in (DRY_BENCH if args.dry_run else GPU_BENCH):
             result = out / f"bench-{shape}.json"

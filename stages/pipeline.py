@@ -355,7 +355,8 @@ def launch_report(p: Plan, device: memory_plan.Device | None = None) -> dict:
     """Every decision the machine makes for training, as `sftflow show --json` reports it: the device
     inventory, processes per node and why, the backend, the precision, the attention kernel, each
     rank's device, the memory plan against the budget, and what `check_launch` would refuse (the
-    first check that does, in its order) or warn of (torch-free: the rules the worker applies, on what planning sees)."""
+    first check that does, in its order) or warn of (torch-free: the worker's rules, on what
+    planning sees)."""
     from .core.topology import backend, inventory, rank_gpu
     device = device or memory_plan.visible_device()
     a = p.cfg.actor
