@@ -24,7 +24,7 @@ def test_default_config_learns_the_demo(tmp_path):
     metrics = json.loads((ev / "metrics.json").read_text())
     assert metrics["total"] == 60
     assert metrics["base_accuracy"] <= 0.1
-    assert metrics["accuracy"] >= 0.8, metrics
+    assert metrics["accuracy"] >= 0.9, metrics  # the README's promise (docs/benchmarks.md: 20 runs, all >= 0.9)
     # the eval table's row: set, samples, base, tuned (as printed on any terminal width)
     assert re.search(rf"│ val\s+│ 60\s+│ {metrics['base_accuracy']:.3f}\s+│ "
                      rf"{metrics['accuracy']:.3f}\s+│", proc.stdout), proc.stdout
