@@ -364,6 +364,28 @@ def test_adding_an_eval_set_rescores_and_never_retrains(flow_run):
     assert metrics["sets"]["extra"]["total"] == 8
 
 
+def test_every_set_name_the_schema_accepts_scores_end_to_end(flow_run):
+    """Names that are also split names (val, train, eval) are ordinary eval sets: each is prepared
+    under prepare_eval's eval/<name> and scored there, not read from the prepare stage's val split."""
+    tmp, cfg_path, _ = flow_run
+    from conftest import demo_rows, write_jsonl
+    files = {name: write_jsonl(tmp / f"set-{name}.jsonl", demo_rows("eval.jsonl", 20)[i:i + 5])
+             for i, name in enumerate(("val", "train", "eval"))}
+    own = [f"eval.sets.{name}.data_paths=[{path}]" for name, path in files.items()]
+    own += ["eval.primary=val", "registry.model_name=test-model-setnames"]
+    proc = sftflow("run", "-c", str(cfg_path), *own, cwd=tmp)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    done = stages_of(cfg_path, *own)
+    assert sorted(d.name for d in (Path(done["prepare_eval"]["path"]) / "eval").iterdir()) == ["eval", "train", "val"]
+    metrics = json.loads((Path(done["evaluate"]["path"]) / "metrics.json").read_text())
+    assert list(metrics["sets"]) == ["val", "train", "eval"] and all(
+        metrics["sets"][n]["total"] == 5 for n in files)
+    records = [json.loads(x) for x in (Path(done["evaluate"]["path"]) / "predictions.jsonl").read_text().splitlines()]
+    assert {r["set"] for r in records} == {"val", "train", "eval"}
+    # each set's rows are its own file's, not the prepare stage's val split
+    assert {r["source"].split(":")[0] for r in records if r["set"] == "val"} == {str(files["val"])}
+
+
 def test_edited_data_file_reruns_everything_and_touching_it_does_not(flow_run):
     """On a copy of the training file, so the other tests' data stays as it was."""
     tmp, cfg_path, _ = flow_run

@@ -84,13 +84,15 @@ def guard_sets(cfg: SFTConfig, sets: dict[str, dict]) -> None:
 
 
 def _check_sets(cfg: SFTConfig, prepare_dir: str) -> None:
+    named = bool(cfg.eval.sets)
+    stage = "prepare_eval" if named else "prepare"
     for name in prepared_sets(cfg):
         try:  # an empty eval set would report accuracy 0/0 as a result
-            count_rows(set_dir(prepare_dir, name),
-                       "held-out samples" if name == "val" else f"eval set '{name}' samples")
+            count_rows(set_dir(prepare_dir, name, named),
+                       f"eval set '{name}' samples" if named else "held-out samples")
         except ValueError as e:
             raise EvaluationError(f"evaluate: {e}; rebuild them with "
-                                  "`sftflow stage prepare --force -c <config>`") from None
+                                  f"`sftflow stage {stage} --force -c <config>`") from None
 
 
 def _score(cfg: SFTConfig, build: StageBuild, base_model: str, model: dict, prepare_dir: str,
@@ -120,7 +122,8 @@ def _set_fingerprints(cfg: SFTConfig, prepare_dir: str, sets: dict[str, dict], f
             set_fps[name] = sha256_text(canonical_json([eval_set_fingerprint(scored.get(name, [])), s.task,
                                                         s.num_fewshot, s.uses_chat_template]))[:16]
             continue
-        set_fps[name] = eval_set_fingerprint(eval_samples(prepare_dir, cfg.eval.max_samples, name))
+        set_fps[name] = eval_set_fingerprint(eval_samples(prepare_dir, cfg.eval.max_samples, name,
+                                                          bool(cfg.eval.sets)))
         if sets[name].get("mode") == "worker":  # the worker's own data and counts: not comparable to prompt scoring
             set_fps[name] = sha256_text(f"{set_fps[name]}:{cfg.actor.worker}")[:16]
     return set_fps

@@ -17,9 +17,10 @@ from stages.core.config import SFTConfig, eval_split
 BASE_KEYS = ("accuracy", "correct", "total", "eval_loss")  # what a reference contributes as `base_<key>`
 
 
-def set_dir(prepare_dir: str | Path, name: str) -> Path:
-    """Where the prepare stage wrote eval set `name` ("val": the val split)."""
-    return Path(prepare_dir) / ("val" if name == "val" else eval_split(name))
+def set_dir(prepare_dir: str | Path, name: str, named: bool) -> Path:
+    """Where eval set `name` was prepared: with named sets (`eval.sets`, `named`), prepare_eval's
+    `eval/<name>` for every name, `val` included; without them, the prepare stage's val split."""
+    return Path(prepare_dir) / (eval_split(name) if named else "val")
 
 
 def sample_indices(n: int, max_samples: int) -> list[int]:
@@ -30,8 +31,8 @@ def sample_indices(n: int, max_samples: int) -> list[int]:
     return [i * n // max_samples for i in range(max_samples)]
 
 
-def eval_samples(prepare_dir: str, max_samples: int = 0, set_name: str = "val") -> list[dict]:
-    table = read_shards(set_dir(prepare_dir, set_name), ["input_ids", "loss_mask", "source", "messages"])
+def eval_samples(prepare_dir: str, max_samples: int = 0, set_name: str = "val", named: bool = False) -> list[dict]:
+    table = read_shards(set_dir(prepare_dir, set_name, named), ["input_ids", "loss_mask", "source", "messages"])
     rows = table.take(sample_indices(table.num_rows, max_samples)).to_pylist()
     for r in rows:
         messages = json.loads(r["messages"])
