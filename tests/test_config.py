@@ -192,3 +192,32 @@ def test_show_says_how_many_processes_train_and_why(tmp_path):
     shown, cfg = json.loads(out.stdout), load_config(path)
     assert shown["config"]["actor"]["nproc_per_node"] == "auto"  # as written; what it resolved to, and why:
     assert shown["topology"] == cfg.actor.topology and "auto: one process" in cfg.actor.topology
+
+
+def test_a_config_error_names_where_its_value_came_from(tmp_path):
+    """The file for a value written there, the command-line override for one given on the command
+    line; a section's own check is not prefixed twice; a missing data file names the config too."""
+    cfg = write_config(tmp_path, tiny_config_dict(tmp_path))
+
+    def error(*overrides: str, path=cfg) -> str:
+        with pytest.raises(ConfigError) as e:
+            load_config(path, list(overrides))
+        return str(e.value)
+    assert error("actor.foo=1").startswith("command-line override 'actor.foo=1': unknown key 'actor.foo'; ")
+    batch = error("actor.global_batch_size=6", "actor.micro_batch_size=4", "actor.nproc_per_node=1")
+    assert batch == ("command-line override 'actor.global_batch_size=6': actor.global_batch_size=6 must be divisible "
+                     "by micro_batch_size x world size = 4 x 1 = 4; try actor.global_batch_size=4")
+    assert error("actor.optim.lr=-1") == ("command-line override 'actor.optim.lr=-1': actor.optim.lr: Input should be "
+                                          "greater than 0 (got -1)")
+    missing = error(f"data.train_data_paths=[{tmp_path / 'nope.jsonl'}]")
+    assert missing.startswith(f"command-line override 'data.train_data_paths=[{tmp_path / 'nope.jsonl'}]': "
+                              f"data.train_data_paths: '{tmp_path / 'nope.jsonl'}' does not exist")
+    # the same mistakes written in the file name the file; an unrelated override is not blamed
+    raw = tiny_config_dict(tmp_path)
+    raw["actor"]["foo"] = 1
+    assert error("actor.optim.lr=1e-3", path=write_config(tmp_path, raw, "typo.yaml")).startswith(
+        f"{tmp_path / 'typo.yaml'}: unknown key 'actor.foo'")
+    raw = tiny_config_dict(tmp_path)
+    raw["data"]["train_data_paths"] = [str(tmp_path / "gone.jsonl")]
+    assert error(path=write_config(tmp_path, raw, "gone.yaml")).startswith(
+        f"{tmp_path / 'gone.yaml'}: data.train_data_paths: '{tmp_path / 'gone.jsonl'}' does not exist")

@@ -600,8 +600,8 @@ def _first_error_line(err: ValidationError) -> str:
     if kind == "missing":
         return f"missing required key '{loc}'"
     msg = e["msg"].removeprefix("Value error, ")
-    if kind == "value_error":
-        return msg if not loc else f"{loc}: {msg}"
+    if kind == "value_error":  # a section's check names its own keys ("actor.global_batch_size=20 ...")
+        return msg if not loc or msg.startswith(f"{loc}.") else f"{loc}: {msg}"
     return f"{loc}: {msg} (got {e.get('input')!r})"
 
 
@@ -645,15 +645,39 @@ def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> 
         raise ConfigError(f"{path}{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections (runner, actor, data, ...)")
-    return config_from_dict(apply_overrides(raw, overrides or []), source=str(path))
+    return config_from_dict(apply_overrides(raw, overrides or []), source=str(path), overrides=overrides or [])
 
 
-def config_from_dict(raw: dict, source: str = "<config>") -> SFTConfig:
+_DOTTED_KEY = re.compile(r"\b[a-z_]+(?:\.[A-Za-z0-9_-]+)+")
+
+
+def _origin(line: str, loc: str, overrides: list[str]) -> str:
+    """Where the value an error line is about came from: the last command-line override that set one
+    of the keys the line names (or a section holding it), else ''."""
+    keys = set(_DOTTED_KEY.findall(line.split(" (got ")[0])) | ({loc} if "." in loc else set())
+    for text in reversed(overrides):
+        key = ".".join(parse_override(text)[0])
+        if any(k == key or k.startswith(key + ".") for k in keys):
+            return text
+    return ""
+
+
+def config_from_dict(raw: dict, source: str = "<config>", overrides: list[str] | None = None) -> SFTConfig:
+    """`source`: the config file the values came from; `overrides`: the command line's KEY=VALUE
+    settings applied to it, named instead of the file in an error about a key they set."""
+    def where(line: str, loc: str = "") -> str:
+        origin = _origin(line, loc, overrides or [])
+        return f"command-line override '{origin}'" if origin else source
     try:
         cfg = SFTConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(f"{source}: {_first_error_line(e)}") from None
-    cfg.inputs()
+        line = _first_error_line(e)
+        loc = ".".join(str(p) for p in e.errors()[0]["loc"] if p != "__root__")
+        raise ConfigError(f"{where(line, loc)}: {line}") from None
+    try:
+        cfg.inputs()
+    except ConfigError as e:  # a missing data file: the key and file are in the line, the config here
+        raise ConfigError(f"{where(str(e))}: {e}") from None
     if not cfg.data.val_data_paths and cfg.data.val_fraction <= 0 and not cfg.eval.sets:
         raise ConfigError(f"{source}: evaluate needs held-out prompts: set data.val_data_paths, "
                           "or data.val_fraction (e.g. 0.05) to hold out a share of the training rows")
