@@ -305,15 +305,20 @@ def _preview(cfg: SFTConfig, p, n: int) -> None:
         samples = preview_samples(cfg, prepared, resolve_model(cfg, p.fingerprints["models"]), n, replay_file(p))
     except (StageError, ConfigError) as e:
         _fail(str(e), 1)
+    color = console.color_system is not None
     for source, segments in samples:
         console.print(Rule(escape(source), style="dim"), width=min(console.width, RULE_WIDTH))
         text = Text()
         for piece, trainable in segments:
-            text.append(piece, style="bold black on green" if trainable else "dim")
+            if color:
+                text.append(piece, style="bold black on green" if trainable else "dim")
+            else:  # a file or a pipe keeps no colours: the marks of preview.txt instead
+                text.append(f"[[{piece}]]" if trainable else piece)
         console.print(text, soft_wrap=True)
     where = "prepared shards" if prepared is not None else "first rows, prepared on the fly"
-    console.print(f"{len(samples)} sample(s) from the {where}; [bold black on green]highlighted[/] = trained "
-                  f"(data.loss_on={cfg.data.loss_on})", highlight=False)
+    legend = "[bold black on green]highlighted[/] = trained" if color else "\\[[ ]] = trained"
+    console.print(f"{len(samples)} sample(s) from the {where}; {legend} (data.loss_on={cfg.data.loss_on})",
+                  highlight=False)
 
 
 @app.command()

@@ -91,13 +91,16 @@ def trial_table(trials: list[dict], order: list[int], metric: str) -> tuple[list
     """(columns, text cells per trial, best first) for trials as `sft_sweep` returns them ({"index",
     "values", "train", "evaluate"}): what its markdown summary and `sftflow sweep` print."""
     keys, by_index = list(trials[0]["values"]), {t["index"]: t for t in trials}
+    extra = [(k, label) for k, label in (("accuracy", "accuracy"), ("eval_loss", "eval loss")) if k != metric]
     rows = []
     for rank, i in enumerate(order, 1):
         t = by_index[i]
         m = t["evaluate"]["metrics"]
-        rows.append([str(rank), *(t["values"][k] for k in keys), shown(metric_of(m, metric)), shown(m.get("accuracy")),
-                     shown(m.get("eval_loss")), "cached" if t["train"]["cached"] else "yes", t["train"]["fingerprint"]])
-    return ["rank", *keys, metric, "accuracy", "eval loss", "trained", "train fingerprint"], rows
+        rows.append([str(rank), *(t["values"][k] for k in keys), shown(metric_of(m, metric)),
+                     *(shown(m.get(k)) for k, _ in extra), "cached" if t["train"]["cached"] else "yes",
+                     t["train"]["fingerprint"]])
+    # the ranking metric once, by its name (with --metric accuracy no second accuracy column)
+    return ["rank", *keys, metric, *(label for _, label in extra), "trained", "train fingerprint"], rows
 
 
 def _publish(finished: list[dict], order: list[int], metric: str, registered: dict | None, mlflow_note: str) -> None:

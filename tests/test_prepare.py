@@ -273,6 +273,9 @@ def test_show_preview_highlights_trainable_spans(tmp_path, tokenizer_dir):
     first = demo_rows("train.jsonl", 1)[0]["messages"]
     assert first[1]["content"] in proc.stdout and "train.jsonl:1" in proc.stdout and "train.jsonl:2" in proc.stdout
     assert "first rows, prepared on the fly" in proc.stdout
+    # piped (no colours), the trained spans are marked as in preview.txt, and the legend says so
+    assert f"[[{first[-1]['content']}" in proc.stdout and "[[ ]] = trained" in proc.stdout
+    assert first[0]["role"] == "user" and f"[[{first[0]['content']}" not in proc.stdout  # not trained
 
 
 @pytest.mark.slow

@@ -55,6 +55,22 @@ def test_the_best_trial_is_ranked_by_its_metric():
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("prefect_api")
+def test_the_trial_table_has_each_column_once():
+    """Ranked by accuracy (the default), the table has one accuracy column; by another metric, that
+    metric's column first and accuracy beside it."""
+    from flows.sweep import trial_table
+    trials = [{"index": i, "values": {"actor.optim.lr": lr},
+               "train": {"cached": False, "fingerprint": f"fp{i}"},
+               "evaluate": {"metrics": {"accuracy": acc, "eval_loss": loss}}}
+              for i, (lr, acc, loss) in enumerate([("1e-3", 0.5, 1.2), ("3e-3", 0.9, 0.4)])]
+    head, rows = trial_table(trials, [1, 0], "accuracy")
+    assert head == ["rank", "actor.optim.lr", "accuracy", "eval loss", "trained", "train fingerprint"]
+    assert rows[0][:4] == ["1", "3e-3", "0.900", "0.400"]
+    head, rows = trial_table(trials, [1, 0], "eval_loss")
+    assert head == ["rank", "actor.optim.lr", "eval_loss", "accuracy", "trained", "train fingerprint"]
+    assert len(head) == len(set(head)) and all(len(r) == len(head) for r in rows)
+
+
 def test_a_two_by_two_sweep_shares_prepare_registers_the_best_and_resumes(tmp_path):
     import mlflow
     from mlflow.tracking import MlflowClient
