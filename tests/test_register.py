@@ -78,6 +78,8 @@ def test_a_version_registered_before_takes_the_alias_back_only_when_strictly_bet
     ("if_better", CURRENT, versus([True], [True], "2"), 0, "estimate", CHALLENGER),  # another champion was
     ("if_better", CURRENT, versus([True], [True], "3", "reset"), 0, "estimate", CHALLENGER),  # v3 of a reset registry
     ("if_better", {**CURRENT, "train_fingerprint": "t"}, None, 0, "estimate", CHAMPION),  # this training's own
+    ("if_better", CURRENT, versus([False] * 24, [False] * 24), 0, "estimate", CHALLENGER),  # a tie at 0/24
+    ("if_better", CURRENT, versus([True] + [False] * 23, [False] * 24), 0, "estimate", CHAMPION),  # 1/24 beats 0
 ])
 def test_decide_alias(policy, champion, vs, tolerance, decide_on, expected):
     alias, why = decide_alias(FakeRegistry(champion), "m", policy, vs, "identity", "t", tolerance, decide_on)

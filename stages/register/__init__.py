@@ -91,7 +91,8 @@ def decide_alias(client, name: str, policy: str, vs: dict | None, primary: str, 
                  guards: list[str] | None = None, reused: bool = False) -> tuple[str | None, str]:
     """(alias to set, why). `if_better` compares with the champion item by item on the primary set, both
     scored on this run's eval sets (`vs`: `champion_comparison`'s entry), never with a stored accuracy.
-    A new version that ties the champion takes the alias (a retrain on newer data moves forward); a
+    A new version that ties the champion takes the alias (a retrain on newer data moves forward), unless
+    both answer no item of the primary set right (a tie at 0 says nothing of either); a
     version registered before (`reused`: an older config run again) takes it back only when it is
     strictly better, tolerance aside, so re-running or alternating configs moves nothing on a tie."""
     if policy == "never":
@@ -125,6 +126,9 @@ def decide_alias(client, name: str, policy: str, vs: dict | None, primary: str, 
             (None, f"'{primary}' {shown}: registered before and not better than the champion, so the alias stays "
                    f"(a version registered earlier takes it back only when strictly better; registry.decide_on={on})")
     ok = vs["delta"] >= -tolerance - 1e-12 if on == "estimate" else clears(vs, tolerance, decide_on)
+    if ok and vs["accuracy"] + vs["delta"] <= 1e-12:  # a tie at zero proves nothing about either model
+        return CHALLENGER, (f"'{primary}' {shown}: no item right, as the champion: a version that answers nothing "
+                            "right does not take the alias on a tie")
     verdict = "not worse than" if ok else "worse than"
     return (CHAMPION if ok else CHALLENGER), (f"'{primary}' {shown}: {verdict} the champion by more than "
                                                f"{tolerance:g} (registry.decide_on={on})")
