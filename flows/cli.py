@@ -31,6 +31,7 @@ from rich.table import Table
 # What flows/ may import from stages is the `flows` row of docs/architecture.md's table (tested in
 # tests/test_architecture.py); a command's own heavy imports stay inside it (torch: `chat` only).
 from flows.prefect_server import KeepSettingError, ServerDidNotStart, prefect_api
+from stages.chatdata.quarantine import note as quarantine_note
 from stages.core.config import ConfigError, SFTConfig, default_tracking_uri, flatten, load_config
 from stages.core.errors import MissingUpstream, StageError
 from stages.evaluate.report import COLUMNS, table_cells
@@ -146,6 +147,10 @@ def _summary(results: list[dict], scored: str = "tuned") -> None:
         table.add_row(r["stage"], r["fingerprint"], "yes" if r["cached"] else "no", f"{r['seconds']:.1f}",
                       f"{label} {shown(r['metrics'].get(key))}")
     console.print(table)
+    for r in results:  # rows the data had but training or scoring never saw
+        left_out = quarantine_note(r["path"]) if r["stage"] in ("prepare", "prepare_eval") else None
+        if left_out:
+            console.print(f"[bold yellow]{r['stage']}:[/] {escape(left_out)}", highlight=False, soft_wrap=True)
     ev = next((r for r in results if r["stage"] == "evaluate"), None)
     reg = next((r for r in results if r["stage"] == "register"), None)
     if ev:
@@ -279,6 +284,10 @@ def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg
     for s, info in stages.items():
         st.add_row(s, info["fingerprint"], info["status"], info["path"])
     console.print(st)
+    for stage in ("prepare", "prepare_eval"):
+        left_out = quarantine_note(p.folder(stage)) if stage in p.stages and p.status(stage) == "complete" else None
+        if left_out:
+            console.print(f"[bold yellow]{stage}:[/] {escape(left_out)}", highlight=False, soft_wrap=True)
     console.print(f"training runs {escape(cfg.actor.topology)}", highlight=False)
     launch = launch_report(p)
     dev = launch["device"]

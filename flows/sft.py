@@ -26,6 +26,7 @@ from prefect.runtime import flow_run
 from prefect.states import Completed
 
 from flows.prefect_server import TEMPORARY_SERVER_ENV
+from stages.chatdata.quarantine import note as quarantine_note
 from stages.core.config import check_overrides_allowed, load_config
 from stages.core.errors import ConfigError
 from stages.evaluate.report import COLUMNS, table_cells
@@ -292,6 +293,10 @@ def _publish_summary(results: list[dict]) -> None:
         lines.append(f"| {r['stage']} | `{r['fingerprint']}` | {'yes' if r['cached'] else 'no'} | "
                      f"{r['seconds']:.1f} | {label} {shown(r['metrics'].get(key))} |")
     by_stage = {r["stage"]: r for r in results}
+    for stage in ("prepare", "prepare_eval"):
+        left_out = quarantine_note(by_stage[stage]["path"]) if stage in by_stage else None
+        if left_out:
+            lines += ["", f"**{stage}**: {left_out}"]
     if "evaluate" in by_stage:
         m = by_stage["evaluate"]["metrics"]
         lines += ["", f"**Held-out accuracy**: base {shown(m.get('base_accuracy'))} → tuned {shown(m['accuracy'])} "

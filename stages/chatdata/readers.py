@@ -155,8 +155,8 @@ def parse_record(record: Any) -> Any:
             raise RowError("invalid_utf8", f"{e.reason} at byte {e.start}") from None
         try:
             return orjson.loads(text)
-        except orjson.JSONDecodeError as e:
-            raise RowError("malformed_json", str(e).splitlines()[0]) from None
+        except orjson.JSONDecodeError as e:  # the row is one line of its file: the column is within it
+            raise RowError("malformed_json", f"{e.msg} at column {e.colno} of the line") from None
     return record
 
 
@@ -299,11 +299,15 @@ def to_conversations(row: Any, fmt: str = "auto", columns: dict[str, str] | None
             raise RowError("missing_key", f"'{key}' is not a list of conversations")
         return [_one(c, False) for c in convs]
     if fmt == "prompt_completion":
+        if "completion" not in row:
+            raise RowError("missing_column", "no 'completion' (the reply) in a prompt/completion row")
         prompt, completion = row.get("prompt"), row.get("completion")
         msgs = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         msgs = msgs + (completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}])
         return [check_conversation([_message(m, "role", "content") for m in msgs])]
     if fmt == "alpaca":
+        if "output" not in row:
+            raise RowError("missing_column", "no 'output' (the reply) in an Alpaca row")
         instruction, extra = row.get("instruction"), row.get("input") or ""
         if not isinstance(instruction, str) or not isinstance(extra, str):
             raise RowError("non_string_content", "instruction/input")

@@ -1,0 +1,57 @@
+"""A newcomer's first hour with their own data (issue 45's path), on the builtin model: an Alpaca
+file with two bad rows trains, and what was left out is in front of them: the run's summary line
+(counts per reason and the file to open), the quarantine file (file and line of each row), the
+MLflow run (metrics and the file as an artifact) and `sftflow show`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import demo_rows, sftflow, tiny_config_dict, write_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api")]
+
+
+def alpaca_file(tmp, n: int = 40):
+    rows = [{"instruction": r["messages"][-2]["content"], "input": "", "output": r["messages"][-1]["content"]}
+            for r in demo_rows("train.jsonl", n)]
+    lines = [json.dumps(r, ensure_ascii=False) for r in rows]
+    lines.insert(10, '{"instruction": "Who are you?", "output": "x",,}')  # line 11: malformed JSON
+    lines.insert(21, json.dumps({"instruction": "Who are you?", "input": ""}))  # line 22: no output column
+    path = tmp / "mine.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_own_alpaca_data_with_bad_rows_shows_what_was_left_out_everywhere(tmp_path):
+    data = alpaca_file(tmp_path)
+    raw = tiny_config_dict(tmp_path, registry={"model_name": "newcomer", "promote": "if_better"})
+    raw["data"].update(train_data_paths=[str(data)], format="auto")
+    cfg = write_config(tmp_path, raw)
+    proc = sftflow("run", "-c", str(cfg), cwd=tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    prepared = next((tmp_path / "artifacts" / "prepare").glob("[!.]*"))
+    line = (f"prepare: 2 rows quarantined (malformed_json 1, missing_column 1): "
+            f"{prepared / 'quarantine.jsonl'}")
+    assert line in proc.stdout, proc.stdout[-3000:]
+    rows = [json.loads(x) for x in (prepared / "quarantine.jsonl").read_text().splitlines()]
+    assert [(r["file"], r["line"], r["reason"]) for r in rows] == [(str(data), 11, "malformed_json"),
+                                                                  (str(data), 22, "missing_column")]
+    assert "column" in rows[0]["detail"] and "line 1" not in rows[0]["detail"]
+    assert rows[1]["detail"] == "no 'output' (the reply) in an Alpaca row"
+
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(f"sqlite:///{tmp_path / 'artifacts' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("sftflow")
+    (run,) = client.search_runs([exp.experiment_id])
+    assert run.data.metrics["data.rows_quarantined"] == 2
+    assert run.data.metrics["data.quarantined.malformed_json"] == 1
+    assert run.data.metrics["data.quarantined.missing_column"] == 1
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "data")] == ["data/quarantine.jsonl"]
+    got = client.download_artifacts(run.info.run_id, "data/quarantine.jsonl", str(tmp_path / "dl"))
+    assert open(got, encoding="utf-8").read() == (prepared / "quarantine.jsonl").read_text()
+
+    shown = sftflow("show", "-c", str(cfg), cwd=tmp_path)
+    assert shown.returncode == 0 and line in shown.stdout, shown.stdout[-2000:]
