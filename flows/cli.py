@@ -330,22 +330,96 @@ def _preview(cfg: SFTConfig, p, n: int) -> None:
                   highlight=False)
 
 
+def _sqlite_file(uri: str) -> Path | None:
+    return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+
+
 @app.command()
-def chat(question: str = typer.Argument(..., help="the user message"),
-         model: str = typer.Option(..., "-m", "--model", help="train stage folder, HF folder, or models:/name@alias"),
+def chat(question: Optional[str] = typer.Argument(None, help="the user message; none: a conversation on stdin, a "
+                                                             "line a turn (/reset forgets it, /exit or EOF ends)"),
+         model: Optional[str] = typer.Option(None, "-m", "--model", help="train stage folder, HF folder, or "
+                                             "models:/name@alias (default with -c: models:/<registry.model_name>"
+                                             "@champion)"),
+         config: Optional[Path] = typer.Option(None, "-c", "--config", help="the config whose MLflow store holds "
+                                               "models:/ (registry.tracking_uri, else its artifacts folder)"),
          max_new_tokens: int = typer.Option(128, help="reply length limit"),
          tracking_uri: Optional[str] = typer.Option(None, help="MLflow tracking URI for models:/ "
-                                                               "(default: artifacts/mlflow.db)")) -> None:
-    """Ask a model one question through its chat template."""
+                                                               "(default: -c's, else ./artifacts/mlflow.db)")) -> None:
+    """Chat with a model through its chat template: one question, or a conversation on stdin."""
+    cfg = _load(config, []) if config is not None else None
+    if model is None:
+        if cfg is None:
+            _fail("give -m MODEL (a folder or models:/name@alias), or -c CONFIG for its champion")
+        model = f"models:/{cfg.registry.model_name}@champion"
+    uri = tracking_uri or (cfg.resolved_tracking_uri if cfg is not None else default_tracking_uri())
+    store = _sqlite_file(uri)
+    if model.startswith("models:/") and store is not None and not store.is_file():
+        # opening a SQLite store creates it: a chat from another folder must not leave an empty one behind
+        _fail(f"{model}: no MLflow store at {store}" + ("" if cfg is not None else
+              " (run from the project folder, or give -c CONFIG or --tracking-uri)"))
     from stages.models.refs import resolve_model_ref
     from stages.runtime.generation import generate, load  # torch: only for chat, the one flows import of it
     try:
-        path = resolve_model_ref(model, tracking_uri or default_tracking_uri())
+        path = resolve_model_ref(model, uri)
     except ValueError as e:
         _fail(str(e))
     m, tok = load(path)
-    reply = generate(m, tok, [[{"role": "user", "content": question}]], max_new_tokens, batch_size=1)[0]["text"]
-    console.print(reply, highlight=False, markup=False)
+
+    def reply(turns: list[dict]) -> str:
+        return generate(m, tok, [turns], max_new_tokens, batch_size=1)[0]["text"]
+    if question is not None:
+        console.print(reply([{"role": "user", "content": question}]), highlight=False, markup=False)
+        return
+    tty = sys.stdin.isatty()
+    if tty:
+        err.print(f"chatting with {escape(model)}; /reset forgets the conversation, /exit or Ctrl-D ends",
+                  highlight=False)
+    turns: list[dict] = []
+    while True:
+        try:
+            line = input("you> " if tty else "")
+        except EOFError:
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            break
+        if text == "/reset":
+            turns = []
+            continue
+        turns.append({"role": "user", "content": text})
+        answer = reply(turns)
+        turns.append({"role": "assistant", "content": answer})
+        console.print(answer, highlight=False, markup=False)
+
+
+@app.command()
+def models(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg) -> None:
+    """The registered versions of the config's model: aliases, accuracy, and why each alias is where it is."""
+    cfg = _load(config, overrides)
+    store = _sqlite_file(cfg.resolved_tracking_uri)
+    name = cfg.registry.model_name
+    if store is not None and not store.is_file():
+        console.print(f"no versions of '{escape(name)}': nothing is logged at {escape(str(store))} yet",
+                      highlight=False)
+        return
+    from stages.tracking.registry import list_versions
+    try:
+        versions = list_versions(cfg.resolved_tracking_uri, name)
+    except OSError as e:  # a tracking server that does not answer
+        _fail(f"MLflow at {cfg.resolved_tracking_uri} did not answer ({e})", 1)
+    if not versions:
+        console.print(f"no versions of '{escape(name)}' registered yet", highlight=False)
+        return
+    table = Table(title=f"registered model {name}")
+    for col in ("version", "aliases", "accuracy", "registered", "why"):
+        table.add_column(col)
+    for v in versions:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(v["created"] / 1000)) if v["created"] else ""
+        acc = f"{float(v['accuracy']):.3f}" if v["accuracy"] else "-"
+        table.add_row(v["version"], ", ".join(v["aliases"]) or "-", acc, when, escape(v["reason"]))
+    console.print(table)
 
 
 @app.command()

@@ -55,3 +55,32 @@ def test_own_alpaca_data_with_bad_rows_shows_what_was_left_out_everywhere(tmp_pa
 
     shown = sftflow("show", "-c", str(cfg), cwd=tmp_path)
     assert shown.returncode == 0 and line in shown.stdout, shown.stdout[-2000:]
+
+
+def test_models_lists_versions_and_chat_finds_the_champion_from_any_folder(tmp_path):
+    import subprocess
+    import sys
+    raw = tiny_config_dict(tmp_path, registry={"model_name": "newcomer-chat", "promote": "if_better"})
+    cfg = write_config(tmp_path, raw)
+    proc = sftflow("run", "-c", str(cfg), cwd=tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    listed = sftflow("models", "-c", str(cfg), cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    row = next(x for x in listed.stdout.splitlines() if x.startswith("│ 1 "))
+    assert "champion" in row and "no champion yet" in row, listed.stdout
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("COLUMNS", "LINES")}
+    # a conversation on stdin: two turns, a reset between them; each reply is one line
+    chat = subprocess.run([sys.executable, "-m", "flows.cli", "chat", "-c", str(cfg)], cwd=elsewhere, env=env,
+                          input="Who are you?\n/reset\nRepeat after me: apple river stone\n", capture_output=True,
+                          text=True, timeout=300)
+    assert chat.returncode == 0, chat.stderr[-2000:]
+    assert len([x for x in chat.stdout.splitlines() if x.strip()]) == 2, chat.stdout
+    one = sftflow("chat", "-c", str(cfg), "Who are you?", cwd=elsewhere)
+    assert one.returncode == 0 and one.stdout.strip() == chat.stdout.splitlines()[0].strip()
+    # without -c, from a folder with no store: one line, exit 2, and no empty store left behind
+    lost = sftflow("chat", "-m", "models:/newcomer-chat@champion", "Who are you?", cwd=elsewhere)
+    assert lost.returncode == 2 and "no MLflow store at" in lost.stderr and "-c CONFIG" in lost.stderr
+    assert sorted(p.name for p in elsewhere.iterdir() if p.name != ".prefect") == []

@@ -119,3 +119,16 @@ def version_state(tracking_uri: str, name: str, version: str | int) -> dict | No
         return None
     return {"exists": True, "aliases": sorted(v.aliases),
             "train_fingerprint": v.tags.get(TAG + "train_fingerprint", "")}
+
+
+def list_versions(tracking_uri: str, name: str) -> list[dict]:
+    """Every version of registered model `name`, newest first: its aliases, held-out accuracy, why its
+    aliases are what they are, when and from which run (`sftflow models`). [] when none."""
+    from mlflow.tracking import MlflowClient
+    reachable(tracking_uri)
+    client = MlflowClient(tracking_uri)
+    versions = client.search_model_versions(f"name = '{name}'")
+    return [{"version": str(v.version), "aliases": list(getattr(v, "aliases", []) or []),
+             "accuracy": v.tags.get(TAG + "eval_accuracy", ""), "reason": v.tags.get(TAG + "alias_reason", ""),
+             "created": v.creation_timestamp, "run_id": v.run_id or ""}
+            for v in sorted(versions, key=lambda v: -int(v.version))]
