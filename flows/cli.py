@@ -31,7 +31,7 @@ from rich.table import Table
 # What flows/ may import from stages is the `flows` row of docs/architecture.md's table (tested in
 # tests/test_architecture.py); a command's own heavy imports stay inside it (torch: `chat` only).
 from flows.prefect_server import KeepSettingError, ServerDidNotStart, prefect_api
-from stages.chatdata.quarantine import note as quarantine_note
+from stages.core.quarantine import note as quarantine_note
 from stages.core.config import ConfigError, SFTConfig, default_tracking_uri, flatten, load_config
 from stages.core.errors import MissingUpstream, StageError
 from stages.evaluate.report import COLUMNS, table_cells
@@ -148,7 +148,7 @@ def _summary(results: list[dict], scored: str = "tuned") -> None:
                       f"{label} {shown(r['metrics'].get(key))}")
     console.print(table)
     for r in results:  # rows the data had but training or scoring never saw
-        left_out = quarantine_note(r["path"]) if r["stage"] in ("prepare", "prepare_eval") else None
+        left_out = quarantine_note(r["path"]) if r["stage"] in ("prepare", "prepare_eval") and r.get("path") else None
         if left_out:
             console.print(f"[bold yellow]{r['stage']}:[/] {escape(left_out)}", highlight=False, soft_wrap=True)
     ev = next((r for r in results if r["stage"] == "evaluate"), None)

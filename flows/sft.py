@@ -26,7 +26,7 @@ from prefect.runtime import flow_run
 from prefect.states import Completed
 
 from flows.prefect_server import TEMPORARY_SERVER_ENV
-from stages.chatdata.quarantine import note as quarantine_note
+from stages.core.quarantine import note as quarantine_note
 from stages.core.config import check_overrides_allowed, load_config
 from stages.core.errors import ConfigError
 from stages.evaluate.report import COLUMNS, table_cells
@@ -294,7 +294,7 @@ def _publish_summary(results: list[dict]) -> None:
                      f"{r['seconds']:.1f} | {label} {shown(r['metrics'].get(key))} |")
     by_stage = {r["stage"]: r for r in results}
     for stage in ("prepare", "prepare_eval"):
-        left_out = quarantine_note(by_stage[stage]["path"]) if stage in by_stage else None
+        left_out = quarantine_note(by_stage[stage]["path"]) if by_stage.get(stage, {}).get("path") else None
         if left_out:
             lines += ["", f"**{stage}**: {left_out}"]
     if "evaluate" in by_stage:

@@ -175,6 +175,7 @@ FLOWS_MAY_IMPORT_LAZILY = {
     "stages.prepare.stage": "`sftflow show --preview`: prepared samples (tokenizers)",
     "stages.runtime.memory_plan": "`sftflow show`: the memory plan table (arithmetic, no torch)",
     "stages.tracking.sweep": "the sweep flow's MLflow parent run",
+    "stages.tracking.registry": "`sftflow models`: the registered versions, their aliases and reasons",
 }
 # The lazy imports that load torch, and the only functions they may be in.
 FLOWS_TORCH_IMPORTS = {"stages.runtime.generation": {("cli.py", "chat")}}

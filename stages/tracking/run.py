@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import socket
-import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -260,16 +259,14 @@ def find_or_create_run(cfg: SFTConfig, lineage: Lineage, extra_tags: dict[str, s
 def _log_quarantine(client, run_id: str, prepare_dir: str | None) -> None:
     """The training rows prepare left out: `data.rows_quarantined` and one metric per reason (0 too:
     the runs list can sort on it), and the rows themselves (`quarantine.jsonl`) when there are any."""
-    from mlflow.entities import Metric
+    from stages.core.quarantine import FILE, dropped
 
-    from stages.chatdata.quarantine import FILE, dropped
+    from .live import send_values
     if not prepare_dir:
         return
     counts = dropped(prepare_dir)
-    now = int(time.time() * 1000)
-    metrics = [Metric("data.rows_quarantined", sum(counts.values()), now, 0)]
-    metrics += [Metric(f"data.quarantined.{reason}", n, now, 0) for reason, n in sorted(counts.items())]
-    client.log_batch(run_id, metrics=metrics)
+    send_values(client, run_id, {"data.rows_quarantined": sum(counts.values()),
+                                 **{f"data.quarantined.{reason}": n for reason, n in sorted(counts.items())}})
     if counts and (Path(prepare_dir) / FILE).is_file():
         client.log_artifact(run_id, str(Path(prepare_dir) / FILE), artifact_path="data")
 
