@@ -79,6 +79,7 @@ def test_a_version_registered_before_takes_the_alias_back_only_when_strictly_bet
     ("if_better", CURRENT, versus([True], [True], "3", "reset"), 0, "estimate", CHALLENGER),  # v3 of a reset registry
     ("if_better", {**CURRENT, "train_fingerprint": "t"}, None, 0, "estimate", CHAMPION),  # this training's own
     ("if_better", CURRENT, versus([False] * 24, [False] * 24), 0, "estimate", CHALLENGER),  # a tie at 0/24
+    ("if_better", CURRENT, versus([False] * 24, [False] * 24), 0.05, "estimate", CHAMPION),  # ... tolerated
     ("if_better", CURRENT, versus([True] + [False] * 23, [False] * 24), 0, "estimate", CHAMPION),  # 1/24 beats 0
 ])
 def test_decide_alias(policy, champion, vs, tolerance, decide_on, expected):

@@ -92,7 +92,8 @@ def decide_alias(client, name: str, policy: str, vs: dict | None, primary: str, 
     """(alias to set, why). `if_better` compares with the champion item by item on the primary set, both
     scored on this run's eval sets (`vs`: `champion_comparison`'s entry), never with a stored accuracy.
     A new version that ties the champion takes the alias (a retrain on newer data moves forward), unless
-    both answer no item of the primary set right (a tie at 0 says nothing of either); a
+    both answer no item of the primary set right and no tolerance was granted (a tie at 0 says nothing
+    of either; `registry.tolerance` > 0 accepts versions that much worse, so that one too); a
     version registered before (`reused`: an older config run again) takes it back only when it is
     strictly better, tolerance aside, so re-running or alternating configs moves nothing on a tie."""
     if policy == "never":
@@ -126,9 +127,9 @@ def decide_alias(client, name: str, policy: str, vs: dict | None, primary: str, 
             (None, f"'{primary}' {shown}: registered before and not better than the champion, so the alias stays "
                    f"(a version registered earlier takes it back only when strictly better; registry.decide_on={on})")
     ok = vs["delta"] >= -tolerance - 1e-12 if on == "estimate" else clears(vs, tolerance, decide_on)
-    if ok and vs["accuracy"] + vs["delta"] <= 1e-12:  # a tie at zero proves nothing about either model
+    if ok and tolerance <= 0 and vs["accuracy"] + vs["delta"] <= 1e-12:  # a tie at zero says nothing of either
         return CHALLENGER, (f"'{primary}' {shown}: no item right, as the champion: a version that answers nothing "
-                            "right does not take the alias on a tie")
+                            "right does not take the alias on a tie (registry.tolerance > 0 would let it)")
     verdict = "not worse than" if ok else "worse than"
     return (CHAMPION if ok else CHALLENGER), (f"'{primary}' {shown}: {verdict} the champion by more than "
                                                f"{tolerance:g} (registry.decide_on={on})")
