@@ -5,7 +5,7 @@ configs): sftflow's worker against the bare packed loop, packed and padded, pack
 activation checkpointing; trained tokens/s, MFU and peak memory in one table.
 
     python3 bench/gpu_check.py --out DIR      # on a GPU machine: <= 8.5 minutes on one H200
-    .venv/bin/python bench/gpu_check.py --dry-run   # the same code on CPU (the demo's stages included): ~4 min
+    .venv/bin/python bench/gpu_check.py --dry-run   # the same code on CPU (the demo's stages included): ~2 min
 
 On the device machine (docs/benchmarks.md, "GPU check"), pydantic and orjson are carried as wheels
 (the image has torch, transformers, peft, pyarrow, tokenizers, pytest, hypothesis, psutil):
