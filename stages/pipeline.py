@@ -359,13 +359,13 @@ def launch_report(p: Plan, device: memory_plan.Device | None = None) -> dict:
     planning sees)."""
     from .core.topology import backend, inventory, rank_gpu
     device = device or memory_plan.visible_device()
-    a = p.cfg.actor
+    a, inv = p.cfg.actor, inventory()
     precision = device.precision(a.precision)
     report: dict = {
         "device": {"kind": device.kind, "name": device.name, "count": device.count,
                    "memory_gib": round(device.bytes / memory_plan.GIB, 1),
                    "capability": ".".join(map(str, device.capability)) if device.capability else None,
-                   "source": inventory().source, "note": inventory().note},
+                   "source": inv.source, "note": inv.note},
         "nproc_per_node": a.nproc_per_node, "topology": a.topology, "backend": backend(device.kind),
         "precision": precision, "attn_implementation": None,
         "train_devices": [f"cuda:{rank_gpu(r, device.count)}" if device.kind == "cuda" else "cpu"
@@ -378,7 +378,7 @@ def launch_report(p: Plan, device: memory_plan.Device | None = None) -> dict:
         report["attn_implementation"] = memory_plan.attention_kernel(a.attn_implementation, device, a.packing,
                                                                      precision)
     except ConfigError:
-        pass  # check_launch below names it
+        pass  # check_attention below names it
     mp, source = train_memory(p, device)
     budget = memory_plan.budget_for(p.cfg, device)
     if mp is not None:
