@@ -289,7 +289,7 @@ def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg
         if left_out:
             console.print(f"[bold yellow]{stage}:[/] {escape(left_out)}", highlight=False, soft_wrap=True)
     console.print(f"training runs {escape(cfg.actor.topology)}", highlight=False)
-    launch = launch_report(p)
+    launch = launch_report(p, memory=False)  # the memory table below plans and checks memory once
     dev = launch["device"]
     where = (f"{dev['count']} x {dev['name']}" + (f" (compute {dev['capability']})" if dev["capability"] else "")
              if dev["kind"] == "cuda" else "the CPU")
@@ -297,7 +297,7 @@ def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg
                   f"{launch['attn_implementation'] or '-'}" + (f" ({escape(dev['note'])})" if dev["note"] else ""),
                   highlight=False)
     _memory_table(p)
-    if launch["refused_by"] in ("processes", "attention"):  # the memory table says its own
+    if launch["refused"]:
         err.print(f"[bold red]would not launch:[/] {escape(launch['refused'])}", highlight=False, soft_wrap=True)
 
 

@@ -351,12 +351,12 @@ def check_launch(p: Plan, device: memory_plan.Device | None = None, warn: Callab
     check_memory(p, device, warn)
 
 
-def launch_report(p: Plan, device: memory_plan.Device | None = None) -> dict:
+def launch_report(p: Plan, device: memory_plan.Device | None = None, memory: bool = True) -> dict:
     """Every decision the machine makes for training, as `sftflow show --json` reports it: the device
     inventory, processes per node and why, the backend, the precision, the attention kernel, each
     rank's device, the memory plan against the budget, and what `check_launch` would refuse (the
     first check that does, in its order) or warn of (torch-free: the worker's rules, on what
-    planning sees)."""
+    planning sees). `memory=False` leaves the memory plan out (`sftflow show` prints its own table)."""
     from .core.topology import backend, inventory, rank_gpu
     device = device or memory_plan.visible_device()
     a, inv = p.cfg.actor, inventory()
@@ -379,7 +379,7 @@ def launch_report(p: Plan, device: memory_plan.Device | None = None) -> dict:
                                                                      precision)
     except ConfigError:
         pass  # check_attention below names it
-    mp, source = train_memory(p, device)
+    mp, source = train_memory(p, device) if memory else (None, "left out")
     budget = memory_plan.budget_for(p.cfg, device)
     if mp is not None:
         report["memory"] = {"per_rank_bytes": mp.total, "ranks_sharing_budget": budget.ranks if budget else None,
@@ -394,7 +394,8 @@ def launch_report(p: Plan, device: memory_plan.Device | None = None) -> dict:
             report["refused"], report["refused_by"] = str(e), name
             return report
     try:
-        check_memory(p, device, warn=report["warnings"].append)
+        if memory:
+            check_memory(p, device, warn=report["warnings"].append)
     except ConfigError as e:
         report["refused"], report["refused_by"] = str(e), "memory"
     return report

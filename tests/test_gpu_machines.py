@@ -216,9 +216,15 @@ def test_each_training_rank_takes_its_own_gpu_and_evaluation_ranks_may_share(cud
     assert backend("cpu") == "gloo" and choose_precision("auto", torch.device("cpu")) == "fp32"
 
 
-def test_the_plan_and_the_worker_agree_on_precision_and_backend():
-    """The torch-free plan's precision (memory_plan.Device) is the worker's rule on the same GPU."""
+def test_the_plan_and_the_worker_agree_on_precision(cuda):
+    """The torch-free plan's precision (memory_plan.Device, from nvidia-smi's compute capability) is
+    what the worker's `choose_precision` picks with torch.cuda on the same GPU."""
+    import torch
+
     from stages.runtime import memory_plan as mp
-    for cap, expected in (((9, 0), "bf16"), ((8, 0), "bf16"), ((7, 5), "fp32"), (None, "bf16")):
-        assert mp.Device("cuda", "x", 1, cap).precision("auto") == expected
-    assert mp.Device("cpu", "CPU", 1, count=0).precision("auto") == "fp32"
+    from stages.runtime.distributed import choose_precision
+    for cap, bf16 in (((9, 0), True), ((8, 0), True), ((7, 5), False)):
+        cuda(1, bf16=bf16)
+        for asked in ("auto", "fp32", "bf16"):
+            assert mp.Device("cuda", "x", 1, cap).precision(asked) == choose_precision(asked, torch.device("cuda", 0))
+    assert mp.Device("cpu", "CPU", 1, count=0).precision("auto") == choose_precision("auto", torch.device("cpu"))
