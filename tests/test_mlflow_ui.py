@@ -55,9 +55,22 @@ def test_make_ui_prints_the_runs_page_of_the_config_s_experiment(flow, client):
     out = subprocess.run([sys.executable, "-m", "stages.tracking.ui", str(cfg_path), "--port", "5000", "--print-only"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    exp = client.get_experiment_by_name("sftflow").experiment_id
-    assert f"http://127.0.0.1:5000/#/experiments/{exp}/runs?workflowType=machine_learning" in out.stdout.split()
+    exp = client.get_experiment_by_name("sftflow")
+    link = f"http://127.0.0.1:5000/#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning"
+    assert link + "&viewStateShareKey=sftflow-runs" in out.stdout.split()
     assert {e.name for e in client.search_experiments()} == {"Default", "sftflow"}  # it created none
+
+
+def test_the_runs_page_opens_on_a_view_whose_columns_the_runs_have(flow, client):
+    """The link's view is the experiment tag MLflow's "share view" reads; every metric column it
+    selects is one a run of the flow logged (a misspelt one would be an empty column)."""
+    _, _, p = flow
+    view = json.loads(client.get_experiment_by_name("sftflow").tags["mlflow.sharedViewState.sftflow-runs"])
+    metrics = [c.removeprefix("metrics.`").removesuffix("`") for c in view["selectedColumns"]
+               if c.startswith("metrics.")]
+    assert "eval/accuracy" in metrics and "data.rows_quarantined" in metrics
+    assert set(metrics) <= set(the_run(client, p).data.metrics)
+    assert view["orderByKey"] == "attributes.start_time" and view["orderByAsc"] is False
 
 
 def test_every_artifact_location_is_under_artifacts_dir(flow, client):

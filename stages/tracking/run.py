@@ -42,6 +42,20 @@ NOTE_TAG = "mlflow.note.content"  # the run's description in the UI
 FLOW_RUN_ID, FLOW_RUN_URL = "prefect.flow_run_id", "prefect.flow_run_url"  # set by the flow (lineage.tags)
 DIGEST_CHARS = 32  # MLflow allows at most 36 characters for a dataset digest
 
+# The runs list shows no metric column until someone picks one, and a person's picks live in their
+# browser only. MLflow's "share view" keeps a view in an experiment tag that a link names
+# (`viewStateShareKey`); sftflow writes one that shows what tells runs apart, best first.
+VIEW_KEY = "sftflow-runs"
+VIEW_TAG = "mlflow.sharedViewState." + VIEW_KEY
+VIEW_METRICS = ("eval/accuracy", "eval/base_accuracy", "eval/delta", "val/loss", "data.rows_quarantined")
+
+
+def runs_view() -> str:
+    """The shared view's state, in the UI's own keys (column ids are ``metrics.`<name>` ``)."""
+    columns = ["attributes.`Models`", "attributes.`Dataset`", *(f"metrics.`{m}`" for m in VIEW_METRICS)]
+    return json.dumps({"selectedColumns": columns, "orderByKey": "attributes.start_time", "orderByAsc": False},
+                      separators=(",", ":"))
+
 
 def setup_mlflow(cfg: SFTConfig):
     """The MLflow module pointed at the config's tracking URI and experiment (created if missing)."""
@@ -69,11 +83,15 @@ def ensure_experiment(uri: str, name: str, artifacts_path: Path) -> str:
         exp = mlflow.get_experiment_by_name(name)
         if exp is None:
             try:
-                return mlflow.create_experiment(name, artifact_location=location)
+                experiment_id = mlflow.create_experiment(name, artifact_location=location)
             except Exception:  # a server: created meanwhile by another process
                 exp = mlflow.get_experiment_by_name(name)
                 if exp is None:
                     raise
+        if exp is None:
+            exp = mlflow.get_experiment(experiment_id)
+        if exp.tags.get(VIEW_TAG) != runs_view():
+            mlflow.MlflowClient().set_experiment_tag(exp.experiment_id, VIEW_TAG, runs_view())
     return exp.experiment_id
 
 
@@ -141,9 +159,11 @@ def ui_url(cfg: SFTConfig) -> str:
     return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1])).rstrip("/")
 
 
-def runs_url(ui: str, experiment_id: str) -> str:
-    """The experiment's runs list (MLflow 3 otherwise opens an experiment on its GenAI overview)."""
-    return f"{ui}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+def runs_url(ui: str, experiment_id: str, view: bool = True) -> str:
+    """The experiment's runs list (MLflow 3 otherwise opens an experiment on its GenAI overview), in
+    sftflow's view (`VIEW_TAG`) where the experiment has it: a link naming a missing view errors."""
+    shared = f"&viewStateShareKey={VIEW_KEY}" if view else ""
+    return f"{ui}/#/experiments/{experiment_id}/runs?workflowType=machine_learning{shared}"
 
 
 def run_url(ui: str, experiment_id: str, run_id: str) -> str:

@@ -17,18 +17,17 @@ from pathlib import Path
 from stages.core.config import load_config
 from stages.core.errors import ConfigError
 
-from .run import runs_url
+from .run import VIEW_TAG, runs_url
 
 __fingerprint__ = False
 
 
-def experiment_id(uri: str, name: str) -> str | None:
-    """The experiment's id in the store, or None when the store or the experiment does not exist."""
+def find_experiment(uri: str, name: str):
+    """The experiment in the store, or None when the store or the experiment does not exist."""
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
         return None
     from mlflow.tracking import MlflowClient
-    exp = MlflowClient(tracking_uri=uri).get_experiment_by_name(name)
-    return None if exp is None else exp.experiment_id
+    return MlflowClient(tracking_uri=uri).get_experiment_by_name(name)
 
 
 def main(argv: list[str]) -> int:
@@ -45,12 +44,12 @@ def main(argv: list[str]) -> int:
     uri, name = cfg.resolved_tracking_uri, cfg.registry.experiment
     local = not uri.startswith(("http://", "https://"))
     ui = f"http://127.0.0.1:{args.port}" if local else uri.rstrip("/")
-    found = experiment_id(uri, name)
+    found = find_experiment(uri, name)
     if found is None:
         print(f"MLflow UI: {ui} — nothing logged to experiment '{name}' yet; "
               f"`sftflow run -c {args.config}` logs its first run there", flush=True)
     else:
-        print(f"MLflow UI, experiment '{name}': {runs_url(ui, found)}", flush=True)
+        print(f"MLflow UI, experiment '{name}': {runs_url(ui, found.experiment_id, VIEW_TAG in found.tags)}", flush=True)
     if args.print_only or not local:
         return 0
     store = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
