@@ -27,12 +27,14 @@ from typing import Callable
 from .core.artifacts import (StageResult, cached_result, damage, deferred_digest_memos, fingerprint, input_digest,
                              is_complete, stage_dir, stage_lock)
 from .core.codeversion import code_version
-from .core.config import REPLAY_PROMPTS, SCORER_NAMES, SFTConfig, eval_split, hashed, mix_split
+from .core.config import CORPUS, REPLAY_PROMPTS, SCORER_NAMES, SFTConfig, eval_split, hashed, mix_split
 from .core.errors import ConfigError, MissingUpstream, StageError
 from .core.imports import import_identity, import_object
 from .core.inputs import HUB_PREFIX
 from .models.base import model_config_json, model_fingerprint, resolve_model
 from .models.refs import eval_model_identity
+from .models.start import KEY as KEY_INIT_FROM
+from .models.start import caught_up, resolve_start, start_tag
 from .runtime import memory_plan
 from .runtime.harness import chosen, lm_eval_version, resolve_task
 from .tracking.registry import REGISTRY_PREFIX, current_champion, version_state
@@ -66,6 +68,8 @@ class Plan:
     inputs: dict[str, list[tuple[str, str]]]  # split -> [(input, content sha256)]
     eval_model: dict | None = None
     champion: dict | None = None  # the registry version `champion` named at planning (registry.current_champion)
+    start: dict | None = None     # the weights training starts from (models/start.py); None: the base model
+    start_note: str | None = None  # why `actor.init_from` resolved to the base model, when it did
 
     @property
     def stages(self) -> tuple[str, ...]:
@@ -84,13 +88,17 @@ class Plan:
         return "complete" if damage(folder) is None else "damaged"
 
     def lineage(self, dirs: dict[str, str], tags: dict[str, str] | None = None) -> Lineage:
+        started = {"sftflow.start": self.start["ref"] if self.start else "base",
+                   "sftflow.models_fingerprint": self.fingerprints["models"],
+                   **({"sftflow.parent_version": self.start["parent_version"]}
+                      if self.start and self.start.get("parent_version") else {})}
         return Lineage(fingerprints={s: self.fingerprints[s] for s in self.stages}, dirs=dirs, inputs=self.inputs,
-                       tags=dict(tags or {}))
+                       tags={**started, **(tags or {})}, start=start_tag(self.start))
 
     def to_dict(self) -> dict:
         return {"config": self.cfg.model_dump(mode="json"), "fingerprints": self.fingerprints,
                 "inputs": {s: [list(x) for x in v] for s, v in self.inputs.items()}, "eval_model": self.eval_model,
-                "champion": self.champion}
+                "champion": self.champion, "start": self.start, "start_note": self.start_note}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
@@ -99,7 +107,8 @@ class Plan:
         inputs = {s: [(ref, digest) for ref, digest in v] for s, v in d["inputs"].items()}
         cfg.pin_inputs({s: [ref if ref.startswith(HUB_PREFIX) else Path(ref) for ref, _ in v]
                         for s, v in inputs.items()})
-        return cls(cfg, dict(d["fingerprints"]), inputs, d.get("eval_model"), d.get("champion"))
+        return cls(cfg, dict(d["fingerprints"]), inputs, d.get("eval_model"), d.get("champion"), d.get("start"),
+                   d.get("start_note"))
 
 
 def _custom_scorers(cfg: SFTConfig) -> dict[str, str]:
@@ -413,7 +422,7 @@ def _plan(cfg: SFTConfig) -> Plan:
         inputs[eval_split(name)] = [(f, input_digest(Path(f), root)) for f in h["files"]]
     harness = {name: {k: v for k, v in h.items() if k != "files"} for name, h in harness.items()}
     digests = {split: [d for _, d in items] for split, items in inputs.items()}
-    model_fp = model_fingerprint(cfg, digests["train"])
+    model_fp = model_fingerprint(cfg, digests.get(CORPUS) or digests["train"])
     fps: dict[str, str] = {"models": model_fp}
     if cfg.replay is not None:  # the base model's answers: never the training data
         fps["replay"] = fingerprint("replay", code=code_version("replay"), model=model_fp,
@@ -432,8 +441,15 @@ def _plan(cfg: SFTConfig) -> Plan:
                                           data=_held_out_data(cfg), sets=sets)
     worker = import_identity(cfg.actor.worker)
     weights = {"mix_weights": {n: m.weight for n, m in cfg.data.mix.items()}} if cfg.data.mix else {}
-    train = fingerprint("train", code=code_version("train"), prepare=prepare, model=model_fp,
-                        actor=hashed(cfg.actor), runner=hashed(cfg.runner), worker=worker, **weights)
+
+    def train_from(start: dict | None) -> str:  # `start`: the identity of the weights it starts from
+        return fingerprint("train", code=code_version("train"), prepare=prepare, model=model_fp,
+                           actor=hashed(cfg.actor), runner=hashed(cfg.runner), worker=worker, **weights,
+                           **({"start": start} if start else {}))
+    start, start_note = resolve_start(cfg, model_fp)
+    if start is not None:
+        start = caught_up(start, train_from)
+    train = train_from(start and start["identity"])
     identity = eval_model_identity(cfg, model_fp)
     # what evaluate scores: the train stage's model, or `eval.model` (plus what loads and scores it)
     scored = {"train": train} if identity is None else {
@@ -453,7 +469,7 @@ def _plan(cfg: SFTConfig) -> Plan:
                            prepare=prepare, registry=hashed(cfg.registry), tracking_uri=cfg.resolved_tracking_uri,
                            **({"champion": compared_with} if compared_with else {}))
     fps.update({**references, "train": train, "evaluate": evaluate, "register": register})
-    return Plan(cfg, fps, inputs, identity, champion)
+    return Plan(cfg, fps, inputs, identity, champion, start, start_note)
 
 
 def replay_file(p: Plan) -> str | None:
@@ -559,8 +575,12 @@ def run_stage(p: Plan, stage: str, force: bool = False, on_line: Callable[[str],
                                   "train" if stage == "prepare" else "eval", replay, stage)
         elif stage == "train":
             from .train import run_train
+            from .models.start import start_folder  # the registry client: only when training runs
             check_launch(p, warn=on_line)  # the model is built and the data prepared: the exact longest micro-batch
-            metrics = run_train(cfg, fp, resolve_model(cfg, p.fingerprints["models"], on_line), dirs["prepare"],
+            base = resolve_model(cfg, p.fingerprints["models"], on_line)
+            if p.start is not None:
+                on_line(f"train: {p.start['note']} ({KEY_INIT_FROM}={cfg.actor.init_from})")
+            metrics = run_train(cfg, fp, start_folder(cfg, p.start, on_line) if p.start else base, dirs["prepare"],
                                 p.lineage(dirs, tags), on_line=on_line)
         elif stage in REFERENCES:
             from .evaluate import run_reference

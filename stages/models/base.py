@@ -14,7 +14,7 @@ from pathlib import Path
 
 from stages.core.artifacts import StageBuild, damage, file_digest, fingerprint, is_complete, stage_dir, stage_lock
 from stages.core.codeversion import code_version
-from stages.core.config import SFTConfig
+from stages.core.config import CORPUS, SFTConfig
 from stages.core.errors import ConfigError
 
 from .builtin import BUILTINS, CHATML_TEMPLATE, build_tiny_chat
@@ -74,7 +74,7 @@ def resolve_model(cfg: SFTConfig, model_fp: str, say=to_stderr) -> str:
                 build.commit({"gguf": str(src), "source": path, **info})
             else:
                 name = path[len(BUILTIN_PREFIX):]
-                corpus = cfg.inputs()["train"]
+                corpus = cfg.inputs().get(CORPUS) or cfg.inputs()["train"]
                 build_tiny_chat(build.partial, corpus, fmt=cfg.data.format, columns=cfg.data.columns, **BUILTINS[name])
                 build.commit({"builtin": name, "corpus": [str(p) for p in corpus]})
     return str(folder)

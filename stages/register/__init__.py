@@ -135,6 +135,16 @@ def decide_alias(client, name: str, policy: str, vs: dict | None, primary: str, 
                                                f"{tolerance:g} (registry.decide_on={on})")
 
 
+def version_description(cfg: SFTConfig, lineage: Lineage) -> str:
+    """The version's description in the registry: where its training started, and on what."""
+    start = lineage.tags.get("sftflow.start", "base")
+    parent = lineage.tags.get("sftflow.parent_version")
+    began = (f"continued from {cfg.registry.model_name} v{parent}" if parent else
+             "trained from the base model" if start == "base" else f"trained from {start}")
+    return (f"Fine-tuned `{cfg.actor.model.model_path}`: {began} (actor.init_from={cfg.actor.init_from}); "
+            f"train fingerprint `{lineage.fingerprints.get('train', '')}`.")
+
+
 SUMMARY_FIRST = ("accuracy", "base_accuracy", "delta", "correct", "total", "base_correct", "base_total",
                  "eval_loss", "base_eval_loss")
 
@@ -230,10 +240,13 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
         vtags = {"train_fingerprint": fingerprints["train"], "prepare_fingerprint": fingerprints["prepare"],
                  "evaluate_fingerprint": fingerprints.get("evaluate", ""), "config_hash": config_hash(cfg),
                  "data_digest": data_digest(lineage.inputs), "eval_accuracy": str(eval_metrics["accuracy"]),
-                 "eval_set_fingerprint": eval_set}
+                 "eval_set_fingerprint": eval_set, "start": lineage.start,
+                 "parent_version": lineage.tags.get("sftflow.parent_version", ""),
+                 "models_fingerprint": lineage.tags.get("sftflow.models_fingerprint", "")}
         vtags.update({f"eval_{n}_accuracy": str(m["accuracy"]) for n, m in named_sets(eval_metrics).items()})
         for k, v in vtags.items():
             client.set_model_version_tag(name, version.version, TAG + k, v)
+        client.update_model_version(name, version.version, description=version_description(cfg, lineage))
 
     guards = failed_guards(eval_metrics)
     r, primary = cfg.registry, eval_metrics["primary_set"]

@@ -11,7 +11,9 @@ from .run import TAG, reachable
 
 REGISTRY_PREFIX = "models:/"
 CHAMPION, CHALLENGER = "champion", "challenger"  # the aliases register moves
-VERSION_TAGS = ("train_fingerprint", "champion_fingerprint")  # what planning reads of the champion's version
+# what planning reads of the champion's version (`start`: where its training started, `models_fingerprint`: its
+# base model; models/start.py)
+VERSION_TAGS = ("train_fingerprint", "champion_fingerprint", "start", "models_fingerprint")
 
 
 def registry_version(ref: str, tracking_uri: str, key: str = "eval.model") -> tuple[str, str]:
@@ -31,6 +33,13 @@ def registry_version(ref: str, tracking_uri: str, key: str = "eval.model") -> tu
     except Exception as e:  # noqa: BLE001 - unknown name/alias/version, unreachable server
         raise ConfigError(f"{key}: {ref}: {str(e).strip().splitlines()[0]}") from None
     return name, str(version.version)
+
+
+def version_tags(tracking_uri: str, name: str, version: str) -> dict[str, str]:
+    """The `VERSION_TAGS` of a version (without the `sftflow.` prefix; "" when missing)."""
+    from mlflow.tracking import MlflowClient
+    tags = MlflowClient(tracking_uri=tracking_uri).get_model_version(name, version).tags
+    return {k: tags.get(TAG + k, "") for k in VERSION_TAGS}
 
 
 def download_model(ref: str, tracking_uri: str | None, dst_path: str | None = None) -> str:

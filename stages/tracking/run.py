@@ -109,6 +109,7 @@ class Lineage:
     dirs: dict[str, str] = field(default_factory=dict)             # upstream stage folders
     inputs: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # split -> [(input, sha256)]
     tags: dict[str, str] = field(default_factory=dict)             # e.g. git commit, Prefect flow run id
+    start: str = ""  # where training started (models/start.py start_tag; "" the base model)
 
 
 def data_digest(inputs: dict[str, list[tuple[str, str]]]) -> str:
@@ -203,6 +204,10 @@ def run_note(cfg: SFTConfig, tags: dict[str, str], version: tuple[str, str] | No
     method = f"LoRA r={a.lora.r}" if a.lora.r else "full fine-tuning"
     lines = [f"Supervised fine-tuning of `{a.model.model_path}` ({method}): lr {a.optim.lr:g}, {length}, "
              f"global batch {a.global_batch_size}.", ""]
+    start = tags.get(TAG + "start")
+    if start and start != "base":
+        parent = tags.get(TAG + "parent_version")
+        lines.append(f"- Started from: `{start}`" + (f" (continues v{parent})" if parent else ""))
     trained = _flow_run_link(tags, "prefect.flow_run")
     if trained:
         lines.append(f"- Prefect flow run: {trained}")

@@ -1,0 +1,114 @@
+"""`actor.init_from`: training starts from the champion (or a version, or a folder), the fingerprint
+names that start, a retrain on unchanged data after the champion moved to its own result is a cache
+hit, and the version records its parent. Stages run through `run_stage` (no Prefect)."""
+
+import json
+
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import demo_rows, tiny_config_dict, write_config, write_jsonl
+
+pytestmark = pytest.mark.slow
+
+
+def run_all(cfg_path, overrides=()):
+    from stages.core.config import load_config
+    from stages.pipeline import plan, run_stage
+    p = plan(load_config(cfg_path, list(overrides)))
+    results = {s: run_stage(p, s, on_line=lambda _: None) for s in p.stages}
+    return p, results
+
+
+def weights(folder):
+    return load_file(str(folder / "model" / "model.safetensors"))
+
+
+def test_training_continues_from_the_champion_and_names_it(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from stages.core.config import load_config
+    from stages.core.errors import ConfigError
+    from stages.pipeline import plan
+    raw = tiny_config_dict(tmp_path, registry={"promote": "always"})
+    # the builtin model's tokenizer is trained on its corpus: pinned, so new data keeps the base model
+    raw["actor"].update(init_from="champion", model={"corpus_paths": list(raw["data"]["train_data_paths"])})
+    cfg_path = write_config(tmp_path, raw)
+
+    # day 1: no champion yet, so the base model; the plan says so
+    p1, r1 = run_all(cfg_path)
+    assert p1.start is None and "no champion yet" in p1.start_note
+    assert r1["register"].metrics["version"] == 1
+    base_fp = plan(load_config(cfg_path, ["actor.init_from=base"])).fingerprints["train"]
+    assert p1.fingerprints["train"] == base_fp  # `champion` with none is exactly `base`
+
+    # day 1 again: v1 is champion now and is this training: a cache hit, not a training from v1
+    again = plan(load_config(cfg_path))
+    assert again.fingerprints["train"] == p1.fingerprints["train"] and again.start is None
+
+    # day 2: new rows -> starts from v1
+    extra = write_jsonl(tmp_path / "more.jsonl", demo_rows("train.jsonl", 16))
+    raw["data"]["train_data_paths"].append(str(extra))
+    write_config(tmp_path, raw)
+    # unpinned, the new data would make another base model, whose tokens v1 does not know: refused
+    with pytest.raises(ConfigError, match=r"actor.init_from=champion: test-model v1 was trained from another base "
+                                          r"model .*actor.model.corpus_paths pins it"):
+        plan(load_config(cfg_path, ["actor.model.corpus_paths=[]"]))
+    p2 = plan(load_config(cfg_path))
+    assert p2.start["ref"] == "models:/test-model/1" and p2.start["parent_version"] == "1"
+    from_base = plan(load_config(cfg_path, ["actor.init_from=base"])).fingerprints["train"]
+    assert p2.fingerprints["train"] != from_base
+    p2, r2 = run_all(cfg_path)
+    assert r2["register"].metrics["version"] == 2
+
+    # what it loaded was v1's weights: step 0 of day 2 starts where day 1 ended. The independent check:
+    # one optimizer step from v1's exported weights moves them by at most lr per element (AdamW),
+    # while the base model is far from v1
+    v1, v2 = weights(Path(r1["train"].path)), weights(Path(r2["train"].path))
+    base = load_file(str(next((tmp_path / "artifacts" / "models").rglob("model.safetensors"))))
+    key = next(k for k in v1 if k.endswith("q_proj.weight"))
+    steps = raw["runner"]["max_steps"]
+    assert (v2[key] - v1[key]).abs().max() <= steps * raw["actor"]["optim"]["lr"] * 1.01
+    assert (v2[key] - base[key]).abs().max() > (v2[key] - v1[key]).abs().max()
+
+    client = MlflowClient(p2.cfg.resolved_tracking_uri)
+    v = client.get_model_version("test-model", "2")
+    assert v.tags["sftflow.parent_version"] == "1" and "continued from test-model v1" in v.description
+    assert json.loads(v.tags["sftflow.start"])["ref"] == "models:/test-model/1"
+    run = client.get_run(v.run_id)
+    assert run.data.tags["sftflow.start"] == "models:/test-model/1"
+    assert "Started from: `models:/test-model/1` (continues v1)" in run.data.tags["mlflow.note.content"]
+    assert client.get_model_version("test-model", "1").tags["sftflow.start"] == ""
+
+    # day 2 again: v2 (the champion) is caught up: no third training
+    again = plan(load_config(cfg_path))
+    assert again.fingerprints["train"] == p2.fingerprints["train"]
+    assert again.start["ref"] == "models:/test-model/1"
+
+
+def test_a_folder_start_is_fingerprinted_by_content(tmp_path):
+    from stages.core.config import load_config
+    from stages.core.errors import ConfigError
+    from stages.pipeline import plan
+    raw = tiny_config_dict(tmp_path)
+    cfg_path = write_config(tmp_path, raw)
+    p, r = run_all(cfg_path)
+    folder = r["train"].path
+    started = plan(load_config(cfg_path, [f"actor.init_from={folder}"]))
+    assert started.start["ref"] == str((Path(r["train"].path) / "model").resolve())
+    assert started.fingerprints["train"] != p.fingerprints["train"]
+    # the same files elsewhere: the same fingerprint; a changed file: another
+    import shutil
+    copy = tmp_path / "copy"
+    shutil.copytree(Path(r["train"].path) / "model", copy)
+    assert plan(load_config(cfg_path, [f"actor.init_from={copy}"])).fingerprints["train"] == \
+        started.fingerprints["train"]
+    (copy / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3}))
+    assert plan(load_config(cfg_path, [f"actor.init_from={copy}"])).fingerprints["train"] != \
+        started.fingerprints["train"]
+    with pytest.raises(ConfigError, match=r"actor.init_from: '.*nowhere' is not a Hugging Face model folder"):
+        plan(load_config(cfg_path, [f"actor.init_from={tmp_path / 'nowhere'}"]))
+    with pytest.raises(ConfigError, match="actor.init_from: models:/test-model/9"):
+        plan(load_config(cfg_path, ["actor.init_from=models:/test-model/9"]))
