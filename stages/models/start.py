@@ -54,8 +54,8 @@ def _version_start(cfg: SFTConfig, name: str, version: str, tags: dict, model_fp
             f"{KEY}={cfg.actor.init_from}: {name} v{version} was trained from another base model (fingerprint "
             f"{base[:12]}, this config's is {model_fp[:12]}), so its vocabulary need not match this data's tokens; "
             "a builtin model's tokenizer is built from data.train_data_paths unless actor.model.corpus_paths pins it")
-    uri = cfg.resolved_tracking_uri
-    identity = {"registry": uri, "name": name, "version": str(version), "train_fingerprint": tags.get("train_fingerprint", "")}
+    identity = {"registry": cfg.resolved_tracking_uri, "name": name, "version": str(version),
+                "train_fingerprint": tags.get("train_fingerprint", "")}
     parent = str(version) if name == cfg.registry.model_name else None
     return {"ref": f"{REGISTRY_PREFIX}{name}/{version}", "identity": identity, "parent_version": parent,
             "own_start": tags.get("start", ""), "note": f"starting from {name} v{version}"}
