@@ -423,6 +423,27 @@ def models(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesA
 
 
 @app.command()
+def champion(version: str = typer.Argument(..., help="the version to make champion, e.g. 3"),
+             reason: str = typer.Option(..., "--reason", help="why: recorded on the version, shown by the next run"),
+             config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg) -> None:
+    """The way back: move the config's `champion` alias to an earlier (or any) version, with a reason."""
+    cfg = _load(config, overrides)
+    store = _sqlite_file(cfg.resolved_tracking_uri)
+    name = cfg.registry.model_name
+    if store is not None and not store.is_file():
+        _fail(f"no versions of '{name}': nothing is logged at {store} yet")
+    from stages.tracking.registry import set_champion
+    try:
+        done = set_champion(cfg.resolved_tracking_uri, name, version.removeprefix("v"), reason)
+    except ValueError as e:
+        _fail(str(e))
+    except OSError as e:  # a tracking server that does not answer
+        _fail(f"MLflow at {cfg.resolved_tracking_uri} did not answer ({e})", 1)
+    was = f" (was v{done['replaced']})" if done["replaced"] and done["replaced"] != done["version"] else ""
+    console.print(f"{escape(name)}@champion -> v{done['version']}{was}: {escape(done['reason'])}", highlight=False)
+
+
+@app.command()
 def serve(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
           cron: Optional[str] = typer.Option(None, "--cron", help='cron schedule, e.g. "0 3 * * *"'),
           interval: Optional[float] = typer.Option(None, "--interval", help="seconds between runs"),
@@ -434,11 +455,18 @@ def serve(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesAr
                                                    "Prefect API override this protected key (actor.worker, "
                                                    "eval.scorer, eval.sets, "
                                                    "actor.model.trust_remote_code, runner.resume, artifacts_dir, "
-                                                   "registry.tracking_uri); repeatable")) -> None:
-    """Retrain on a schedule: serve the flow as a Prefect deployment (blocks; Ctrl-C stops)."""
+                                                   "registry.tracking_uri); repeatable"),
+          on_data: bool = typer.Option(False, "--on-data", help="also run when `sftflow notify` says new data "
+                                       "arrived (a Prefect event)"),
+          within: float = typer.Option(60, "--within", min=0, help="--on-data: arrivals within this many seconds "
+                                       "of the one that started a run start no other")) -> None:
+    """Retrain on a schedule and/or when data arrives: serve the flow as a Prefect deployment (blocks; Ctrl-C stops)."""
     cfg = _load(config, overrides)
-    if (cron is None) == (interval is None):
-        _fail("give exactly one of --cron or --interval")
+    if cron is not None and interval is not None:
+        _fail("give at most one of --cron or --interval")
+    if cron is None and interval is None and not on_data:
+        _fail("give --cron, --interval or --on-data (or --on-data with one of them)")
+    arrivals = cfg.registry.model_name if on_data else None
     from stages.core.config import SERVE_PROTECTED
     for key in allow_override:
         if key not in SERVE_PROTECTED:
@@ -451,12 +479,37 @@ def serve(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesAr
         with local_server(host, port, home, home.parent / "prefect-server.log", shared=True) as api:
             os.environ["PREFECT_API_URL"] = api
             console.print(f"Prefect UI: http://{host}:{port}  (API {api}); serving deployment '{name}'")
-            serve_flow(str(config), overrides or [], name, cron, interval, allow_override)
+            serve_flow(str(config), overrides or [], name, cron, interval, allow_override, arrivals, within)
         return
     if not os.environ.get("PREFECT_API_URL"):
         _fail("serving needs a running Prefect server: `make serve`, or `sftflow serve --start-server`, "
               "or set PREFECT_API_URL")
-    serve_flow(str(config), overrides or [], name, cron, interval, allow_override)
+    serve_flow(str(config), overrides or [], name, cron, interval, allow_override, arrivals, within)
+
+
+@app.command()
+def notify(files: list[Path] = typer.Option([], "--file", "-f", help="a file that arrived (named on the event); "
+                                            "repeatable"),
+           config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg) -> None:
+    """Say that new data arrived: a `sftflow.data.arrived` Prefect event that `sftflow serve --on-data` runs on."""
+    cfg = _load(config, overrides)
+    missing = [str(f) for f in files or [] if not f.exists()]
+    if missing:
+        _fail(f"no such file: {missing[0]}")
+    _prefect_home(cfg)
+    from flows.prefect_server import running_server
+    api = os.environ.get("PREFECT_API_URL") or (running_server(Path(os.environ["PREFECT_HOME"])) or {}).get("api")
+    if not api:
+        _fail("no Prefect server to tell: `sftflow serve --on-data --start-server -c <config>` runs one on this "
+              "config's artifacts dir, or set PREFECT_API_URL", 1)
+    os.environ["PREFECT_API_URL"] = api
+    from flows.events import emit_arrival
+    try:
+        event = emit_arrival(cfg.registry.model_name, [f.resolve() for f in files or []], config.resolve())
+    except Exception as e:  # noqa: BLE001 - the server's answer, in one line
+        _fail(f"Prefect at {api} did not take the event: {type(e).__name__}: {str(e).strip()[:200]}", 1)
+    console.print(f"sent sftflow.data.arrived for '{escape(cfg.registry.model_name)}' ({len(files or [])} file(s)) "
+                  f"to {api}: event {event}", highlight=False)
 
 
 @app.command()

@@ -1,5 +1,6 @@
-"""Scheduled retraining: serve `sft_pipeline` as a Prefect deployment with a cron or interval
-schedule, optionally starting a local Prefect server (home under artifacts/) first.
+"""Retraining you can leave running: serve `sft_pipeline` as a Prefect deployment started by a cron
+or interval schedule and/or by new-data events (flows/events.py), optionally starting a local
+Prefect server (home under artifacts/) first.
 
 Every scheduled run is the ordinary flow: with unchanged data every stage is a cache hit
 and no model version is added; new or edited data changes the fingerprints, trains, and
@@ -13,18 +14,22 @@ from pathlib import Path
 
 
 def serve(config_path: str, overrides: list[str], name: str, cron: str | None, interval: float | None,
-          allow_overrides: list[str] | None = None) -> None:
+          allow_overrides: list[str] | None = None, on_data: str | None = None, within_s: float = 60) -> None:
     """Blocks, running the deployment's scheduled (and UI-triggered) runs one at a time. Runs started
     through the Prefect API use this config and can't override `SERVE_PROTECTED` keys beyond
-    `allow_overrides`: the variables that say so live in this process, out of the API's reach."""
+    `allow_overrides`: the variables that say so live in this process, out of the API's reach.
+    `on_data` (a registered model's name): runs start on its `sftflow.data.arrived` events too
+    (flows/events.py), one per `within_s` seconds at most."""
     from stages.core.config import SERVE_PROTECTED
 
     from flows.sft import PROTECTED_ENV, SERVED_CONFIG_ENV, sft_pipeline
     os.environ[SERVED_CONFIG_ENV] = str(Path(config_path).resolve())
     os.environ[PROTECTED_ENV] = ",".join(k for k in SERVE_PROTECTED if k not in (allow_overrides or []))
+    from flows.events import arrival_trigger
+    triggers = [arrival_trigger(on_data, within_s)] if on_data else None
     try:
         sft_pipeline.serve(
-            name=name, cron=cron, interval=interval, limit=1, paused=False,
+            name=name, cron=cron, interval=interval, limit=1, paused=False, triggers=triggers,
             parameters={"config_path": str(Path(config_path).resolve()), "overrides": overrides},
             description="sftflow: prepare -> train -> evaluate -> register; cached stages are skipped",
         )

@@ -35,7 +35,7 @@ from stages.core.artifacts import StageBuild, read_manifest
 from stages.core.config import SFTConfig
 from stages.core.paired import clears, compare_sets, describe, read_predictions
 from stages.core.scores import named_sets
-from stages.tracking.registry import CHALLENGER, CHAMPION
+from stages.tracking.registry import CHALLENGER, CHAMPION, set_by_hand
 from stages.tracking.live import (champion_metric_values, eval_metric_values, is_number, read_metrics_file, send_values,
                                   sync_rows)
 from stages.core.errors import StageError
@@ -133,6 +133,16 @@ def decide_alias(client, name: str, policy: str, vs: dict | None, primary: str, 
     verdict = "not worse than" if ok else "worse than"
     return (CHAMPION if ok else CHALLENGER), (f"'{primary}' {shown}: {verdict} the champion by more than "
                                                f"{tolerance:g} (registry.decide_on={on})")
+
+
+def _champion_set_by_hand(client, name: str) -> tuple[str, dict] | None:
+    """(version, what `sftflow champion` recorded) when the champion now is one set by hand."""
+    try:
+        current = client.get_model_version_by_alias(name, CHAMPION)
+    except Exception:  # noqa: BLE001 - no champion
+        return None
+    record = set_by_hand(current.tags)
+    return (str(current.version), record) if record else None
 
 
 def version_description(cfg: SFTConfig, lineage: Lineage) -> str:
@@ -252,6 +262,9 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
     r, primary = cfg.registry, eval_metrics["primary_set"]
     alias, why = decide_alias(client, name, r.promote, (versus or {}).get(primary), primary, fingerprints["train"],
                               r.tolerance, r.decide_on, guards, reused=existing is not None)
+    hand = _champion_set_by_hand(client, name)
+    if hand is not None and hand[0] != str(version.version):  # the way back, said where the next run reports
+        why += f"; champion v{hand[0]} was set by hand ({hand[1].get('at', '')[:10]}): {hand[1].get('reason', '')}"
     client.set_model_version_tag(name, version.version, TAG + "alias_reason", why)
     if "champion" in fingerprints or existing is None:
         # what this decision compared with: once the version is champion, planning finds this register

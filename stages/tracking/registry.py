@@ -141,3 +141,48 @@ def list_versions(tracking_uri: str, name: str) -> list[dict]:
              "accuracy": v.tags.get(TAG + "eval_accuracy", ""), "reason": v.tags.get(TAG + "alias_reason", ""),
              "created": v.creation_timestamp, "run_id": v.run_id or ""}
             for v in sorted(versions, key=lambda v: -int(v.version))]
+
+
+SET_BY_HAND = TAG + "champion_set_by_hand"  # JSON: who, when, the reason, the version it replaced
+
+
+def set_champion(tracking_uri: str, name: str, version: str, reason: str) -> dict:
+    """Moves `champion` to `version` by hand (`sftflow champion`), recording why on the version (tags
+    `champion_set_by_hand` and `alias_reason`); the promotion rules apply from there: the next run
+    compares its model with this version. Returns what was recorded; a ValueError names a missing
+    version or an empty reason."""
+    import getpass
+    import json
+    import socket
+    import time
+
+    from mlflow.tracking import MlflowClient
+    if not reason.strip():
+        raise ValueError("--reason is required: it is recorded on the version and shown by the next run")
+    reachable(tracking_uri)
+    client = MlflowClient(tracking_uri)
+    try:
+        target = client.get_model_version(name, version)
+    except Exception as e:  # noqa: BLE001 - no such model or version
+        raise ValueError(f"{name} v{version}: {str(e).strip().splitlines()[0]}") from None
+    try:
+        before = str(client.get_model_version_by_alias(name, CHAMPION).version)
+    except Exception:  # noqa: BLE001 - no champion yet
+        before = None
+    record = {"reason": reason.strip(), "by": f"{getpass.getuser()}@{socket.gethostname()}",
+              "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "replaced": before}
+    client.set_registered_model_alias(name, CHAMPION, str(target.version))
+    client.set_model_version_tag(name, str(target.version), SET_BY_HAND, json.dumps(record))
+    client.set_model_version_tag(name, str(target.version), TAG + "alias_reason",
+                                 f"champion set by hand ({record['at'][:10]}, {record['by']}): {record['reason']}")
+    return {"version": str(target.version), **record}
+
+
+def set_by_hand(tags: dict[str, str]) -> dict | None:
+    """What `set_champion` recorded on a version (its tags), or None."""
+    import json
+    raw = tags.get(SET_BY_HAND)
+    try:
+        return json.loads(raw) if raw else None
+    except ValueError:
+        return None

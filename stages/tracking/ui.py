@@ -49,7 +49,8 @@ def main(argv: list[str]) -> int:
         print(f"MLflow UI: {ui} — nothing logged to experiment '{name}' yet; "
               f"`sftflow run -c {args.config}` logs its first run there", flush=True)
     else:
-        print(f"MLflow UI, experiment '{name}': {runs_url(ui, found.experiment_id, VIEW_TAG in found.tags)}", flush=True)
+        link = runs_url(ui, found.experiment_id, VIEW_TAG in found.tags)
+        print(f"MLflow UI, experiment '{name}': {link}", flush=True)
     if args.print_only or not local:
         return 0
     store = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
