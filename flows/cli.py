@@ -270,7 +270,7 @@ def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg
     stages = {s: {"fingerprint": p.fingerprints[s], "status": p.status(s), "path": str(p.folder(s))} for s in p.stages}
     if as_json:
         print(json.dumps({"config": cfg.model_dump(mode="json"), "topology": cfg.actor.topology, "stages": stages,
-                          "launch": launch_report(p)}, indent=2))
+                          "start": p.start, "start_note": p.start_note, "launch": launch_report(p)}, indent=2))
         return
     table = Table(title=f"config {config}")
     table.add_column("key")
@@ -289,6 +289,8 @@ def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg
         if left_out:
             console.print(f"[bold yellow]{stage}:[/] {escape(left_out)}", highlight=False, soft_wrap=True)
     console.print(f"training runs {escape(cfg.actor.topology)}", highlight=False)
+    console.print("training starts from " + escape(p.start["note"].removeprefix("starting from ") if p.start else
+                                                   p.start_note or "the base model"), highlight=False)
     launch = launch_report(p, memory=False)  # the memory table below plans and checks memory once
     dev = launch["device"]
     where = (f"{dev['count']} x {dev['name']}" + (f" (compute {dev['capability']})" if dev["capability"] else "")
