@@ -18,9 +18,12 @@ Output folder:
 
 from __future__ import annotations
 
-import json
-from collections import Counter
-from dataclasses import dataclass, field, replace
+import shutil
+import tempfile
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, replace
+from fractions import Fraction
 from pathlib import Path
 from typing import Iterator
 
@@ -28,15 +31,22 @@ import numpy as np
 
 from stages.chatdata.readers import file_format, iter_records
 from stages.chatdata.shards import ShardWriter, read_shards
-from stages.core.artifacts import StageBuild, is_complete, read_manifest
+from stages.core.artifacts import StageBuild, input_digest, is_complete, read_manifest, stage_dir
+from stages.core.codeversion import code_version
+from stages.core.inputs import HUB_PREFIX
 from stages.runtime.mixture import epoch_samples
 from stages.core.config import SFTConfig, eval_split, mix_split
 from stages.core.errors import DataError, StageError
 
+from .pieces import (Piece, PieceBuilder, PieceDamaged, SplitStats, clean_stale, open_piece, piece_key, pieces_root,
+                     remove, strict_error, tokenizer_identity)
 from .rows import Options, ordered_results
 
 PREVIEW_SAMPLES = 3
 CHUNK_RECORDS = 256
+# New input below this many bytes per process is tokenized by fewer processes than data.num_proc: a
+# spawned worker takes about a second to start, about what one core needs for 8 MB of chat rows.
+WORKER_MIN_BYTES = 8 << 20
 
 
 def load_tokenizer(model_path: str, trust_remote_code: bool = False):
@@ -141,59 +151,211 @@ def render_preview(tokenizer, ids, mask) -> str:
     return "".join(f"[[{text}]]" if on else text for text, on in segments(tokenizer, ids, mask))
 
 
-@dataclass
-class SplitStats:
-    rows_read: int = 0
-    rows_kept: int = 0
-    tokens: int = 0
-    trainable_tokens: int = 0
-    truncated: int = 0
-    dropped: Counter = field(default_factory=Counter)
-
-    def to_dict(self) -> dict:
-        return {**{k: v for k, v in self.__dict__.items() if k != "dropped"},
-                "dropped": dict(sorted(self.dropped.items()))}
-
-
 def run_prepare(cfg: SFTConfig, fp: str, model_path: str, part: str = "train", replay_file: str | None = None,
                 stage: str = "prepare") -> dict:
     """Writes the folder of `part` (prepare: "train", prepare_eval: "eval") for fingerprint `fp`; returns
-    its manifest metrics. `replay_file`: the replay stage's conversations (data.mix.replay)."""
-    d = cfg.data
+    its manifest metrics. `replay_file`: the replay stage's conversations (data.mix.replay).
+
+    Each source's rows come from its piece (pieces.py): reused when one with its key exists, else
+    tokenized now (every missing source together, by up to data.num_proc processes) and kept for the
+    next prepare. The folder is then assembled from the pieces in source order, byte-identical to
+    tokenizing every row here. With part "train" and data.max_bad_fraction set, the data gate runs
+    between the two (`check_bad_fraction`)."""
+    started = time.time()
     tokenizer = load_tokenizer(model_path, cfg.actor.model.trust_remote_code)
     sources = plan_sources(cfg, part, replay_file)  # format detection fails here, before any output exists
+    opts = replace(Options.from_config(cfg), file_columns={s.ref: s.columns for s in sources if s.columns is not None})
+    root = pieces_root(cfg.artifacts_path)
+    root.mkdir(parents=True, exist_ok=True)
+    clean_stale(root)
+    scratch = Path(tempfile.mkdtemp(prefix=".scratch-", suffix=".tmp", dir=root))  # pieces of hub sources
+    try:
+        for attempt in (1, 2):
+            pieces, reuse = source_pieces(cfg, sources, opts, tokenizer, scratch)
+            if part == "train":
+                check_bad_fraction(cfg, stage, fp, pieces, splits_of(cfg, part))
+            try:
+                return _assemble(cfg, fp, model_path, part, stage, sources, pieces, reuse, tokenizer, started)
+            except PieceDamaged as e:  # unreadable past the checks open_piece makes: build it again, once
+                if attempt == 2:
+                    raise StageError(f"{stage}: the piece {e} is damaged again after a rebuild; "
+                                     f"delete {root} and run the stage again") from None
+                remove(e.folder)
+        raise AssertionError("unreachable")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def source_pieces(cfg: SFTConfig, sources: list[Source], opts: Options, tokenizer,
+                  scratch: Path) -> tuple[list[Piece], dict]:
+    """Each source's piece, in order, building the missing ones; and how many were reused, built, and
+    not cached (hub sources, whose pieces live in `scratch` for this prepare only). Under data.strict
+    the first quarantined row, in source order, is the error (sources after it are not tokenized)."""
+    root = pieces_root(cfg.artifacts_path)
+    trust = cfg.actor.model.trust_remote_code
+    tok_id, code = tokenizer_identity(tokenizer), code_version("prepare")
+    keys: list[str | None] = []
+    digests: list[str | None] = []
+    for src in sources:
+        digest = None if src.ref.startswith(HUB_PREFIX) else input_digest(Path(src.ref), cfg.artifacts_path)
+        digests.append(digest)
+        keys.append(None if digest is None else piece_key(src, digest, opts, tok_id, trust, code))
+    found: dict[str, Piece | None] = {}
+    for k in keys:
+        if k is not None and k not in found:
+            found[k] = open_piece(root, k)
+    pieces: list[Piece | None] = [found[k] if k is not None else None for k in keys]
+    stop = len(sources)
+    if cfg.data.strict:  # a reused piece with a quarantined row: nothing after it matters
+        stop = next((i for i, p in enumerate(pieces) if p is not None and p.quarantined), stop)
+    todo: list[int] = []
+    wanted: set[str] = set()
+    for i in range(stop):
+        if pieces[i] is None and (keys[i] is None or keys[i] not in wanted):
+            todo.append(i)
+            wanted.add(keys[i])
+    built = _build(cfg, sources, todo, keys, digests, opts, tokenizer, root, scratch)
+    for i, piece in built.items():
+        if keys[i] is not None:
+            found[keys[i]] = piece
+    pieces = [built.get(i) or (found.get(keys[i]) if keys[i] is not None else None) for i in range(len(sources))]
+    if stop < len(sources):
+        q = pieces[stop].first_quarantined()
+        raise strict_error(q["source"], q["reason"], q["detail"])
+    uncached = sum(k is None for k in keys)
+    built_n = sum(keys[i] is not None for i in todo)
+    return pieces, {"reused": len(sources) - built_n - uncached, "built": built_n, "uncached": uncached,
+                    "dir": str(root)}
+
+
+def _source_bytes(src: Source) -> int:
+    if src.ref.startswith(HUB_PREFIX):
+        return 1 << 50  # unknown: as large as can be
+    p = Path(src.ref)
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
+
+
+def _source_chunks(sources: list[tuple[int, Source]], order: deque) -> Iterator[list]:
+    """Chunks of one source each (one empty chunk for a source without records), each one's source
+    index appended to `order` as it is handed out: results come back in the same order."""
+    for i, src in sources:
+        buf: list = []
+        handed = False
+        for n, rec in iter_records(src.ref if src.ref.startswith(HUB_PREFIX) else Path(src.ref),
+                                   "train" if src.split in ("train", "auto") else "val"):
+            buf.append((src.split, src.format, src.ref, n, rec))
+            if len(buf) >= CHUNK_RECORDS:
+                order.append(i)
+                yield buf
+                buf, handed = [], True
+        if buf or not handed:
+            order.append(i)
+            yield buf
+
+
+def _build(cfg: SFTConfig, sources: list[Source], todo: list[int], keys: list, digests: list, opts: Options,
+           tokenizer, root: Path, scratch: Path) -> dict[int, Piece]:
+    """Tokenizes the sources `todo` (indices into `sources`) into pieces, together: one stream of chunks
+    through `ordered_results`, by up to data.num_proc processes (fewer for a little new data)."""
+    if not todo:
+        return {}
+    new_bytes = sum(_source_bytes(sources[i]) for i in todo)
+    procs = max(1, min(cfg.data.num_proc, 1 + new_bytes // max(WORKER_MIN_BYTES, 1)))
+    order: deque = deque()
+    built: dict[int, Piece] = {}
+    builder: PieceBuilder | None = None
+    current = -1
+
+    def commit() -> None:
+        src = sources[current]
+        if digests[current] is not None and input_digest(Path(src.ref), cfg.artifacts_path) != digests[current]:
+            raise StageError(f"prepare: {src.ref} changed while it was being prepared; run it again")
+        built[current] = builder.commit()
+
+    try:
+        for items in ordered_results(_source_chunks([(i, sources[i]) for i in todo], order), opts, procs, tokenizer):
+            i = order.popleft()
+            if i != current:
+                if builder is not None:
+                    commit()
+                current = i
+                builder = PieceBuilder(root if keys[i] is not None else scratch, keys[i], sources[i],
+                                       cfg.data.strict)
+            for it in items:
+                builder.add(it)
+        if builder is not None:
+            commit()
+            builder = None
+    finally:
+        if builder is not None and current not in built:
+            builder.discard()
+    return built
+
+
+def check_bad_fraction(cfg: SFTConfig, stage: str, fp: str, pieces: list[Piece], splits: list[str]) -> None:
+    """The data gate: a DataError when more than data.max_bad_fraction of the train split's rows (then
+    the val split's) were quarantined. The quarantine file it names is
+    `<artifacts>/<stage>/<fp>.rejected/quarantine.jsonl` (what the folder's quarantine.jsonl would have
+    held), kept until a prepare of this fingerprint succeeds; no stage folder is written."""
+    limit = cfg.data.max_bad_fraction
+    if limit is None:
+        return
+    for split in ("train", "val"):
+        if split not in splits:
+            continue
+        st = SplitStats()
+        for p in pieces:
+            if split in p.splits:
+                st.add(p.stats(split))
+        bad = sum(st.dropped.values())
+        if st.rows_read == 0 or Fraction(bad, st.rows_read) <= Fraction(repr(float(limit))):
+            continue
+        folder = rejected_dir(cfg, stage, fp)
+        tmp = folder.parent / f".{folder.name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        with open(tmp / "quarantine.jsonl", "wb") as out:
+            for p in pieces:
+                p.copy_quarantine(out)
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+        reasons = ", ".join(f"{reason} {n}" for reason, n in st.dropped.most_common())
+        raise DataError(f"{stage}: {bad} of {st.rows_read} rows ({100 * bad / st.rows_read:.1f}%) in the {split} split "
+                        f"were quarantined, above data.max_bad_fraction={limit} ({reasons}); nothing was trained; "
+                        f"see {folder / 'quarantine.jsonl'}")
+
+
+def rejected_dir(cfg: SFTConfig, stage: str, fp: str) -> Path:
+    """Where a prepare the data gate stopped keeps its quarantine.jsonl."""
+    folder = stage_dir(cfg.artifacts_path, stage, fp)
+    return folder.parent / f"{fp}.rejected"
+
+
+def _assemble(cfg: SFTConfig, fp: str, model_path: str, part: str, stage: str, sources: list[Source],
+              pieces: list[Piece], reuse: dict, tokenizer, started: float) -> dict:
+    """The stage folder from the sources' pieces, streamed in order one record batch at a time."""
+    d = cfg.data
     build = StageBuild(cfg.artifacts_path, stage, fp)
+    build.started = started  # the manifest's `seconds`: the whole stage, pieces included
     writers = {s: ShardWriter(build.partial / s, d.shard_rows) for s in splits_of(cfg, part)}
     stats = {s: SplitStats() for s in writers}
     mixed = Counter()  # kept train rows per mixture source
     mix_of = {s.ref: s.mix for s in sources}
     preview: list[str] = []
-    opts = replace(Options.from_config(cfg), file_columns={s.ref: s.columns for s in sources if s.columns is not None})
-    with open(build.partial / "quarantine.jsonl", "w", encoding="utf-8") as quarantine:
-        for items in ordered_results(_chunks(sources), opts, d.num_proc, tokenizer):
-            for it in items:
-                st = stats[it.split]
-                st.rows_read += it.first
-                if it.reason is not None:
-                    if d.strict:
-                        raise DataError(f"{it.source}: {it.reason}" + (f": {it.detail}" if it.detail else "")
-                                         + " (data.strict=true; set it to false to quarantine bad rows instead)")
-                    st.dropped[it.reason] += 1
-                    quarantine.write(json.dumps({"file": it.file, "line": it.line, "index": it.index,
-                                                 "source": it.source, "split": it.split, "reason": it.reason,
-                                                 "detail": it.detail, "raw": it.raw}, ensure_ascii=False) + "\n")
-                    continue
-                writers[it.split].add({"input_ids": it.ids, "loss_mask": it.mask, "source": it.source,
-                                       "messages": (json.dumps(it.messages, ensure_ascii=False) if it.messages
-                                                    else None)})
-                st.rows_kept += 1
-                st.tokens += len(it.ids)
-                st.trainable_tokens += int(it.mask.sum())
-                st.truncated += it.truncated
-                if it.split == "train":
-                    mixed[mix_of[it.file]] += 1
-                    if len(preview) < PREVIEW_SAMPLES:
-                        preview.append(f"--- {it.source}\n{render_preview(tokenizer, it.ids, it.mask)}\n")
+    with open(build.partial / "quarantine.jsonl", "wb") as quarantine:
+        for src, piece in zip(sources, pieces):
+            piece.copy_quarantine(quarantine)
+            for split in piece.splits:
+                stats[split].add(piece.stats(split))
+                for batch in piece.batches(split):
+                    writers[split].add_batch(batch)
+                    if split == "train" and len(preview) < PREVIEW_SAMPLES:
+                        first = batch.slice(0, PREVIEW_SAMPLES - len(preview))
+                        for source, ids, mask in zip(*(first.column(c).to_pylist()
+                                                       for c in ("source", "input_ids", "loss_mask"))):
+                            preview.append(f"--- {source}\n{render_preview(tokenizer, ids, mask)}\n")
+            if "train" in piece.splits:
+                mixed[mix_of[src.ref]] += piece.splits["train"]["rows_kept"]
     shards = {s: w.close() for s, w in writers.items()}
     (build.partial / "preview.txt").write_text("".join(preview), encoding="utf-8")
     for split, st in stats.items():
@@ -215,7 +377,9 @@ def run_prepare(cfg: SFTConfig, fp: str, model_path: str, part: str = "train", r
                   "sources": [{k: v for k, v in s.__dict__.items() if k != "columns"} for s in sources],
                   "inputs": {s: [x.ref for x in sources
                                  if x.split == s or (x.split == "auto" and s in ("train", "val"))]
-                             for s in splits}})
+                             for s in splits},
+                  "pieces": reuse})
+    shutil.rmtree(rejected_dir(cfg, stage, fp), ignore_errors=True)  # a gate's verdict on this fingerprint, now moot
     return metrics
 
 
