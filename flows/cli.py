@@ -446,6 +446,40 @@ def champion(version: str = typer.Argument(..., help="the version to make champi
 
 
 @app.command()
+def export(model: Optional[str] = typer.Option(None, "--model", "-m", help="models:/name/N or @alias, a train stage "
+                                               "folder or a Hugging Face folder; default: the config's champion"),
+           config: Optional[Path] = typer.Option(None, "--config", "-c", help="find the champion and "
+                                                 "eval.max_new_tokens here"),
+           out: Path = typer.Option(Path("exports"), "--out", help="folder for <name>-<TYPE>.gguf and Modelfile"),
+           type_: str = typer.Option("f16", "--type", help="f32, f16, bf16 or q8_0"),
+           name: Optional[str] = typer.Option(None, "--name", help="the model's name in the file")) -> None:
+    """A registered version or a trained folder as GGUF (llama.cpp, Ollama) with an Ollama Modelfile."""
+    if model is None and config is None:
+        _fail("give --model (models:/name/N, a folder) or -c CONFIG (its champion)")
+    cfg = _load(config, []) if config is not None else None
+    ref = model or f"models:/{cfg.registry.model_name}@champion"
+    from stages.export.gguf import export_gguf
+    from stages.models.refs import resolve_model_ref
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            folder = resolve_model_ref(ref, cfg.resolved_tracking_uri if cfg else None, tmp)
+        except ValueError as e:
+            _fail(str(e))
+        if name is None and ref.startswith("models:/"):
+            name = ref.removeprefix("models:/").replace("@", "-").replace("/", "-v")
+        try:
+            done = export_gguf(folder, out, type_, name, cfg.eval.max_new_tokens if cfg else None,
+                               say=lambda line: err.print(escape(line), highlight=False))
+        except ConfigError as e:
+            _fail(str(e))
+    for note in done.notes:
+        err.print(f"note: {escape(note)}", highlight=False)
+    console.print(f"exported {escape(ref)} ({done.architecture}, {done.type}) to {escape(str(done.gguf))}; "
+                  f"Ollama: `ollama create NAME -f {escape(str(done.modelfile))}`", highlight=False, soft_wrap=True)
+
+
+@app.command()
 def serve(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
           cron: Optional[str] = typer.Option(None, "--cron", help='cron schedule, e.g. "0 3 * * *"'),
           interval: Optional[float] = typer.Option(None, "--interval", help="seconds between runs"),

@@ -29,6 +29,7 @@ ALLOWED = {
     **{s: {"core", "chatdata", "models", "runtime", "tracking"} for s in STAGE_PACKAGES},
     "pipeline": {"core", "chatdata", "models", "runtime", "tracking", *STAGE_PACKAGES},
     "sweep": {"core", "pipeline"},
+    "export": {"core"},  # a model folder -> GGUF; what a ref names is the CLI's to resolve
 }
 
 
@@ -176,6 +177,7 @@ FLOWS_MAY_IMPORT_LAZILY = {
     "stages.runtime.memory_plan": "`sftflow show`: the memory plan table (arithmetic, no torch)",
     "stages.tracking.sweep": "the sweep flow's MLflow parent run",
     "stages.tracking.registry": "`sftflow models`: the registered versions, their aliases and reasons",
+    "stages.export.gguf": "`sftflow export`: a model folder -> GGUF and an Ollama Modelfile",
 }
 # The lazy imports that load torch, and the only functions they may be in.
 FLOWS_TORCH_IMPORTS = {"stages.runtime.generation": {("cli.py", "chat")}}

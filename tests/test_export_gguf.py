@@ -506,3 +506,19 @@ def test_llama_cpp_replies_as_sftflow_does(folders, family, tmp_path):
                             add_bos=False, special=True) == ids
         out = llm.create_completion(ids, max_tokens=12, temperature=0.0, repeat_penalty=1.0)
         assert out["choices"][0]["text"] == w["text"]
+
+
+def test_sftflow_export_takes_a_folder_and_refuses_in_one_line(folders, tmp_path):
+    """`sftflow export` (the CLI's wiring of the same exporter): a train stage folder in, a GGUF and a
+    Modelfile out; a refused type is one line, exit 2, nothing written."""
+    from conftest import sftflow
+    train = tmp_path / "train-folder"
+    shutil.copytree(folders["qwen2"], train / "model")
+    out = tmp_path / "exports"
+    proc = sftflow("export", "-m", str(train), "--out", str(out), "--type", "q8_0", "--name", "tiny", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["Modelfile", "tiny-Q8_0.gguf"]
+    assert _gguf_fields((out / "tiny-Q8_0.gguf"))["general.architecture"] == "qwen2"
+    bad = sftflow("export", "-m", str(train), "--out", str(tmp_path / "nothing"), "--type", "q4_k", cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "q4_k" in bad.stderr.lower(), bad.stderr
+    assert not (tmp_path / "nothing").exists()
