@@ -263,3 +263,19 @@ def test_the_cache_can_be_deleted(tmp_path, tokenizer_dir, data):
     again, m = prepare(tmp_path / "x", tokenizer_dir, [A, B], force=True)
     assert m["pieces"]["built"] == 3 and os.listdir(again)
     assert_same_output(again, prepare(tmp_path / "y", tokenizer_dir, [A, B])[0])
+
+
+def test_a_source_that_is_not_cached_is_tokenized_every_time(tmp_path, tokenizer_dir, data, tokenized_files,
+                                                             monkeypatch):
+    """Hub datasets (`hf:`) get a piece for one prepare only; C stands in for one here."""
+    A, C = data["A"], data["C"]
+    monkeypatch.setattr(stage_mod, "HUB_PREFIX", str(C))
+    for force in (False, True):
+        tokenized_files.clear()
+        out, m = prepare(tmp_path / "x", tokenizer_dir, [A, C], force=force)
+        assert m["pieces"]["uncached"] == 1 and str(C) in tokenized_files
+    assert (m["pieces"]["reused"], m["pieces"]["built"]) == (2, 0) and tokenized_files == {str(C)}
+    assert len(piece_dirs(tmp_path / "x")) == 2  # A and V
+    assert not [p for p in (tmp_path / "x" / "prepare_pieces").iterdir() if p.name.startswith(".")]  # scratch gone
+    monkeypatch.undo()
+    assert_same_output(out, prepare(tmp_path / "y", tokenizer_dir, [A, C])[0])

@@ -4,8 +4,12 @@ Data path: sources (files, `datasets` folders, hub names) are read as raw record
 process, in order, `CHUNK_RECORDS` at a time; each chunk is parsed, converted to
 conversations, rendered through the chat template, masked and tokenized in-process or by one
 of `data.num_proc - 1` spawned workers; results come back in submission order and stream
-into shard writers. Memory stays bounded by the chunks in flight plus one Arrow batch per
-split, and the output is identical for any `num_proc`.
+into one piece per source (pieces.py: cached by content and settings, so only new or edited
+sources are tokenized). The folder is then assembled from the pieces in source order, one
+Arrow record batch at a time. Memory stays bounded by the chunks in flight plus one Arrow batch
+per split, and the output is identical for any `num_proc` and any mix of reused and new pieces.
+The data gate (data.max_bad_fraction) runs on the pieces' counts, before the folder is written;
+when it stops prepare, `<stage>/<fp>.rejected/quarantine.jsonl` keeps the quarantined rows.
 
 Output folder:
     train/shard-*.arrow, val/shard-*.arrow   prepared rows (see stages/chatdata/shards.py); val only when
