@@ -1,5 +1,6 @@
 """The data gate (data.max_bad_fraction): prepare fails in one line, before anything trains, when more
-than that share of a training split's rows was quarantined; the quarantine file it names is kept."""
+than that share of a training file's rows, or of a training split's, was quarantined; the quarantine
+file it names is kept."""
 
 import json
 from pathlib import Path
@@ -45,7 +46,7 @@ def test_too_many_quarantined_rows_stop_prepare_in_one_line(tmp_path, tokenizer_
         run_stage(p, "prepare")
     msg = str(e.value)
     rejected = tmp_path / "artifacts" / "prepare" / f"{p.fingerprints['prepare']}.rejected" / "quarantine.jsonl"
-    assert msg == ("prepare: 30 of 100 rows (30.0%) in the train split were quarantined, above "
+    assert msg == (f"prepare: 30 of 100 rows (30.0%) in {train} were quarantined, above "
                    "data.max_bad_fraction=0.1 (malformed_json 28, missing_key 2); nothing was trained; "
                    f"see {rejected}")
     assert "\n" not in msg
@@ -87,6 +88,22 @@ def test_the_val_split_is_gated_too(tmp_path, tokenizer_dir):
     train = write_jsonl(tmp_path / "clean.jsonl", demo_rows("train.jsonl", 50))
     val, _ = messy(tmp_path / "messy-val.jsonl", good=8, malformed=2, missing=0)  # not val.jsonl: the config's own
     p = plan(config(tmp_path, tokenizer_dir, train, val_data_paths=[str(val)], max_bad_fraction=0.1))
-    with pytest.raises(DataError, match=r"^prepare: 2 of 10 rows \(20.0%\) in the val split were quarantined, "
+    with pytest.raises(DataError, match=r"^prepare: 2 of 10 rows \(20.0%\) in .*messy-val.jsonl were quarantined, "
                                         r"above data.max_bad_fraction=0.1 \(malformed_json 2\)"):
         run_stage(p, "prepare")
+
+
+def test_a_bad_drop_is_stopped_even_when_the_split_is_mostly_good(tmp_path, tokenizer_dir):
+    """A day's drop with 30% bad rows among a long clean history: 3 of 130 rows split-wide (2.3%), but
+    30% of that file's rows, so the gate stops it and names the file."""
+    history = write_jsonl(tmp_path / "history.jsonl", demo_rows("train.jsonl", 120))
+    drop, _ = messy(tmp_path / "drop.jsonl", good=7, malformed=3, missing=0)
+    raw = tiny_config_dict(tmp_path)
+    raw["actor"]["model"] = {"model_path": str(tokenizer_dir)}
+    raw["data"].update({"train_data_paths": [str(history), str(drop)], "max_bad_fraction": 0.1})
+    p = plan(config_from_dict(raw))
+    with pytest.raises(DataError, match=rf"^prepare: 3 of 10 rows \(30.0%\) in {drop} were quarantined, above "
+                                        r"data.max_bad_fraction=0.1 \(malformed_json 3\)"):
+        run_stage(p, "prepare")
+    raw["data"]["train_data_paths"] = [str(history)]  # the operator takes the drop out
+    assert run_stage(plan(config_from_dict(raw)), "prepare").metrics["train_rows_kept"] == 120

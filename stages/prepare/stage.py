@@ -177,7 +177,7 @@ def run_prepare(cfg: SFTConfig, fp: str, model_path: str, part: str = "train", r
         for attempt in (1, 2):
             pieces, reuse = source_pieces(cfg, sources, opts, tokenizer, scratch)
             if part == "train":
-                check_bad_fraction(cfg, stage, fp, pieces, splits_of(cfg, part))
+                check_bad_fraction(cfg, stage, fp, pieces, splits_of(cfg, part), sources)
             try:
                 return _assemble(cfg, fp, model_path, part, stage, sources, pieces, reuse, tokenizer, started)
             except PieceDamaged as e:  # unreadable past the checks open_piece makes: build it again, once
@@ -296,23 +296,34 @@ def _build(cfg: SFTConfig, sources: list[Source], todo: list[int], keys: list, d
     return built
 
 
-def check_bad_fraction(cfg: SFTConfig, stage: str, fp: str, pieces: list[Piece], splits: list[str]) -> None:
-    """The data gate: a DataError when more than data.max_bad_fraction of the train split's rows (then
-    the val split's) were quarantined. The quarantine file it names is
+def check_bad_fraction(cfg: SFTConfig, stage: str, fp: str, pieces: list[Piece], splits: list[str],
+                       sources: list[Source] | None = None) -> None:
+    """The data gate: a DataError when more than data.max_bad_fraction of any training file's rows, or
+    of the train split's (then the val split's), were quarantined. Per file too: a bad drop among a
+    long history would pass a split-wide share. The quarantine file it names is
     `<artifacts>/<stage>/<fp>.rejected/quarantine.jsonl` (what the folder's quarantine.jsonl would have
     held), kept until a prepare of this fingerprint succeeds; no stage folder is written."""
     limit = cfg.data.max_bad_fraction
     if limit is None:
         return
+    bound = Fraction(repr(float(limit)))
+    checks: list[tuple[str, SplitStats]] = []
+    for piece, src in zip(pieces, sources or []):
+        if src.split in ("train", "auto", "val"):
+            st = SplitStats()
+            for split in piece.splits:
+                st.add(piece.stats(split))
+            checks.append((f"{src.ref}", st))
     for split in ("train", "val"):
-        if split not in splits:
-            continue
-        st = SplitStats()
-        for p in pieces:
-            if split in p.splits:
-                st.add(p.stats(split))
+        if split in splits:
+            st = SplitStats()
+            for p in pieces:
+                if split in p.splits:
+                    st.add(p.stats(split))
+            checks.append((f"the {split} split", st))
+    for what, st in checks:
         bad = sum(st.dropped.values())
-        if st.rows_read == 0 or Fraction(bad, st.rows_read) <= Fraction(repr(float(limit))):
+        if st.rows_read == 0 or Fraction(bad, st.rows_read) <= bound:
             continue
         folder = rejected_dir(cfg, stage, fp)
         tmp = folder.parent / f".{folder.name}.tmp"
@@ -324,7 +335,7 @@ def check_bad_fraction(cfg: SFTConfig, stage: str, fp: str, pieces: list[Piece],
         shutil.rmtree(folder, ignore_errors=True)
         tmp.rename(folder)
         reasons = ", ".join(f"{reason} {n}" for reason, n in st.dropped.most_common())
-        raise DataError(f"{stage}: {bad} of {st.rows_read} rows ({100 * bad / st.rows_read:.1f}%) in the {split} split "
+        raise DataError(f"{stage}: {bad} of {st.rows_read} rows ({100 * bad / st.rows_read:.1f}%) in {what} "
                         f"were quarantined, above data.max_bad_fraction={limit} ({reasons}); nothing was trained; "
                         f"see {folder / 'quarantine.jsonl'}")
 
