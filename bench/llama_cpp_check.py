@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
                               logits_all=False)
         pairs, t0 = [], time.monotonic()
         for r in chosen:
-            ids = tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)
-            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            ids = list(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"])
             out: list[int] = []
             llm.reset()
             for t in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
