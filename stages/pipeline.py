@@ -34,7 +34,7 @@ from .core.inputs import HUB_PREFIX
 from .models.base import model_config_json, model_fingerprint, resolve_model
 from .models.refs import eval_model_identity
 from .models.start import KEY as KEY_INIT_FROM
-from .models.start import caught_up, resolve_start, start_tag
+from .models.start import caught_up, resolve_start, start_folder, start_tag
 from .runtime import memory_plan
 from .runtime.harness import chosen, lm_eval_version, resolve_task
 from .tracking.registry import REGISTRY_PREFIX, current_champion, version_state
@@ -575,13 +575,12 @@ def run_stage(p: Plan, stage: str, force: bool = False, on_line: Callable[[str],
                                   "train" if stage == "prepare" else "eval", replay, stage)
         elif stage == "train":
             from .train import run_train
-            from .models.start import start_folder  # the registry client: only when training runs
             check_launch(p, warn=on_line)  # the model is built and the data prepared: the exact longest micro-batch
-            base = resolve_model(cfg, p.fingerprints["models"], on_line)
+            weights = resolve_model(cfg, p.fingerprints["models"], on_line)  # the base model, built on first use
             if p.start is not None:
                 on_line(f"train: {p.start['note']} ({KEY_INIT_FROM}={cfg.actor.init_from})")
-            metrics = run_train(cfg, fp, start_folder(cfg, p.start, on_line) if p.start else base, dirs["prepare"],
-                                p.lineage(dirs, tags), on_line=on_line)
+                weights = start_folder(cfg, p.start, on_line)
+            metrics = run_train(cfg, fp, weights, dirs["prepare"], p.lineage(dirs, tags), on_line=on_line)
         elif stage in REFERENCES:
             from .evaluate import run_reference
             ref, identity = ("base", None) if stage == "baseline" else (

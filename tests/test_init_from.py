@@ -85,7 +85,7 @@ def test_training_continues_from_the_champion_and_names_it(tmp_path):
     # day 2 again: v2 (the champion) is caught up: no third training
     again = plan(load_config(cfg_path))
     assert again.fingerprints["train"] == p2.fingerprints["train"]
-    assert again.start["ref"] == "models:/test-model/1"
+    assert again.start["ref"] == "models:/test-model/1" and again.start["note"] == "starting from models:/test-model/1"
 
 
 def test_a_folder_start_is_fingerprinted_by_content(tmp_path):

@@ -91,7 +91,7 @@ def caught_up(start: dict, train_fingerprint: Callable[[dict | None], str]) -> d
     parent = json.loads(own) if own else None
     if train_fingerprint(parent and parent.get("identity")) != start["identity"]["train_fingerprint"]:
         return start
-    return parent
+    return parent and {**parent, "note": f"starting from {parent['ref']}"}
 
 
 def start_tag(start: dict | None) -> str:
