@@ -423,3 +423,29 @@ def base_model(cfg) -> str:
     from stages.models.base import resolve_model
     from stages.pipeline import plan
     return resolve_model(cfg, plan(cfg).fingerprints["models"])
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """The builtin tokenizer alone, as a local model folder (its tokenizer then never depends on the data)."""
+    from transformers import AutoTokenizer
+
+    from stages.core.config import load_config
+    tmp = tmp_path_factory.mktemp("tok")
+    AutoTokenizer.from_pretrained(base_model(load_config(write_config(tmp, tiny_config_dict(tmp))))).save_pretrained(
+        tmp / "tokenizer")
+    return tmp / "tokenizer"
+
+
+def wait_for(predicate, timeout: float, what: str, proc, poll: float = 2):
+    """`predicate()`'s first truthy value within `timeout` s, asserting meanwhile that `proc` (a server or
+    `sftflow serve` the test started) still runs."""
+    import time
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        assert proc.poll() is None, f"serve exited early: {proc.stdout.read()[-3000:]}"
+        time.sleep(poll)
+    raise AssertionError(f"timed out waiting for {what}")

@@ -7,19 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import base_model, demo_rows, tiny_config_dict, write_config, write_jsonl
-from stages.core.config import config_from_dict, load_config
+from conftest import demo_rows, tiny_config_dict, write_jsonl
+from stages.core.config import config_from_dict
 from stages.core.errors import DataError
 from stages.pipeline import plan, run_stage
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    from transformers import AutoTokenizer
-    tmp = tmp_path_factory.mktemp("tok")
-    AutoTokenizer.from_pretrained(base_model(load_config(write_config(tmp, tiny_config_dict(tmp))))).save_pretrained(
-        tmp / "tokenizer")
-    return tmp / "tokenizer"
 
 
 def messy(path: Path, good: int = 70, malformed: int = 28, missing: int = 2) -> tuple[Path, list[int]]:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import base_model, demo_rows, tiny_config_dict, write_config, write_jsonl
-from stages.core.config import config_from_dict, load_config
+from conftest import demo_rows, tiny_config_dict, write_jsonl
+from stages.core.config import config_from_dict
 from stages.core.errors import DataError
 from stages.pipeline import plan, run_stage
 from stages.prepare import pieces as pieces_mod
@@ -22,16 +22,6 @@ ROWS = demo_rows("train.jsonl", 400)
 BAD = [b"{not json", json.dumps({"messages": [{"role": "wizard", "content": "hi"},
                                               {"role": "assistant", "content": "x"}]}).encode(),
        json.dumps({"text": "no messages here"}).encode()]
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    """The builtin tokenizer alone, as a local model folder (its tokenizer then never depends on the data)."""
-    from transformers import AutoTokenizer
-    tmp = tmp_path_factory.mktemp("tok")
-    AutoTokenizer.from_pretrained(base_model(load_config(write_config(tmp, tiny_config_dict(tmp))))).save_pretrained(
-        tmp / "tokenizer")
-    return tmp / "tokenizer"
 
 
 @pytest.fixture

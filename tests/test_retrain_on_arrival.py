@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, write_config
+from conftest import ROOT, wait_for, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api")]
 
@@ -77,16 +77,6 @@ def deployment_runs(name: str) -> list:
 def finished(name: str) -> list:
     return [r for r in deployment_runs(name) if r.state and r.state.is_final()]
 
-
-def wait_for(predicate, timeout: float, what: str, proc) -> object:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        assert proc.poll() is None, f"serve exited early: {proc.stdout.read()[-3000:]}"
-        time.sleep(1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def cli(*args: str, env: dict) -> subprocess.CompletedProcess:

@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from conftest import tiny_config_dict, write_config
+from conftest import tiny_config_dict, wait_for, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api")]
 
@@ -23,16 +23,6 @@ def completed_runs(deployment: str, after: float = 0.0) -> list:
         runs = client.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[deployment])))
     return [r for r in runs if r.state and r.state.is_completed() and r.start_time and r.start_time.timestamp() > after]
 
-
-def wait_for(predicate, timeout: float, what: str, proc):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        assert proc.poll() is None, f"serve exited early: {proc.stdout.read()[-3000:]}"
-        time.sleep(2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def versions(tmp_path) -> int:
