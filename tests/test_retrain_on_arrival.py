@@ -31,6 +31,9 @@ NOUNS = ["cat", "dog", "tree", "car", "lamp", "house", "river", "cloud", "stone"
          "door", "road", "boat", "train", "horse", "apple", "flower", "book", "phone", "cup", "shoe", "hat", "bell",
          "drum", "coin", "key", "ring", "star", "moon", "sun", "hill", "lake", "wolf", "bear", "frog", "goat", "duck"]
 TRAIN, HELD_OUT = NOUNS[:30], NOUNS[30:]
+# `serve --within`: events this soon after the one that started a run start none (a burst is one run);
+# each day's drop comes later than that after the previous day's, as drops do
+WITHIN = 4
 COLOR, SOUND = "What color is the {}?", "What sound does the {} make?"
 
 
@@ -84,6 +87,15 @@ def cli(*args: str, env: dict) -> subprocess.CompletedProcess:
                           text=True, timeout=120, stdin=subprocess.DEVNULL)
 
 
+def after_the_window(last_event: float) -> None:
+    """Waits until `WITHIN` s (and one more) have passed since `last_event` (a time after it was sent)."""
+    time.sleep(max(0.0, last_event + WITHIN + 1 - time.time()))
+
+
+def wait(predicate, timeout: float, what: str, proc):
+    return wait_for(predicate, timeout, what, proc, poll=1)
+
+
 def versions(tmp: Path) -> dict[str, dict]:
     from mlflow.tracking import MlflowClient
     client = MlflowClient(f"sqlite:///{tmp / 'artifacts' / 'mlflow.db'}")
@@ -106,8 +118,8 @@ def test_four_days_of_retraining_on_arrival(tmp_path):
     write(drops / "day1.jsonl", rows(COLOR, "blue", TRAIN, 2))
     name = f"arrivals-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / ".prefect"), "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "-c", str(cfg), "--on-data", "--within", "8",
-                             "--name", name], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "-c", str(cfg), "--on-data",
+                             "--within", str(WITHIN), "--name", name], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, stdin=subprocess.DEVNULL)
     try:
         from prefect.client.orchestration import get_client
@@ -117,21 +129,24 @@ def test_four_days_of_retraining_on_arrival(tmp_path):
                     return bool(client.read_deployment_by_name(f"sft_pipeline/{name}"))
                 except Exception:  # noqa: BLE001 - not created yet
                     return False
-        wait_for(served, 120, "the deployment", proc)
+        wait(served, 120, "the deployment", proc)
         time.sleep(3)  # the trigger's automation is created with the deployment; the runner starts polling
 
         # day 1: the CLI's event
         out = cli("notify", "-c", str(cfg), "-f", str(drops / "day1.jsonl"), env=env)
+        last = time.time()
         assert out.returncode == 0 and "sent sftflow.data.arrived for 'daily'" in out.stdout, out.stderr
-        wait_for(lambda: len(finished(name)) == 1, 240, "day 1's run", proc)
+        wait(lambda: len(finished(name)) == 1, 240, "day 1's run", proc)
         assert finished(name)[0].state.is_completed()
         assert versions(tmp_path)["1"]["aliases"] == ["champion"]
 
         # day 2: a new skill; a burst of two events (one run)
         write(drops / "day2.jsonl", rows(SOUND, "loud", TRAIN, 2))
+        after_the_window(last)
         for _ in range(2):
             emit_arrival("daily", [drops / "day2.jsonl"], cfg)
-        wait_for(lambda: len(finished(name)) == 2, 240, "day 2's run", proc)
+        last = time.time()
+        wait(lambda: len(finished(name)) == 2, 240, "day 2's run", proc)
         time.sleep(4)  # a second run would have been created by now (trigger + 1 s polls)
         runs = deployment_runs(name)
         assert len(runs) == 2 and runs[1].state.is_completed(), [(r.name, r.state.type) for r in runs]
@@ -142,8 +157,10 @@ def test_four_days_of_retraining_on_arrival(tmp_path):
 
         # day 3: a bad drop stops before training
         write(drops / "day3.jsonl", rows(SOUND, "loud", TRAIN[:10]), broken_every=3)  # 3 of 10 rows broken
+        after_the_window(last)
         emit_arrival("daily", [drops / "day3.jsonl"], cfg)
-        wait_for(lambda: len(finished(name)) == 3, 240, "day 3's run", proc)
+        last = time.time()
+        wait(lambda: len(finished(name)) == 3, 240, "day 3's run", proc)
         failed = finished(name)[2]
         assert failed.state.is_failed() and "data.max_bad_fraction" in failed.state.message, failed.state.message
         assert set(versions(tmp_path)) == {"1", "2"}
@@ -151,8 +168,10 @@ def test_four_days_of_retraining_on_arrival(tmp_path):
 
         # day 4: a drop that teaches another colour: worse on 'colors', so a challenger
         write(drops / "day4.jsonl", rows(COLOR, "red", TRAIN, 6))
+        after_the_window(last)
         emit_arrival("daily", [drops / "day4.jsonl"], cfg)
-        wait_for(lambda: len(finished(name)) == 4, 240, "day 4's run", proc)
+        last = time.time()
+        wait(lambda: len(finished(name)) == 4, 240, "day 4's run", proc)
         v = versions(tmp_path)
         assert v["3"]["aliases"] == ["challenger"] and v["2"]["aliases"] == ["champion"]
         assert "worse than the champion" in v["3"]["tags"]["sftflow.alias_reason"]
@@ -164,8 +183,9 @@ def test_four_days_of_retraining_on_arrival(tmp_path):
         assert v["1"]["aliases"] == ["champion"]
         assert json.loads(v["1"]["tags"]["sftflow.champion_set_by_hand"])["reason"] == \
             "day 2 dropped a skill users rely on"
+        after_the_window(last)
         emit_arrival("daily", [], cfg)
-        wait_for(lambda: len(finished(name)) == 5, 240, "the run after the way back", proc)
+        wait(lambda: len(finished(name)) == 5, 240, "the run after the way back", proc)
         v = versions(tmp_path)
         assert v["4"]["tags"]["sftflow.parent_version"] == "1"  # it started from the champion set by hand
         assert "champion v1 was set by hand" in v["4"]["tags"]["sftflow.alias_reason"]
