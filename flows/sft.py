@@ -30,7 +30,27 @@ from stages.core.quarantine import note as quarantine_note
 from stages.core.config import check_overrides_allowed, load_config
 from stages.core.errors import ConfigError
 from stages.evaluate.report import COLUMNS, table_cells
+from stages.runtime.launcher import request_stop
 from stages.pipeline import KEY_METRIC, STAGES, UPSTREAM, Plan, plan, requires, run_stage, upstream
+
+def _tell_torchrun_on_sigterm() -> None:
+    """While a flow runs, Prefect's SIGTERM handler (not the CLI's) is installed: it raises
+    TerminationSignal, and an exception raised while a finalizer runs is lost ("Exception ignored in
+    ...", seen in CI: the CLI then waited on a training nobody stopped). Its handler, looked up by
+    name when Prefect installs it, also tells every torchrun tree to stop, as the CLI's does."""
+    import prefect.utilities.engine as engine
+    prefect_handler = engine._prefect_sigterm_handler
+    if getattr(prefect_handler, "tells_torchrun", False):
+        return
+
+    def handler(sig_num: int, *args: object):
+        request_stop()
+        return prefect_handler(sig_num, *args)
+    handler.tells_torchrun = True
+    engine._prefect_sigterm_handler = handler
+
+
+_tell_torchrun_on_sigterm()
 
 STEP_LINE = re.compile(r"^step (\d+)/(\d+)\b")
 # MLflow's own logging ("2026/12/01 06:45:02 INFO mlflow.system_metrics...: ..."), timestamped by

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import psutil
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,11 +23,18 @@ SCRIPT = textwrap.dedent("""
     from stages.core.errors import StageError
     from stages.runtime.launcher import run_torchrun
 
-    signal.signal(signal.SIGINT, _stop)
+    SIGNAL = getattr(signal, sys.argv[2])
+    if SIGNAL == signal.SIGINT:
+        signal.signal(signal.SIGINT, _stop)
+    else:  # inside a flow run: Prefect's SIGTERM handler (raises TerminationSignal), as flows.sft leaves it
+        import flows.sft  # noqa: F401
+        from prefect.utilities.engine import capture_sigterm
+        in_a_flow_run = capture_sigterm()  # held: a collected context manager restores the old handler
+        in_a_flow_run.__enter__()
 
     class SignalledWhileFinalized:
         def __del__(self):
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), SIGNAL)
             for _ in range(2_000_000):  # the handler runs in here, so its KeyboardInterrupt is lost
                 pass
 
@@ -39,14 +47,17 @@ SCRIPT = textwrap.dedent("""
     sleeper = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"]
     try:
         run_torchrun(sleeper, Path(sys.argv[1]), StageError, "sleeper", on_line)
-    except KeyboardInterrupt:
+    except BaseException:  # KeyboardInterrupt, or Prefect's TerminationSignal
         sys.exit(130)
     sys.exit(0)
 """)
 
 
-def test_a_lost_keyboard_interrupt_still_stops_torchrun(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "train.log")], cwd=ROOT,
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+def test_a_lost_keyboard_interrupt_still_stops_torchrun(tmp_path, signal_name):
+    """SIGINT with the CLI's handler; SIGTERM with Prefect's, which a flow run installs instead (CI saw
+    that one lost too: `sftflow stage train` kept training after SIGTERM)."""
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "train.log"), signal_name], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     out = proc.stdout + proc.stderr
     assert "Exception ignored in" in out and "the interrupt was lost" in out, out  # the case under test
