@@ -36,7 +36,7 @@ from stages.core.config import ConfigError, SFTConfig, default_tracking_uri, fla
 from stages.core.errors import MissingUpstream, StageError
 from stages.evaluate.report import COLUMNS, table_cells
 from stages.pipeline import (KEY_METRIC, STAGES, Plan, check_launch, check_memory, launch_report, plan, replay_file,
-                             require_upstream, train_memory)
+                             require_upstream, train_memory, upstream)
 from stages.runtime.launcher import request_stop, stop_requested
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -267,7 +267,8 @@ def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg
     if preview > 0:
         _preview(cfg, p, preview)
         return
-    stages = {s: {"fingerprint": p.fingerprints[s], "status": p.status(s), "path": str(p.folder(s))} for s in p.stages}
+    stages = {s: {"fingerprint": p.fingerprints[s], "status": p.status(s), "after": list(upstream(p, s)),
+                  "path": str(p.folder(s))} for s in p.stages}
     if as_json:
         print(json.dumps({"config": cfg.model_dump(mode="json"), "topology": cfg.actor.topology, "stages": stages,
                           "start": p.start, "start_note": p.start_note, "launch": launch_report(p)}, indent=2))
@@ -279,10 +280,10 @@ def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg
         table.add_row(k, str(v))
     console.print(table)
     st = Table(title="stages")
-    for col in ("stage", "fingerprint", "status", "path"):
+    for col in ("stage", "fingerprint", "status", "reads", "path"):
         st.add_column(col)
     for s, info in stages.items():
-        st.add_row(s, info["fingerprint"], info["status"], info["path"])
+        st.add_row(s, info["fingerprint"], info["status"], ", ".join(info["after"]) or "-", info["path"])
     console.print(st)
     for stage in ("prepare", "prepare_eval"):
         left_out = quarantine_note(p.folder(stage)) if stage in p.stages and p.status(stage) == "complete" else None

@@ -27,10 +27,12 @@ from typing import Callable
 from .core.artifacts import (StageResult, cached_result, damage, deferred_digest_memos, fingerprint, input_digest,
                              is_complete, stage_dir, stage_lock)
 from .core.codeversion import code_version
-from .core.config import CORPUS, REPLAY_PROMPTS, SCORER_NAMES, SFTConfig, eval_split, hashed, mix_split
+from .core.config import CORPUS, REPLAY_PROMPTS, SCORER_NAMES, SFTConfig, eval_split, mix_split
 from .core.errors import ConfigError, MissingUpstream, StageError
 from .core.imports import import_identity, import_object
 from .core.inputs import HUB_PREFIX
+from .core.narrow import with_sets
+from .graph import BY_NAME, KEY_METRIC, STAGES, UPSTREAM, Stage, config_slice, planning_order
 from .models.base import model_config_json, model_fingerprint, resolve_model
 from .models.refs import eval_model_identity
 from .models.start import KEY as KEY_INIT_FROM
@@ -44,18 +46,7 @@ __all__ = ["STAGES", "REFERENCES", "UPSTREAM", "KEY_METRIC", "Plan", "plan", "ru
            "require_upstream",
            "ConfigError", "MissingUpstream", "StageError"]
 
-STAGES = ("replay", "prepare", "prepare_eval", "baseline", "champion", "train", "evaluate", "register")
 REFERENCES = ("baseline", "champion")  # models the trained one is compared with, item by item
-# What each stage reads. The scoring stages read the named eval sets from prepare_eval (or, without
-# named sets, the val split from prepare); nothing that trains reads prepare_eval.
-UPSTREAM = {"replay": (), "prepare": ("replay",), "prepare_eval": (), "baseline": ("prepare_eval", "prepare"),
-            "champion": ("prepare_eval", "prepare"), "train": ("prepare",),
-            "evaluate": ("baseline", "train", "prepare_eval", "prepare"),
-            "register": ("champion", "evaluate", "train", "prepare")}
-KEY_METRIC = {"replay": ("kept", "answers kept"), "prepare": ("train_rows_kept", "rows"),
-              "prepare_eval": ("rows_kept", "rows"), "baseline": ("accuracy", "accuracy"),
-              "champion": ("accuracy", "accuracy"), "train": ("final_loss", "loss"),
-              "evaluate": ("accuracy", "accuracy"), "register": ("version", "version")}
 
 
 @dataclass
@@ -70,6 +61,7 @@ class Plan:
     champion: dict | None = None  # the registry version `champion` named at planning (registry.current_champion)
     start: dict | None = None     # the weights training starts from (models/start.py); None: the base model
     start_note: str | None = None  # why `actor.init_from` resolved to the base model, when it did
+    facts: dict | None = None      # the facts the fingerprints saw (stages/graph.py FACTS)
 
     @property
     def stages(self) -> tuple[str, ...]:
@@ -98,7 +90,7 @@ class Plan:
     def to_dict(self) -> dict:
         return {"config": self.cfg.model_dump(mode="json"), "fingerprints": self.fingerprints,
                 "inputs": {s: [list(x) for x in v] for s, v in self.inputs.items()}, "eval_model": self.eval_model,
-                "champion": self.champion, "start": self.start, "start_note": self.start_note}
+                "champion": self.champion, "start": self.start, "start_note": self.start_note, "facts": self.facts}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
@@ -108,7 +100,7 @@ class Plan:
         cfg.pin_inputs({s: [ref if ref.startswith(HUB_PREFIX) else Path(ref) for ref, _ in v]
                         for s, v in inputs.items()})
         return cls(cfg, dict(d["fingerprints"]), inputs, d.get("eval_model"), d.get("champion"), d.get("start"),
-                   d.get("start_note"))
+                   d.get("start_note"), d.get("facts"))
 
 
 def _custom_scorers(cfg: SFTConfig) -> dict[str, str]:
@@ -132,18 +124,6 @@ def check_code(cfg: SFTConfig) -> None:
     # planned anywhere): `check_launch` checks it where and when training starts
 
 
-def _scoring(cfg: SFTConfig) -> dict:
-    """How eval sets are scored (what a reference model's scores depend on), without what only judges
-    them (a set's guard) or picks the model (`eval.model`, `eval.eval_base`)."""
-    e = hashed(cfg.eval)
-    for key in ("model", "eval_base", "primary"):
-        e.pop(key, None)
-    for s in e.get("sets", {}).values():
-        s.pop("max_drop", None)
-        s.pop("decide_on", None)
-    return e
-
-
 def harness_tasks(cfg: SFTConfig) -> dict[str, dict]:
     """set -> what its lm-eval task is (`mode: harness`): the task's name, the metric and filter that
     score an item, lm-eval's version, and the local files that define the task (its YAML, includes,
@@ -157,58 +137,6 @@ def harness_tasks(cfg: SFTConfig) -> dict[str, dict]:
             metric, filt = chosen(s, resolved, f"eval.sets.{name}")
             out[name] = {"task": resolved["name"], "metric": metric, "filter": filt, "lm_eval": version,
                          "files": resolved["files"]}
-    return out
-
-
-def _reference_fingerprints(cfg: SFTConfig, digests: dict, model_fp: str, scorer, worker, train_fp: str,
-                            harness: dict | None = None) -> tuple[dict[str, str], dict | None, str | None]:
-    """(fingerprints of the reference stages this config has, the champion they saw, the champion stage
-    register's decision depends on: this run's, or, when this training is the champion already, the
-    one its registration compared with, so that the register folder of that decision is the cache
-    hit). A reference's
-    scores depend on the model, the eval sets as prepared (their files, the data options, the prepare
-    code, the tokenizer: the base model) and how they are scored; never on the training data, so the
-    base model is scored once across trials, sweeps and retrains on new data."""
-    held_out = {name: digests["val"] or {"from_train": digests["train"]} if name == "val" else digests[eval_split(name)]
-                for name in cfg.eval.set_names}
-    common = dict(prepare_code=code_version("prepare"), tokenizer=model_fp, data=_held_out_data(cfg), sets=held_out,
-                  eval=_scoring(cfg), scorer=scorer, actor=hashed(cfg.actor.model), worker=worker,
-                  **({"harness": harness} if harness else {}))
-    fps: dict[str, str] = {}
-    if cfg.eval.eval_base and cfg.eval.model != "base":
-        fps["baseline"] = fingerprint("baseline", code=code_version("evaluate"), model={"base": model_fp}, **common)
-    # only `if_better` compares with the champion; a version number alone may name another model after
-    # the registry was reset, so the identity includes the training the version holds
-    wanted = cfg.eval.model is None and cfg.registry.promote == "if_better"
-    champion = current_champion(cfg.resolved_tracking_uri, cfg.registry.model_name) if wanted else None
-    if champion is not None and champion["train_fingerprint"] == train_fp:  # nothing to compare with
-        return fps, None, champion["champion_fingerprint"] or None
-    if champion is not None:
-        identity = {k: champion[k] for k in ("registry", "name", "version", "train_fingerprint")}
-        fps["champion"] = fingerprint("champion", code=code_version("evaluate"), model=identity, **common)
-    return fps, champion, fps.get("champion")
-
-
-def _held_out_data(cfg: SFTConfig) -> dict:
-    """The data options that shape held-out rows: all of `data` but the mixture, which only trains."""
-    d = hashed(cfg.data)
-    d.pop("mix", None)
-    return d
-
-
-def _prepared_data(cfg: SFTConfig) -> dict:
-    """The data options that shape prepared training rows: the mixture's sources without their weights
-    (which only change what train samples: train's fingerprint has them)."""
-    d = hashed(cfg.data)
-    d["mix"] = {n: {k: v for k, v in m.items() if k != "weight"} for n, m in d.get("mix", {}).items()}
-    return d
-
-
-def _training_inputs(cfg: SFTConfig, digests: dict) -> dict:
-    """The digests of what trains and validates (never the eval sets: adding or growing one must not
-    retrain); a mixture source's files under its name."""
-    out = {"train": digests["train"], "val": digests["val"]}
-    out.update({f"mix.{n}": digests[mix_split(n)] for n, m in cfg.data.mix.items() if m.paths})
     return out
 
 
@@ -410,6 +338,24 @@ def launch_report(p: Plan, device: memory_plan.Device | None = None, memory: boo
     return report
 
 
+def _custom_scorer_identity(cfg: SFTConfig):
+    custom = _custom_scorers(cfg)
+    return ({k: import_identity(v) for k, v in custom.items()} if cfg.eval.sets else
+            import_identity(custom["eval.scorer"]) if custom else None)
+
+
+def _stage_fingerprint(stage: Stage, cfg: SFTConfig, digests: dict, fps: dict, facts: dict) -> str:
+    """The fingerprint the stage table declares (stages/graph.py): code version, config slice, input
+    contents, the folded upstream fingerprints in this plan, facts."""
+    skip = stage.skips(cfg)
+    return fingerprint(stage.name, code=code_version(stage.code, neutral=stage.neutral_code),
+                       config=config_slice(cfg, stage),
+                       inputs={name: [d for split in splits for d in digests.get(split, [])]
+                               for name, splits in stage.inputs(cfg).items()},
+                       upstream={u: fps[u] for u in stage.folds if u in fps and u not in skip},
+                       facts={f: facts.get(f) for f in stage.facts})
+
+
 def _plan(cfg: SFTConfig) -> Plan:
     check_code(cfg)
     check_checkpoints(cfg)
@@ -420,56 +366,62 @@ def _plan(cfg: SFTConfig) -> Plan:
     harness = harness_tasks(cfg)
     for name, h in harness.items():  # a harness task's files are its set's inputs (contents hashed, lineage)
         inputs[eval_split(name)] = [(f, input_digest(Path(f), root)) for f in h["files"]]
-    harness = {name: {k: v for k, v in h.items() if k != "files"} for name, h in harness.items()}
     digests = {split: [d for _, d in items] for split, items in inputs.items()}
     model_fp = model_fingerprint(cfg, digests.get(CORPUS) or digests["train"])
+    facts = {"model": model_fp, "prepare_code": code_version("prepare"), "worker": import_identity(cfg.actor.worker),
+             "scorer": _custom_scorer_identity(cfg), "tracking_uri": cfg.resolved_tracking_uri,
+             "harness": {name: {k: v for k, v in h.items() if k != "files"} for name, h in harness.items()} or None,
+             "eval_model": eval_model_identity(cfg, model_fp)}
     fps: dict[str, str] = {"models": model_fp}
-    if cfg.replay is not None:  # the base model's answers: never the training data
-        fps["replay"] = fingerprint("replay", code=code_version("replay"), model=model_fp,
-                                    trust_remote_code=cfg.actor.model.trust_remote_code,
-                                    prompts=digests[REPLAY_PROMPTS], replay=hashed(cfg.replay),
-                                    columns=cfg.data.columns)
-    prepare = fingerprint("prepare", code=code_version("prepare"), model=model_fp,
-                          trust_remote_code=cfg.actor.model.trust_remote_code, data=_prepared_data(cfg),
-                          **_training_inputs(cfg, digests), **({"replay": fps["replay"]} if "replay" in fps else {}))
-    fps["prepare"] = prepare
-    prepared = {name: s for name, s in cfg.eval.sets.items() if not s.is_harness}  # harness sets: nothing to prepare
-    if prepared:  # a set's mode picks its reader (choice rows), so its prepared rows depend on it
-        sets = {name: {"files": digests[eval_split(name)], "mode": s.mode} for name, s in prepared.items()}
-        fps["prepare_eval"] = fingerprint("prepare_eval", code=code_version("prepare"), model=model_fp,
-                                          trust_remote_code=cfg.actor.model.trust_remote_code,
-                                          data=_held_out_data(cfg), sets=sets)
-    worker = import_identity(cfg.actor.worker)
-    weights = {"mix_weights": {n: m.weight for n, m in cfg.data.mix.items()}} if cfg.data.mix else {}
+    start = start_note = champion = None
+    for name in planning_order():
+        stage = BY_NAME[name]
+        if name == "train":
+            def train_from(identity: dict | None) -> str:  # train's fingerprint from a start's identity
+                return _stage_fingerprint(BY_NAME["train"], cfg, digests, fps, {**facts, "start": identity})
+            start, start_note = resolve_start(cfg, model_fp)
+            start = caught_up(start, train_from) if start is not None else None
+            facts["start"] = start and start["identity"]
+        elif name == "champion":
+            champion, facts["champion"], facts["compared_with"] = _champion(cfg, fps["train"])
+        elif name == "register" and "champion" in fps:
+            facts["compared_with"] = fps["champion"]
+        if stage.when(cfg, facts):
+            fps[name] = _stage_fingerprint(stage, cfg, digests, fps, facts)
+    return Plan(cfg, fps, inputs, facts["eval_model"], champion, start, start_note, facts)
 
-    def train_from(start: dict | None) -> str:  # `start`: the identity of the weights it starts from
-        return fingerprint("train", code=code_version("train"), prepare=prepare, model=model_fp,
-                           actor=hashed(cfg.actor), runner=hashed(cfg.runner), worker=worker, **weights,
-                           **({"start": start} if start else {}))
-    start, start_note = resolve_start(cfg, model_fp)
-    if start is not None:
-        start = caught_up(start, train_from)
-    train = train_from(start and start["identity"])
-    identity = eval_model_identity(cfg, model_fp)
-    # what evaluate scores: the train stage's model, or `eval.model` (plus what loads and scores it)
-    scored = {"train": train} if identity is None else {
-        "model": identity, "base": model_fp, "actor": hashed(cfg.actor.model), "worker": worker}
-    custom = _custom_scorers(cfg)
-    scorer = ({k: import_identity(v) for k, v in custom.items()} if cfg.eval.sets else
-              import_identity(custom["eval.scorer"]) if custom else None)
-    references, champion, compared_with = _reference_fingerprints(cfg, digests, model_fp, scorer, worker, train,
-                                                                  harness)
-    baseline = {"baseline": references["baseline"]} if "baseline" in references else {}
-    held_out = {"prepare_eval": fps["prepare_eval"]} if "prepare_eval" in fps else {}
-    tasks = ({"harness": {name: {**h, "files": digests[eval_split(name)]} for name, h in harness.items()}}
-             if harness else {})
-    evaluate = fingerprint("evaluate", code=code_version("evaluate"), prepare=prepare, eval=hashed(cfg.eval),
-                           scorer=scorer, **scored, **baseline, **held_out, **tasks)
-    register = fingerprint("register", code=code_version("register", neutral=True), evaluate=evaluate, train=train,
-                           prepare=prepare, registry=hashed(cfg.registry), tracking_uri=cfg.resolved_tracking_uri,
-                           **({"champion": compared_with} if compared_with else {}))
-    fps.update({**references, "train": train, "evaluate": evaluate, "register": register})
-    return Plan(cfg, fps, inputs, identity, champion, start, start_note)
+
+def _champion(cfg: SFTConfig, train_fp: str) -> tuple[dict | None, dict | None, str | None]:
+    """(the champion the plan compares with, its identity for the champion stage, the champion stage
+    register's decision depends on when the champion is this very training: the one its registration
+    compared with, so that the register folder of that decision is the cache hit). Only `if_better`
+    compares; a version number alone may name another model after the registry was reset, so the
+    identity includes the training the version holds."""
+    wanted = cfg.eval.model is None and cfg.registry.promote == "if_better"
+    champion = current_champion(cfg.resolved_tracking_uri, cfg.registry.model_name) if wanted else None
+    if champion is None:
+        return None, None, None
+    if champion["train_fingerprint"] == train_fp:  # nothing to compare with
+        return None, None, champion["champion_fingerprint"] or None
+    return champion, {k: champion[k] for k in ("registry", "name", "version", "train_fingerprint")}, None
+
+
+def reference_set_keys(p: Plan, stage: str) -> dict[str, str]:
+    """set -> what that set's score by a reference stage depends on: the stage's fingerprint as if the
+    config had that set alone, so adding a set re-scores only the new one (evaluate/pieces.py)."""
+    cfg = p.cfg
+    if not cfg.eval.sets:
+        return {"val": p.fingerprints[stage]}
+    digests = {split: [d for _, d in items] for split, items in p.inputs.items()}
+    keys = {}
+    for name in cfg.eval.set_names:
+        scorer = p.facts.get("scorer")
+        facts = {**p.facts, "harness": {name: p.facts["harness"][name]} if name in (p.facts.get("harness") or {})
+                 else None,
+                 "scorer": {k: v for k, v in scorer.items() if k in ("eval.scorer", f"eval.sets.{name}.scorer")}
+                 or None if scorer else None}
+        keys[name] = _stage_fingerprint(BY_NAME[stage], with_sets(cfg, [name]), digests, {}, facts)
+    return keys
 
 
 def replay_file(p: Plan) -> str | None:
@@ -483,15 +435,14 @@ def replay_file(p: Plan) -> str | None:
 def held_out_dir(dirs: dict[str, str]) -> str:
     """Where the scoring stages find their sets: prepare_eval's folder (named eval sets), else prepare's
     (the val split)."""
-    return dirs.get("prepare_eval") or dirs["prepare"]
+    return dirs.get("prepare_eval") or dirs.get("prepare") or ""  # "": harness sets only, nothing prepared
 
 
 def upstream(p: Plan, stage: str) -> tuple[str, ...]:
-    """Stages `stage` reads in this plan; evaluate with `eval.model` set needs no training."""
-    skip = {"train"} if stage == "evaluate" and p.cfg.eval.model is not None else set()
-    if "prepare_eval" in p.fingerprints and stage in ("baseline", "champion", "evaluate"):
-        skip.add("prepare")  # named sets: the scoring stages read prepare_eval only
-    return tuple(u for u in UPSTREAM[stage] if u in p.fingerprints and u not in skip)
+    """Stages `stage` reads in this plan (the stage table's `upstream` without its `skips`)."""
+    row = BY_NAME[stage]
+    skip = row.skips(p.cfg)
+    return tuple(u for u in row.upstream if u in p.fingerprints and u not in skip)
 
 
 def requires(p: Plan, stage: str) -> set[str]:
@@ -586,7 +537,8 @@ def run_stage(p: Plan, stage: str, force: bool = False, on_line: Callable[[str],
             ref, identity = ("base", None) if stage == "baseline" else (
                 f"{REGISTRY_PREFIX}{p.champion['name']}/{p.champion['version']}", p.champion)
             metrics = run_reference(cfg, stage, fp, resolve_model(cfg, p.fingerprints["models"], on_line), ref,
-                                    identity, held_out_dir(dirs), on_line=on_line)
+                                    identity, held_out_dir(dirs), on_line=on_line,
+                                    set_keys=reference_set_keys(p, stage) if cfg.eval.sets and p.facts else None)
         elif stage == "evaluate":
             from .evaluate import run_evaluate
             model_ref = cfg.eval.model if cfg.eval.model is not None else str(p.folder("train"))

@@ -27,7 +27,8 @@ ALLOWED = {
     "models": {"core", "chatdata", "tracking"},
     "runtime": {"core", "chatdata", "tracking"},
     **{s: {"core", "chatdata", "models", "runtime", "tracking"} for s in STAGE_PACKAGES},
-    "pipeline": {"core", "chatdata", "models", "runtime", "tracking", *STAGE_PACKAGES},
+    "graph": {"core"},  # the stage table: data about stages, no stage code
+    "pipeline": {"core", "chatdata", "graph", "models", "runtime", "tracking", *STAGE_PACKAGES},
     "sweep": {"core", "pipeline"},
     "export": {"core"},  # a model folder -> GGUF; what a ref names is the CLI's to resolve
 }

@@ -26,6 +26,7 @@ Importing this module does not import torch.
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -34,11 +35,13 @@ from typing import Callable
 from stages.chatdata.shards import count_rows
 from stages.core.artifacts import StageBuild, canonical_json, read_manifest, sha256_text
 from stages.core.config import SFTConfig
+from stages.core.narrow import with_sets
 from stages.core.paired import clears, compare_sets, read_predictions
 from stages.core.scores import by_set
 from stages.models.refs import resolve_eval_model
 from stages.runtime.launcher import run_torchrun, torchrun_command
 
+from . import pieces
 from .errors import EvaluationError
 from .sets import BASE_KEYS, EvalSpec, eval_samples, eval_set_fingerprint, prepared_sets, set_dir
 
@@ -95,22 +98,22 @@ def _check_sets(cfg: SFTConfig, prepare_dir: str) -> None:
                                   f"`sftflow stage {stage} --force -c <config>`") from None
 
 
-def _score(cfg: SFTConfig, build: StageBuild, base_model: str, model: dict, prepare_dir: str,
+def _score(cfg: SFTConfig, out: Path, base_model: str, model: dict, prepare_dir: str,
            on_line: Callable[[str], None]) -> dict:
-    """Scores one resolved model on every eval set into `build.partial` (metrics.json, predictions.jsonl),
+    """Scores one resolved model on every eval set into `out` (metrics.json, predictions.jsonl),
     in this process or under torchrun; returns each set's numbers."""
-    spec = EvalSpec(config=cfg, prepare_dir=prepare_dir, out_dir=str(build.partial), base_model=base_model,
+    spec = EvalSpec(config=cfg, prepare_dir=prepare_dir, out_dir=str(out), base_model=base_model,
                     models={"model": model})
-    spec_path = build.partial / "spec.json"
+    spec_path = out / "spec.json"
     spec_path.write_text(spec.model_dump_json(indent=2))
     if cfg.actor.world_size == 1:
         from .runner import evaluate_spec
         with _IN_PROCESS:
             evaluate_spec(spec)
     else:
-        run_torchrun(torchrun_command(cfg, spec_path, module="stages.evaluate"), build.partial / "eval.log",
+        run_torchrun(torchrun_command(cfg, spec_path, module="stages.evaluate"), out / "eval.log",
                      EvaluationError, "evaluation", on_line, cfg.actor.nproc_per_node)
-    return json.loads((build.partial / "metrics.json").read_text())["sets"]
+    return json.loads((out / "metrics.json").read_text())["sets"]
 
 
 def _set_fingerprints(cfg: SFTConfig, prepare_dir: str, sets: dict[str, dict], folder: Path) -> dict[str, str]:
@@ -129,15 +132,49 @@ def _set_fingerprints(cfg: SFTConfig, prepare_dir: str, sets: dict[str, dict], f
     return set_fps
 
 
+def _score_missing(cfg: SFTConfig, stage: str, build: StageBuild, base_model: str, model_ref: str,
+                   identity: dict | None, prepare_dir: str, set_keys: dict[str, str] | None,
+                   on_line: Callable[[str], None]) -> tuple[dict, dict]:
+    """(each set's numbers, the model scored: kind and source), the predictions in `build.partial`: sets
+    with a piece (pieces.py) from it, the others scored (narrowed to them) and kept as pieces."""
+    root, names = cfg.artifacts_path, cfg.eval.set_names
+    found = {n: pieces.read(root, stage, (set_keys or {}).get(n)) for n in names}
+    todo = [n for n in names if found[n] is None]
+    if set_keys and len(todo) < len(names):
+        on_line(f"{stage}: {', '.join(n for n in names if n not in todo)} scored before (same model, files and "
+                f"scoring); scoring {', '.join(todo) or 'nothing'}")
+    model = next((f[2] for f in found.values() if f is not None), None)
+    if todo:
+        out = build.partial / ".scoring" if set_keys else build.partial
+        out.mkdir(exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=build.partial, prefix=".download-") as tmp:  # models:/ downloads
+            model = resolve_eval_model(cfg, model_ref, Path(tmp), base_model, identity)
+            scored = _score(with_sets(cfg, todo) if set_keys else cfg, out, base_model, model, prepare_dir, on_line)
+        if not set_keys:
+            return scored, model
+        lines = pieces.lines_by_set(out / "predictions.jsonl")
+        for n in todo:
+            pieces.write(root, stage, set_keys[n], n, scored[n], lines.get(n, []), model)
+            found[n] = (scored[n], lines.get(n, []), model)
+        for f in ("eval.log", "spec.json"):
+            if (out / f).is_file():
+                (out / f).replace(build.partial / f)
+        shutil.rmtree(out)
+    with open(build.partial / "predictions.jsonl", "w", encoding="utf-8") as f:
+        f.writelines(line + "\n" for n in names for line in found[n][1])
+    return {n: found[n][0] for n in names}, model
+
+
 def run_reference(cfg: SFTConfig, stage: str, fp: str, base_model: str, model_ref: str, identity: dict | None,
-                  prepare_dir: str, on_line: Callable[[str], None] = print) -> dict:
+                  prepare_dir: str, on_line: Callable[[str], None] = print,
+                  set_keys: dict[str, str] | None = None) -> dict:
     """A reference stage (`baseline`: the base model; `champion`: a registered version, `identity` as
-    the plan saw it): the model scored on every eval set exactly as evaluate scores the trained one."""
+    the plan saw it): the model scored on every eval set exactly as evaluate scores the trained one.
+    With `set_keys` (named sets: what each set's score depends on), a set scored before by the same
+    model the same way is read from its piece rather than scored again (pieces.py)."""
     _check_sets(cfg, prepare_dir)
     build = StageBuild(cfg.artifacts_path, stage, fp)
-    with tempfile.TemporaryDirectory(dir=build.partial, prefix=".download-") as tmp:  # models:/ downloads
-        model = resolve_eval_model(cfg, model_ref, Path(tmp), base_model, identity)
-        sets = _score(cfg, build, base_model, model, prepare_dir, on_line)
+    sets, model = _score_missing(cfg, stage, build, base_model, model_ref, identity, prepare_dir, set_keys, on_line)
     metrics = by_set(sets, cfg.eval.set_names[0])
     build.commit({"metrics": metrics, "eval_sets": _set_fingerprints(cfg, prepare_dir, sets, build.partial),
                   "model": model_ref, "model_dir": model["source"], "model_kind": model["kind"],
@@ -157,7 +194,7 @@ def run_evaluate(cfg: SFTConfig, fp: str, base_model: str, model_ref: str, prepa
     build = StageBuild(cfg.artifacts_path, "evaluate", fp)
     with tempfile.TemporaryDirectory(dir=build.partial, prefix=".download-") as tmp:  # models:/ downloads
         model = resolve_eval_model(cfg, model_ref, Path(tmp), base_model, model_identity)
-        sets = _score(cfg, build, base_model, model, prepare_dir, on_line)
+        sets = _score(cfg, build.partial, base_model, model, prepare_dir, on_line)
     if cfg.eval.eval_base and cfg.eval.model == "base":  # the base model *is* the model
         for m in sets.values():
             m.update({f"base_{k}": m[k] for k in BASE_KEYS if k in m}, delta=0.0)
