@@ -132,10 +132,12 @@ FACTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "start": ("the identity of the weights training starts from (`actor.init_from`)", ("actor.init_from",)),
     "eval_model": ("what `eval.model` is (digests, registry version, hub id)", ("eval.model",)),
     "champion": ("the registry's champion when planned (its training's fingerprint)",
-                 ("registry.model_name", "registry.promote", "registry.tracking_uri", "eval.model")),
-    "tracking_uri": ("the MLflow store", ("registry.tracking_uri",)),
+                 ("registry.model_name", "registry.promote", "registry.tracking_uri", "artifacts_dir", "eval.model")),
+    "tracking_uri": ("the MLflow store (default: a SQLite file in the artifacts folder)",
+                     ("registry.tracking_uri", "artifacts_dir")),
     "compared_with": ("the champion stage register's decision compared with",
-                      ("registry.model_name", "registry.promote", "registry.tracking_uri", "eval.model")),
+                      ("registry.model_name", "registry.promote", "registry.tracking_uri", "artifacts_dir",
+                       "eval.model")),
 }
 
 
