@@ -78,7 +78,7 @@ def _prefect_home(cfg: SFTConfig) -> None:
     home.mkdir(parents=True, exist_ok=True)  # prefect won't create parents
 
 
-def _plan(config: Path, overrides: Optional[list[str]]) -> Plan:
+def _plan_or_exit(config: Path, overrides: Optional[list[str]]) -> Plan:
     """The run's one validation and one plan: the flow gets this plan and never redoes either."""
     cfg = _load(config, overrides)
     try:
@@ -207,7 +207,7 @@ def run(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
     for s in force:
         if s not in STAGES:
             _fail(f"--force {s}: unknown stage; stages: {', '.join(STAGES)}")
-    p = _plan(config, overrides)
+    p = _plan_or_exit(config, overrides)
     if p.cfg.eval.model is not None:
         _fail("eval.model is for `sftflow stage evaluate --model`: the flow registers the model it trains")
     _check_launch(p)
@@ -235,7 +235,7 @@ def stage(name: str = typer.Argument(..., help="replay | prepare | prepare_eval 
             _fail(f"--model applies to `sftflow stage evaluate` only, not {name}")
         local = Path(model).expanduser()
         overrides = [*(overrides or []), f"eval.model={json.dumps(str(local.resolve()) if local.exists() else model)}"]
-    p = _plan(config, overrides)
+    p = _plan_or_exit(config, overrides)
     if name not in p.stages:
         _fail(f"this config has no {name} stage: " + ("the registry has no champion that another training made"
                                                      if name == "champion"
@@ -262,7 +262,7 @@ def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg
          preview: int = typer.Option(0, "--preview", metavar="N",
                                      help="print N prepared training samples, trainable tokens highlighted")) -> None:
     """The resolved config and each stage's fingerprint and status (or, with --preview, samples)."""
-    p = _plan(config, overrides)
+    p = _plan_or_exit(config, overrides)
     cfg = p.cfg
     if preview > 0:
         _preview(cfg, p, preview)
@@ -602,7 +602,7 @@ def deploy(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesA
            interval: Optional[float] = typer.Option(None, "--interval", help="seconds between runs"),
            allow_override: list[str] = typer.Option([], "--allow-override", help="as for `serve`; repeatable")) -> None:
     """Deploy the flow to a Prefect work pool: `prefect worker start --pool NAME` runs it (needs PREFECT_API_URL)."""
-    p = _plan(config, overrides)  # a config that can't plan here is not deployed
+    p = _plan_or_exit(config, overrides)  # a config that can't plan here is not deployed
     from stages.core.config import SERVE_PROTECTED
     for key in allow_override:
         if key not in SERVE_PROTECTED:

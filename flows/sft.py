@@ -250,7 +250,7 @@ def _tag_flow_run(p: Plan, results: list[dict], config_path: str | None = None, 
 PROTECTED_ENV, SERVED_CONFIG_ENV = "SFTFLOW_PROTECTED_KEYS", "SFTFLOW_SERVED_CONFIG"
 
 
-def _the_plan(config_path: str | None, overrides: list[str] | None, planned: dict | None) -> Plan:
+def _plan_from(config_path: str | None, overrides: list[str] | None, planned: dict | None) -> Plan:
     """The CLI plans before the flow starts (its errors exit 2); a deployment run plans here. Runs of a
     served deployment (`sftflow serve` sets the variables, which the Prefect API can't) must use its
     config, and may override only unprotected keys."""
@@ -352,7 +352,7 @@ def sft_pipeline(config_path: str | None = None, overrides: list[str] | None = N
     `workdir`: where the config's relative paths start (a work-pool deployment's runs start elsewhere)."""
     if workdir:
         os.chdir(workdir)  # a worker runs each flow run in a process of its own
-    p = _the_plan(config_path, overrides, planned)
+    p = _plan_from(config_path, overrides, planned)
     _name_flow_run(p, config_path)
     forced = set(force or [])
     results, states = [], {}
@@ -372,7 +372,7 @@ def sft_stage(stage: str, config_path: str | None = None, overrides: list[str] |
               with_upstream: bool = False, planned: dict | None = None) -> list[dict]:
     """One stage. Upstream stages come from their completed folders; with `with_upstream`, the
     missing ones run first (complete ones are reused)."""
-    p = _the_plan(config_path, overrides, planned)
+    p = _plan_from(config_path, overrides, planned)
     if stage not in p.stages:
         raise ConfigError(f"this config has no {stage} stage (stages: {', '.join(p.stages)})")
     _name_flow_run(p, config_path, stage)

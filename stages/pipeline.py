@@ -187,7 +187,7 @@ def plan(cfg: SFTConfig) -> Plan:
     the config names is imported first (`check_code`), so its errors come before any work, and
     nothing is written (not even a digest memo) unless the whole plan is valid."""
     with deferred_digest_memos():
-        return _plan(cfg)
+        return _build_plan(cfg)
 
 
 def check_checkpoints(cfg: SFTConfig) -> None:
@@ -226,7 +226,7 @@ def train_memory(p: Plan, device: memory_plan.Device | None = None) -> tuple[mem
         return None, "the model's config.json is not available before the model is built or converted"
     hf_config, source, lengths = found
     try:
-        return memory_plan.plan_for(p.cfg, hf_config, device or memory_plan.visible_device(), lengths), source
+        return memory_plan.for_config(p.cfg, hf_config, device or memory_plan.visible_device(), lengths), source
     except KeyError as e:
         return None, f"{source} has no {e.args[0]}"
     except memory_plan.UnknownArchitecture as e:
@@ -356,7 +356,7 @@ def _stage_fingerprint(stage: Stage, cfg: SFTConfig, digests: dict, fps: dict, f
                        facts={f: facts.get(f) for f in stage.facts})
 
 
-def _plan(cfg: SFTConfig) -> Plan:
+def _build_plan(cfg: SFTConfig) -> Plan:
     check_code(cfg)
     check_checkpoints(cfg)
     _check_sources_distinct(cfg)

@@ -274,23 +274,23 @@ def test_two_runs_creating_one_mlflow_database_at_once_both_succeed(tmp_path):
 def test_a_served_deployment_keeps_its_config_and_protected_keys(tmp_path, monkeypatch):
     """Runs started through the Prefect API can't point the deployment at another config, hand it a
     ready-made plan, or override keys that run code or send data elsewhere (unless allowed)."""
-    from flows.sft import PROTECTED_ENV, SERVED_CONFIG_ENV, _the_plan
+    from flows.sft import PROTECTED_ENV, SERVED_CONFIG_ENV, _plan_from
     from stages.core.config import SERVE_PROTECTED
     path = write_config(tmp_path, tiny_config_dict(tmp_path))
     monkeypatch.setenv(SERVED_CONFIG_ENV, str(path.resolve()))
     monkeypatch.setenv(PROTECTED_ENV, ",".join(k for k in SERVE_PROTECTED if k != "runner.resume"))
-    assert _the_plan(str(path), ["actor.optim.lr=2e-3"], None).cfg.actor.optim.lr == 2e-3
+    assert _plan_from(str(path), ["actor.optim.lr=2e-3"], None).cfg.actor.optim.lr == 2e-3
     for bad in (["eval.scorer=evil.mod:fn"], ["actor.worker=evil.mod:W"], ["actor.model={trust_remote_code: true}"],
                 ["registry.tracking_uri=http://elsewhere"], ["actor={worker: 'evil.mod:W'}"]):
         with pytest.raises(ConfigError, match="can't be set by the runs of this deployment"):
-            _the_plan(str(path), bad, None)
+            _plan_from(str(path), bad, None)
     with pytest.raises(ConfigError, match="not a complete checkpoint"):  # allowed, so only validated
-        _the_plan(str(path), ["runner.resume=/nowhere"], None)
+        _plan_from(str(path), ["runner.resume=/nowhere"], None)
     other = write_config(tmp_path, tiny_config_dict(tmp_path), "other.yaml")
     with pytest.raises(ConfigError, match="runs of this deployment use its config"):
-        _the_plan(str(other), [], None)
+        _plan_from(str(other), [], None)
     with pytest.raises(ConfigError, match="runs of this deployment use its config"):
-        _the_plan(str(path), [], plan(load_config(path)).to_dict())
+        _plan_from(str(path), [], plan(load_config(path)).to_dict())
 
 
 def test_a_run_left_running_by_a_dead_process_is_marked_killed(tmp_path):

@@ -169,7 +169,7 @@ def test_over_budget_names_the_settings_that_fit_at_the_values_that_do(tmp_path)
     cfg = config(tmp_path, micro_batch_size=8, global_batch_size=16, packing=False)
     gpu = mp.Device("cuda", "test GPU", 10 * mp.GIB)
     hf = SMOLLM2
-    full = mp.plan_for(cfg, hf, gpu)
+    full = mp.for_config(cfg, hf, gpu)
     assert full.precision == "bf16" and full.fsdp and not full.keep_gathered
     budget = int(full.total / mp.MARGIN) - 1  # just past the margin: refused; something fits, not everything
     cfg.actor.memory_budget_gb = budget / mp.GIB
@@ -187,7 +187,7 @@ def test_over_budget_names_the_settings_that_fit_at_the_values_that_do(tmp_path)
                    "actor.activation_checkpointing": lambda v: {"activation_checkpointing": v == "true"},
                    "actor.lora.r": lambda v: {"lora_r": int(v)}}.get(key)
         change = changes(value) if changes else {"world": int(setting.split()[0])}
-        assert mp.plan_for(cfg, hf, gpu, **change).total <= budget, setting
+        assert mp.for_config(cfg, hf, gpu, **change).total <= budget, setting
     cfg.actor.memory_budget_gb = 0.001  # nothing alone fits: the line says to combine them
     assert "no single change fits" in mp.check_fits(cfg, hf, gpu).line
     cfg.actor.memory_budget_gb = 0  # 0: no check
@@ -201,7 +201,7 @@ def test_over_budget_within_the_margin_warns_and_past_it_refuses(tmp_path):
     from stages.pipeline import check_memory, train_memory
     cfg = config(tmp_path)
     gpu = mp.Device("cuda", "test GPU", 10 * mp.GIB)
-    total = mp.plan_for(cfg, SMOLLM2, gpu).total
+    total = mp.for_config(cfg, SMOLLM2, gpu).total
     for budget, refused in [(total, None), (total - 1, False), (total / mp.MARGIN + 1, False),
                             (total / mp.MARGIN - 1, True)]:
         cfg.actor.memory_budget_gb = budget / mp.GIB
@@ -377,7 +377,7 @@ def test_smollm2_shaped_estimate_within_25_percent_of_the_measured_step_peak(tmp
     folder = cfg.actor.model.model_path
     measured = measure_steps(cfg, folder, p.folder("prepare"), tmp_path)
     errors = step_errors(cfg, hf_config(folder), _lengths(p.folder("prepare")), measured)
-    whole = mp.plan_for(cfg, hf_config(folder), mp.Device("cpu", "CPU", 0), _lengths(p.folder("prepare")))
+    whole = mp.for_config(cfg, hf_config(folder), mp.Device("cpu", "CPU", 0), _lengths(p.folder("prepare")))
     process = max(s["peak"] for s in measured["steps"]) - measured["before_setup"]
     print(f"smollm2-shaped lora={lora}: step estimate/measured - 1 = {errors}; total {whole.total / 2**20:.0f} MiB "
           f"vs process peak over its start {process / 2**20:.0f} MiB ({whole.total / process - 1:+.2f})")
@@ -403,10 +403,10 @@ def test_the_plan_takes_precision_as_the_runtime_does_from_nvidia_smi(tmp_path, 
         device = mp.visible_device()
         assert (device.kind, device.capability, device.bytes) == ("cuda", capability,
                                                                   int(reply.split(", ")[2]) * 1024 ** 2)
-        assert mp.plan_for(cfg, SMOLLM2, device).precision == precision
+        assert mp.for_config(cfg, SMOLLM2, device).precision == precision
     # an old driver rejects the compute_cap field: the query without it still finds the GPU
     smi.write_text("#!/bin/sh\ncase \"$1\" in *compute_cap*) echo 'Field \"compute_cap\" is not a valid field' >&2; "
                    "exit 2;; esac\necho '0, Tesla V100, 16384'\n")
     device = mp.visible_device()
     assert (device.kind, device.name, device.capability) == ("cuda", "Tesla V100", None)
-    assert mp.plan_for(cfg, SMOLLM2, device).precision == "bf16"  # unknown: assumed, as documented
+    assert mp.for_config(cfg, SMOLLM2, device).precision == "bf16"  # unknown: assumed, as documented

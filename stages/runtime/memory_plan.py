@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 __all__ = ["MARGIN", "Arch", "Batch", "Budget", "Device", "MemoryPlan", "UnknownArchitecture", "Verdict", "estimate",
            "fits", "human", "longest_batch_bound",
-           "longest_batch_of", "plan_for", "budget_for", "check_fits", "visible_device", "prepared_lengths",
+           "longest_batch_of", "for_config", "budget_for", "check_fits", "visible_device", "prepared_lengths",
            "loss_bytes", "LOSS_CHUNK"]
 
 GIB = 1024 ** 3
@@ -369,7 +369,7 @@ def prepared_lengths(folder) -> list[int] | None:
         return None
 
 
-def plan_for(cfg, hf_config: dict, device: Device, lengths=None, **changes) -> MemoryPlan:
+def for_config(cfg, hf_config: dict, device: Device, lengths=None, **changes) -> MemoryPlan:
     """The plan of config `cfg` (an SFTConfig) on `device`; `changes` override actor settings
     (micro_batch_size, max_tokens_per_micro_batch, activation_checkpointing, lora_r, world)."""
     a = cfg.actor
@@ -404,7 +404,7 @@ def check_fits(cfg, hf_config: dict, device: Device, lengths=None) -> Verdict | 
     """None when the config's plan fits its budget; else `fits`' verdict, naming the single changes
     that would fit (within the budget itself, no margin), each at the value closest to the config's."""
     budget = budget_for(cfg, device)
-    plan = plan_for(cfg, hf_config, device, lengths)
+    plan = for_config(cfg, hf_config, device, lengths)
     if budget is None or plan.total * budget.ranks <= budget.bytes:
         return None
     a = cfg.actor
@@ -412,7 +412,7 @@ def check_fits(cfg, hf_config: dict, device: Device, lengths=None) -> Verdict | 
     def need(**changes) -> int:
         world = changes.get("world", a.world_size)
         ranks = budget.ranks * world // a.world_size
-        return plan_for(cfg, hf_config, device, lengths, **changes).total * ranks
+        return for_config(cfg, hf_config, device, lengths, **changes).total * ranks
 
     alternatives: dict[str, int] = {}
     if a.max_tokens_per_micro_batch == 0:
