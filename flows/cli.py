@@ -648,9 +648,6 @@ def ui(config: Path = ConfigOpt) -> None:
     home = Path(os.environ["PREFECT_HOME"])
     with ps.lease(home):  # the server stays up while this command runs
         found = ps.running_server(home)
-        if found is not None and not ps.serves_ui(found):
-            _fail(f"the Prefect server kept on {home} serves no UI (an earlier sftflow started it); "
-                  f"`sftflow stop-server -c {config}` then `sftflow ui -c {config}`", code=1)
         try:
             api = found["api"] if found else ps.start_kept_server(home, max(ps.keep_seconds(), ps.DEFAULT_KEEP_S))
         except (ps.KeepSettingError, ps.ServerDidNotStart) as e:

@@ -23,15 +23,13 @@ import argparse
 import fcntl
 import json
 import os
-import shutil
 import signal
 import socket
-import sqlite3
 import subprocess
 import sys
 import time
 import urllib.request
-from contextlib import closing, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from importlib.metadata import version
 from pathlib import Path
 from typing import Callable, Iterator
@@ -119,9 +117,9 @@ def _marker(home: Path) -> dict | None:
 
 def running_server(home: Path) -> dict | None:
     """The marker of a long-lived local server on this Prefect home (same database) that answers:
-    CLI runs use it (`["api"]`) instead of starting one, and their runs stay visible in its UI (a
-    kept server, `"kind": "kept"`, serves one since its marker says `"ui": true`, `serves_ui`). A kept
-    server of another Prefect version (an upgrade since it started) is not used."""
+    CLI runs use it (`["api"]`) instead of starting one, and their runs stay visible in its UI (both
+    `serve --start-server`'s and a kept one, `"kind": "kept"`, serve it). A kept server of another
+    Prefect version (an upgrade since it started) is not used."""
     found = _marker(home)
     if found is None or found.get("prefect", version("prefect")) != version("prefect"):
         return None
@@ -152,67 +150,6 @@ def _server_command(host: str, port: int, home: Path, ui: bool) -> tuple[list[st
     prefect = Path(sys.executable).with_name("prefect")
     return [sys.executable, "-m", "stages.runtime.orphan_guard", str(prefect), "server", "start",
             "--host", host, "--port", str(port)], env
-
-
-DATABASE = "prefect.db"  # in the Prefect home: where Prefect keeps a local server's database by default
-_DATABASE_SETTINGS = ("PREFECT_API_DATABASE_CONNECTION_URL", "PREFECT_SERVER_DATABASE_CONNECTION_URL")
-
-
-def database_template() -> Path:
-    """A migrated, empty server database of this Prefect version (schema and block types only)."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "sftflow" / f"prefect-{version('prefect')}.db"
-
-
-def seed_database(home: Path) -> bool:
-    """Gives a Prefect home without a database a copy of `database_template`, so its first server
-    skips the migrations and block registrations of an empty database (~7 s of a ~10 s start). True
-    when the home's server will build a new database itself (no template yet): `save_template` then
-    keeps it once the server answers. Nothing is seeded where a database URL is configured."""
-    db = home / DATABASE
-    if db.exists() or any(os.environ.get(k) for k in _DATABASE_SETTINGS):
-        return False
-    template = database_template()
-    if not template.is_file():
-        return True
-    part = home / f".{DATABASE}.{os.getpid()}"
-    try:
-        shutil.copyfile(template, part)
-        with closing(sqlite3.connect(part)) as conn:  # a damaged template is not used
-            ok = conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok" and conn.execute(
-                "SELECT count(*) FROM alembic_version").fetchone()[0] == 1
-        if ok:
-            part.replace(db)
-            return False
-    except (OSError, sqlite3.Error):
-        pass
-    part.unlink(missing_ok=True)
-    return True
-
-
-@contextmanager
-def template_database(home: Path) -> Iterator[None]:
-    """Around the start of a server on `home`, until it answers: the home seeded from the template
-    (`seed_database`) before, its new database kept as the template (`save_template`) after; an
-    exception (a server that did not start) keeps nothing."""
-    new_database = seed_database(home)
-    yield
-    if new_database:
-        save_template(home)
-
-
-def save_template(home: Path) -> None:
-    """Keeps the new database of the server that just started on `home` as `database_template`
-    (sqlite's online backup: consistent while the server writes). Best effort: it only saves time."""
-    template = database_template()
-    part = template.with_name(f".{template.name}.{os.getpid()}")
-    try:
-        template.parent.mkdir(parents=True, exist_ok=True)
-        with closing(sqlite3.connect(home / DATABASE)) as src, closing(sqlite3.connect(part)) as dst:
-            src.backup(dst)
-        part.replace(template)
-    except (OSError, sqlite3.Error):
-        part.unlink(missing_ok=True)
 
 
 def _wait_listening(host: str, proc: subprocess.Popen, deadline: float, log_path: Path) -> str:
@@ -249,7 +186,7 @@ def local_server(host: str, port: int, home: Path, log_path: Path, timeout: floa
         return
     home.mkdir(parents=True, exist_ok=True)
     cmd, env = _server_command(host, port, home, ui)
-    with FileLock(str(home / "server-start.lock")), template_database(home):
+    with FileLock(str(home / "server-start.lock")):
         with open(log_path, "a") as log:
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                     cwd=str(Path(__file__).resolve().parents[1]))
@@ -351,12 +288,6 @@ def start_kept_server(home: Path, keep_s: float, meanwhile: Callable[[], object]
             time.sleep(0.2)
 
 
-def serves_ui(marker: dict) -> bool:
-    """Whether the server a marker names serves the UI: `serve --start-server`'s does, a kept one since
-    it records so (a kept server of an earlier sftflow did not)."""
-    return marker.get("kind") != "kept" or bool(marker.get("ui"))
-
-
 def stop_kept_server(home: Path, timeout: float = 60) -> str | None:
     """Stops the kept server on this home now (SIGTERM to its keeper, which stops the server and
     removes its marker); returns its API URL, or None when none runs. A `serve --start-server`
@@ -384,10 +315,8 @@ def keep(home: Path, port: int, idle_s: float) -> int:
     ours: dict = {}
     proc = None
     try:
-        with template_database(home):
-            proc, api = _start_ui_server(home, port, time.time() + 180)
-        ours = {"api": api, "pid": os.getpid(), "kind": "kept", "ui": True, "prefect": version("prefect"),
-                "idle_s": idle_s}
+        proc, api = _start_ui_server(home, port, time.time() + 180)
+        ours = {"api": api, "pid": os.getpid(), "kind": "kept", "prefect": version("prefect"), "idle_s": idle_s}
         tmp = home / f".{RUNNING_SERVER}.{os.getpid()}"
         tmp.write_text(json.dumps(ours))
         tmp.replace(marker)
@@ -485,14 +414,15 @@ def prefect_api(home: Path, meanwhile: Callable[[], object] | None = None,
         found = running_server(home)
         if found:
             say(f"using the running Prefect server at {found['api']}")
-            server, ui = nullcontext(found["api"]), serves_ui(found)
+            server = nullcontext(found["api"])
         elif keep_s > 0:
             api = start_kept_server(home, keep_s, meanwhile=meanwhile)
             say(f"started a Prefect server at {api} for this and later runs; it stops after "
                 f"{keep_s:g} s unused ({KEEP_ENV}=0: a temporary server per call)")
-            server, ui = nullcontext(api), True
+            server = nullcontext(api)
         else:
-            server, ui = temporary_server(home, meanwhile=meanwhile), False
+            server = temporary_server(home, meanwhile=meanwhile)
+        ui = found is not None or keep_s > 0  # a running or kept server serves the UI, a temporary one none
         saved = {name: os.environ.get(name) for name in ("PREFECT_API_URL", "PREFECT_UI_URL", TEMPORARY_SERVER_ENV)}
         try:
             with server as api:

@@ -178,7 +178,7 @@ def tiny_config(tmp_path) -> Path:
     return write_config(tmp_path, tiny_config_dict(tmp_path))
 
 
-from flows.prefect_server import free_port, listening_port  # noqa: E402, F401  (tests use the CLI's own)
+from flows.prefect_server import _stop as stop_server, free_port, listening_port  # noqa: E402, F401  (the CLI's own)
 
 
 @pytest.fixture
@@ -247,6 +247,84 @@ def start_server(cmd: list[str], log: Path, health_path: str, env: dict | None =
     return proc, url
 
 
+# A new Prefect home's first server spends about half its start (4-5 s of 9-10 s on 2 cores) migrating
+# an empty database and registering block types, and the suite gives each test a home of its own. So
+# the homes of the suite's servers start from a copy of one database a real server built once per
+# test run (shared by the xdist workers). tests/test_kept_server.py checks that copy against what a
+# server builds on a new home, which is the road a user's first call takes: the CLI has no template.
+PREFECT_DATABASE = "prefect.db"  # in a Prefect home: its local server's database (Prefect's default)
+_run_folder: list[Path] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_run_folder(tmp_path_factory):
+    """This test run's folder that all its xdist workers share (each has its own basetemp under it)."""
+    base = tmp_path_factory.getbasetemp()
+    _run_folder[:] = [base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base]
+
+
+def prefect_database() -> Path:
+    """The empty, migrated database a real `prefect server start` built on a new home, made on first use
+    in this test run (sqlite's online backup once the server answers: consistent while it writes)."""
+    import sqlite3
+    from contextlib import closing
+
+    from filelock import FileLock
+    folder = _run_folder[0] / "prefect-database"
+    folder.mkdir(exist_ok=True)
+    built = folder / PREFECT_DATABASE
+    with FileLock(str(folder / "build.lock")):
+        if not built.is_file():
+            home = folder / "home"
+            home.mkdir()
+            env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_UI_ENABLED": "false"}
+            env.pop("PREFECT_API_URL", None)
+            proc, _ = start_server([str(Path(sys.executable).with_name("prefect")), "server", "start",
+                                    "--host", "127.0.0.1", "--port", "0"], home / "server.log", "/api/health", env=env)
+            try:
+                with closing(sqlite3.connect(home / PREFECT_DATABASE)) as src, \
+                        closing(sqlite3.connect(folder / "part.db")) as dst:
+                    src.backup(dst)
+                (folder / "part.db").replace(built)
+            finally:
+                stop_server(proc)
+    return built
+
+
+def seed_prefect_home(home: Path) -> Path:
+    """`home`, made, with a copy of `prefect_database()` unless it has a database already; the copy."""
+    import shutil
+    home.mkdir(parents=True, exist_ok=True)
+    db = home / PREFECT_DATABASE
+    if not db.exists():
+        part = home / f".{PREFECT_DATABASE}.{os.getpid()}"
+        shutil.copyfile(prefect_database(), part)
+        part.replace(db)
+    return db
+
+
+@contextmanager
+def seeded_prefect_home(env: dict):
+    """Around a CLI call with environment `env`: the Prefect home it names, when the call starts a
+    server there (no PREFECT_API_URL) and the home is new, seeded (`seed_prefect_home`). A call that
+    started none (a config refused first) finds its home as it left it: not there. Outside a test
+    run (a bench script), nothing is seeded."""
+    home = Path(env["PREFECT_HOME"]) if env.get("PREFECT_HOME") and not env.get("PREFECT_API_URL") else None
+    if home is None or home.exists() or not _run_folder:
+        yield
+        return
+    db = seed_prefect_home(home)
+    copied = db.stat()
+    try:
+        yield
+    finally:
+        now = db.stat() if db.exists() else None
+        if [p.name for p in home.iterdir()] == [PREFECT_DATABASE] and now is not None \
+                and (now.st_size, now.st_mtime_ns) == (copied.st_size, copied.st_mtime_ns):
+            db.unlink()
+            home.rmdir()
+
+
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory) -> str:
     """One real `prefect server start` on loopback for the session (started once: ~6 s); its API URL.
@@ -259,16 +337,11 @@ def prefect_server(tmp_path_factory) -> str:
            "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2"}
     env.pop("PREFECT_API_URL", None)
     prefect = Path(sys.executable).with_name("prefect")
-    from flows.prefect_server import template_database
-    with template_database(home):  # as the CLI's servers: a copy of a migrated database when there is one
-        proc, url = start_server([str(prefect), "server", "start", "--host", "127.0.0.1", "--port", "0"],
-                                 home / "server.log", "/api/health", env=env)
+    seed_prefect_home(home)
+    proc, url = start_server([str(prefect), "server", "start", "--host", "127.0.0.1", "--port", "0"],
+                             home / "server.log", "/api/health", env=env)
     yield f"{url}/api"
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop_server(proc)
 
 
 @contextmanager
@@ -401,21 +474,23 @@ _warm_cli = _WarmCLI()
 def sftflow(*args: str, cwd: Path, env: dict | None = None, timeout: int = 600,
             fresh: bool = False) -> subprocess.CompletedProcess:
     """The CLI as a user runs it, with Prefect's home inside the test's folder; it talks to the
-    session's Prefect server in a test that asks for `prefect_api`, else starts a temporary one.
+    session's Prefect server in a test that asks for `prefect_api`, else starts a temporary one (on a
+    new home: from a copy of the run's Prefect database, `seeded_prefect_home`).
     It runs as a fork of a process that has the heavy libraries imported (tests/cli_zygote.py) when
     the call's environment allows; `fresh=True` always starts `python -m flows.cli` from scratch."""
     # COLUMNS/LINES come from the terminal pytest runs in (or a worker's): the CLI's output must not
     # depend on them
     full_env = {**os.environ, "PREFECT_HOME": str(cwd / ".prefect"), "COLUMNS": None, "LINES": None, **(env or {})}
     full_env = {k: v for k, v in full_env.items() if v is not None}  # env={"X": None} unsets X
-    if not fresh and _warm_cli.busy.acquire(blocking=False):
-        try:
-            if _warm_cli.accepts(full_env):
-                return _warm_cli.run(args, cwd, full_env, timeout)
-        finally:
-            _warm_cli.busy.release()
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=full_env, capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    with seeded_prefect_home(full_env):
+        if not fresh and _warm_cli.busy.acquire(blocking=False):
+            try:
+                if _warm_cli.accepts(full_env):
+                    return _warm_cli.run(args, cwd, full_env, timeout)
+            finally:
+                _warm_cli.busy.release()
+        return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=full_env,
+                              capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
 def base_model(cfg) -> str:

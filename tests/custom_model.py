@@ -1,5 +1,6 @@
-"""A non-Hugging-Face model plugged in the way docs/adding-a-model.md describes:
-a registered model type plus a worker subclass with its own data and outputs."""
+"""A non-Hugging-Face model plugged in the way docs/adding-a-model.md describes: a model type
+(registered by name with `@register_model_type`, or named by its import path
+`custom_model:build_tiny_mlp`) plus a worker subclass with its own data and outputs."""
 
 import numpy as np
 import torch
@@ -7,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from stages.runtime.model_types import register_model_type
-from stages.runtime.worker import SFTWorker
+from stages.runtime.worker import SFTWorker, TrainOutput
 
 N_CLASSES, DIM = 4, 8
 
@@ -44,9 +45,9 @@ class MLPWorker(SFTWorker):
         return {"x": torch.from_numpy(np.stack([s["x"] for s in samples])).to(self.device),
                 "y": torch.tensor([s["y"] for s in samples], device=self.device)}
 
-    def get_train_model_output(self, batch: dict):
+    def get_train_model_output(self, batch: dict) -> TrainOutput:
         logits = self.model(batch["x"])
-        return F.cross_entropy(logits, batch["y"], reduction="sum"), len(batch["y"])
+        return TrainOutput(loss_sum=F.cross_entropy(logits, batch["y"], reduction="sum"), n_tokens=len(batch["y"]))
 
     def get_eval_model_output(self, batch: dict) -> dict:
         logits = self.model(batch["x"])

@@ -96,12 +96,12 @@ def test_a_corrupt_checkpoint_is_named_and_skipped(tmp_path):
 
 def test_a_torn_metrics_line_is_left_out_and_the_first_failed_rank_is_reported(tmp_path):
     from stages.runtime.launcher import failure_reason
-    from stages.runtime.worker import SFTWorker
+    from stages.runtime.reporting import truncate_metrics
     from stages.tracking.live import read_metrics_file
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')  # killed mid-write
     assert [r["step"] for r in read_metrics_file(path)] == [1, 2]
-    SFTWorker._truncate_metrics(path, 2)  # what a resume from step 2 does
+    truncate_metrics(path, 2)  # what a resume from step 2 does
     assert path.read_text().splitlines() == ['{"step": 1, "loss": 2.0}', '{"step": 2, "loss": 1.5}']
     log = ["[rank0]: Traceback (most recent call last):", "[rank0]: KeyError: 'labels'",
            "[rank1]: Traceback (most recent call last):",
@@ -281,7 +281,8 @@ def test_a_served_deployment_keeps_its_config_and_protected_keys(tmp_path, monke
     monkeypatch.setenv(PROTECTED_ENV, ",".join(k for k in SERVE_PROTECTED if k != "runner.resume"))
     assert _plan_from(str(path), ["actor.optim.lr=2e-3"], None).cfg.actor.optim.lr == 2e-3
     for bad in (["eval.scorer=evil.mod:fn"], ["actor.worker=evil.mod:W"], ["actor.model={trust_remote_code: true}"],
-                ["registry.tracking_uri=http://elsewhere"], ["actor={worker: 'evil.mod:W'}"]):
+                ["registry.tracking_uri=http://elsewhere"], ["actor={worker: 'evil.mod:W'}"],
+                ["actor.model.model_type=evil.mod:build"]):
         with pytest.raises(ConfigError, match="can't be set by the runs of this deployment"):
             _plan_from(str(path), bad, None)
     with pytest.raises(ConfigError, match="not a complete checkpoint"):  # allowed, so only validated

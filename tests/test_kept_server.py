@@ -1,7 +1,9 @@
 """The kept Prefect server (flows/prefect_server.py): a CLI call without PREFECT_API_URL starts
 one in the background, later calls on the same Prefect home run on it, and it stops by itself
 once no call has used it for SFTFLOW_KEEP_SERVER seconds. Real processes, real servers on
-loopback; the effects are checked in the server's database and with psutil."""
+loopback; the effects are checked in the server's database and with psutil. A test's Prefect home
+starts from a copy of the test run's Prefect database (conftest `seed_prefect_home`), as the homes of
+`sftflow(...)` calls do; the last test checks that copy against the database a user's first call builds."""
 
 import json
 import os
@@ -14,7 +16,8 @@ import time
 import psutil
 import pytest
 
-from conftest import descendants, flow_runs, left_alive, sftflow, tiny_config_dict, write_config
+from conftest import (PREFECT_DATABASE, descendants, flow_runs, left_alive, prefect_database, seed_prefect_home,
+                      sftflow, tiny_config_dict, write_config)
 from flows.prefect_server import RUNNING_SERVER, healthy, lease, start_kept_server
 
 
@@ -34,6 +37,7 @@ def test_later_calls_run_on_the_kept_server_and_it_stops_once_unused(tmp_path):
     cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path))
     home = tmp_path / ".prefect"
     env = {"PREFECT_API_URL": None, "SFTFLOW_KEEP_SERVER": "8"}
+    seed_prefect_home(home)
     # the test holds the lease between the calls, as a third call would: on a loaded machine the gap
     # between two calls may exceed the 8 s idle time, which would (rightly) stop the server
     with lease(home):
@@ -56,6 +60,7 @@ def test_later_calls_run_on_the_kept_server_and_it_stops_once_unused(tmp_path):
 
 def test_a_call_holding_the_lease_keeps_the_server_up(tmp_path):
     home = tmp_path / ".prefect"
+    seed_prefect_home(home)
     with lease(home):
         api = start_kept_server(home, keep_s=1)
         tree = _tree(_marker(home)["pid"])
@@ -67,6 +72,7 @@ def test_a_call_holding_the_lease_keeps_the_server_up(tmp_path):
 
 def test_a_killed_keeper_takes_its_server_along_and_a_deleted_home_stops_one(tmp_path):
     home = tmp_path / ".prefect"
+    seed_prefect_home(home)
     start_kept_server(home, keep_s=300)
     first = _marker(home)
     tree = _tree(first["pid"])
@@ -84,6 +90,7 @@ def test_a_killed_keeper_takes_its_server_along_and_a_deleted_home_stops_one(tmp
 def test_two_calls_started_together_share_one_kept_server(tmp_path):
     paths = [write_config(tmp_path, tiny_config_dict(tmp_path, n_train=n), name=f"c{n}.yaml") for n in (96, 80)]
     home = tmp_path / ".prefect"
+    seed_prefect_home(home)
     env = {**{k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"},
            "PREFECT_HOME": str(home), "SFTFLOW_KEEP_SERVER": "8"}
     procs = [subprocess.Popen([sys.executable, "-m", "flows.cli", "stage", "prepare", "-c", str(p)], cwd=tmp_path,
@@ -100,6 +107,7 @@ def test_two_calls_started_together_share_one_kept_server(tmp_path):
 def test_stop_server_stops_the_kept_server_now(tmp_path):
     cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path))
     home = tmp_path / ".prefect"
+    seed_prefect_home(home)
     start_kept_server(home, keep_s=300)
     kept = _marker(home)
     tree = _tree(kept["pid"])
@@ -185,7 +193,9 @@ def test_a_kept_server_whose_port_was_taken_starts_on_another_and_its_ui_calls_t
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc, api = _start_ui_server(tmp_path / ".prefect", port, time.time() + 180)
+        home = tmp_path / ".prefect"
+        seed_prefect_home(home)
+        proc, api = _start_ui_server(home, port, time.time() + 180)
         try:
             served = listening_port(proc.pid)
             assert served != port and api == f"http://127.0.0.1:{served}/api" and healthy(api)
@@ -226,28 +236,27 @@ def _block_type_ids(db) -> set:
         return {row[0] for row in conn.execute("SELECT id FROM block_type")}
 
 
-def test_a_new_prefect_home_starts_from_the_template_database_prefect_built(tmp_path, monkeypatch):
-    """The first server on a new home builds its database (migrations, block types) and it is kept as
-    the template; the next new home gets a copy, whose schema equals the one Prefect built, and its
-    server serves from it. A damaged template is not used: that home's server builds its own, which
-    replaces the template."""
-    from flows.prefect_server import DATABASE, database_template, local_server
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # this test's own template
-    template = database_template()
-    built, seeded, rebuilt = (tmp_path / n for n in ("built", "seeded", "rebuilt"))
-    with local_server("127.0.0.1", 0, built, tmp_path / "built.log", ui=False):
-        pass
-    assert template.is_file() and _schema(template) == _schema(built / DATABASE)
+def _flow_run_count(db) -> int:
+    import sqlite3
+    from contextlib import closing
+    with closing(sqlite3.connect(db)) as conn:
+        return conn.execute("SELECT count(*) FROM flow_run").fetchone()[0]
 
-    seeded.mkdir()
-    with local_server("127.0.0.1", 0, seeded, tmp_path / "seeded.log", ui=False) as api:
-        assert flow_runs(api) == []  # the API reads its tables
-    assert _schema(seeded / DATABASE) == _schema(built / DATABASE)
-    assert _block_type_ids(seeded / DATABASE) == _block_type_ids(template), "a copy of the template"
 
-    template.write_bytes(template.read_bytes()[:4096])  # truncated: not a database any more
-    with local_server("127.0.0.1", 0, rebuilt, tmp_path / "rebuilt.log", ui=False) as api:
-        assert flow_runs(api) == []
-    assert _schema(rebuilt / DATABASE) == _schema(built / DATABASE)
-    assert _block_type_ids(rebuilt / DATABASE).isdisjoint(_block_type_ids(seeded / DATABASE)), "built anew"
-    assert _schema(template) == _schema(built / DATABASE), "the damaged template was replaced"
+def test_a_users_first_call_builds_the_database_that_test_homes_start_from(tmp_path):
+    """A call on the config's own Prefect home (a user's first call: nothing seeds it) has its server
+    build the database, block types included; its schema and migration are those of the copy the
+    suite's homes start from, so tests run on the database users get. A seeded home's server runs
+    on the copy (its block types, not new ones) and records the run in it."""
+    cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path))
+    first = sftflow("stage", "prepare", "-c", str(cfg_path), cwd=tmp_path, env={"PREFECT_HOME": None})
+    assert first.returncode == 0, first.stderr[-3000:]
+    built = tmp_path / "artifacts" / ".prefect" / PREFECT_DATABASE
+    assert _schema(built) == _schema(prefect_database()) and _flow_run_count(built) == 1
+    assert _block_type_ids(built) and _block_type_ids(built).isdisjoint(_block_type_ids(prefect_database())), \
+        "built by its own server, not a copy"
+
+    again = sftflow("stage", "prepare", "-c", str(cfg_path), "--force", cwd=tmp_path)  # a new home: seeded
+    assert again.returncode == 0, again.stderr[-3000:]
+    seeded = tmp_path / ".prefect" / PREFECT_DATABASE
+    assert _block_type_ids(seeded) == _block_type_ids(prefect_database()) and _flow_run_count(seeded) == 1

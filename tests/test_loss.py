@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from stages.core.errors import ConfigError
 from stages.runtime import loss
 from stages.runtime.batches import collate_packed, collate_padded
-from stages.runtime.loss import IGNORE_INDEX, kl_sum, model_loss, output_transform, reference_outputs, token_loss_sum
+from stages.runtime.loss import IGNORE_INDEX, model_loss, output_transform, reference_outputs, token_loss_sum
 
 CHUNK = 5  # positions per chunk in these tests: every batch here spans several chunks and a partial one
 ATOL, RTOL = 1e-5, 1e-4  # fp32, as the other gradient checks (tests/test_train.py)
@@ -111,6 +111,14 @@ def per_token_loop(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     return ce_total, dft_total, n
 
 
+def kl_by_definition(logits: torch.Tensor, ref_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum over the trained positions of KL(ref || model) = sum_v p_ref(v) (log p_ref(v) - log p(v))."""
+    keep = labels[:, 1:] != IGNORE_INDEX
+    p_ref = torch.softmax(ref_logits[:, :-1][keep].float(), dim=-1)
+    logp = torch.log_softmax(logits[:, :-1][keep].float(), dim=-1)
+    return (p_ref * (p_ref.log() - logp)).sum()
+
+
 # --------------------------------------------------------------------------- the chunked path (fast)
 
 
@@ -162,7 +170,7 @@ def test_kl_to_base_chunked_equals_the_full_logits(kind):
     sums = model_loss(model, inputs, labels, reference=reference)
     assert sums.chunked
     logits = model(**inputs, use_cache=False).logits
-    kl = kl_sum(logits, base_logits, labels)
+    kl = kl_by_definition(logits, base_logits, labels)
     assert kl.item() > 1.0  # the adapters moved the model well away from the base
     assert sums.kl.item() == pytest.approx(kl.item(), rel=1e-5)
     assert_close_grads(grads(sums.kl, params), grads(kl, params))
@@ -372,12 +380,12 @@ def test_worker_dft_with_accumulation_equals_one_sample_at_a_time(prepared):
 def test_dft_with_an_output_that_does_not_compute_it_stops_with_one_line(prepared):
     """A subclass's own output under `actor.loss: dft` would silently train the cross-entropy."""
     from stages.runtime.batches import DataPosition
-    from stages.runtime.worker import SFTWorker
+    from stages.runtime.worker import SFTWorker, TrainOutput
     from test_precision import gloo_world_of_one
 
     class OwnLoss(SFTWorker):
         def get_train_model_output(self, batch):
-            return self._token_loss_sum(batch)
+            return TrainOutput(*self._token_loss_sum(batch))
 
     w = OwnLoss(prepared("dft-own", precision="fp32", loss="dft"))
     with gloo_world_of_one(), pytest.raises(ConfigError, match="actor.loss: OwnLoss.get_train_model_output does "

@@ -1,7 +1,8 @@
 """Assistant-only masks, checked against independent references: transformers' own
 `return_assistant_tokens_mask` (builtin template has {% generation %} markers), and decoding
 the trained tokens, compared *exactly* with each reply and the end-of-turn text the template's
-source puts after it (conftest.expected_run)."""
+source puts after it (conftest.expected_run). Each row goes through prepare's own row path
+(`prepared`: rows.ordered_results, as the stage runs it), record to ids and mask."""
 
 import json
 
@@ -10,10 +11,9 @@ import pytest
 from conftest import (MULTI_TURN, REAL_TEMPLATES, REALDATA, base_model, expected_run, family_tokenizer,
                       tiny_config_dict, write_config)
 from stages.core.config import load_config
-from stages.chatdata.readers import prompt_and_reference
-from stages.prepare.masking import tokenize_conversation
+from stages.chatdata.readers import RowError, prompt_and_reference, to_conversations
+from stages.prepare.rows import Item, Options, ordered_results
 from stages.prepare.shapes import MARKS
-from stages.chatdata.readers import RowError, to_messages
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "I am TinyChat."}],
@@ -32,9 +32,23 @@ def tokenizer(tmp_path_factory):
     return AutoTokenizer.from_pretrained(base_model(cfg))
 
 
-def trainable_runs(tok, t) -> list[str]:
+def prepared(tok, messages: list[dict], max_length: int = 100_000, loss_on: str = "assistant",
+             truncation: str = "drop") -> Item:
+    """One `messages` record through prepare's row path, one process: its Item, with `ids` and
+    `mask`, or the `reason` it is quarantined for."""
+    opts = Options(columns={}, loss_on=loss_on, truncation=truncation, max_length=max_length, val_fraction=0.0)
+    ((item,),) = ordered_results([[("train", "messages", "rows.jsonl", 1, {"messages": messages})]], opts, 1, tok)
+    return item
+
+
+def kept(item: Item) -> Item:
+    assert item.reason is None, f"quarantined: {item.reason}: {item.detail}"
+    return item
+
+
+def trainable_runs(tok, t: Item) -> list[str]:
     runs, cur = [], []
-    for tid, m in zip(t.input_ids, t.loss_mask):
+    for tid, m in zip(kept(t).ids.tolist(), t.mask.tolist()):
         if m:
             cur.append(tid)
         elif cur:
@@ -47,26 +61,24 @@ def trainable_runs(tok, t) -> list[str]:
 
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 def test_mask_equals_transformers_generation_mask(tokenizer, messages):
-    ours = tokenize_conversation(tokenizer, messages, max_length=512)
+    ours = kept(prepared(tokenizer, messages, max_length=512))
     ref = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-    assert ours.input_ids == list(ref["input_ids"])
-    assert ours.loss_mask == list(ref["assistant_masks"])
+    assert ours.ids.tolist() == list(ref["input_ids"])
+    assert ours.mask.tolist() == list(ref["assistant_masks"])
 
 
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 def test_every_assistant_turn_and_its_end_of_turn_token_is_trained(tokenizer, messages):
-    t = tokenize_conversation(tokenizer, messages, max_length=512)
+    t = prepared(tokenizer, messages, max_length=512)
     replies = [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
     assert trainable_runs(tokenizer, t) == replies
 
 
 def test_rows_without_trainable_tokens_or_too_long_are_rejected(tokenizer):
-    with pytest.raises(RowError) as e:
-        tokenize_conversation(tokenizer, CONVERSATIONS[1], max_length=10)
-    assert e.value.reason == "too_long"
-    with pytest.raises(RowError) as e:
-        to_messages({"messages": [{"role": "user", "content": "hi"}]})
-    assert e.value.reason == "no_assistant_turn"
+    too_long = prepared(tokenizer, CONVERSATIONS[1], max_length=10)
+    assert too_long.reason == "too_long" and too_long.ids is None and too_long.mask is None
+    no_reply = prepared(tokenizer, [{"role": "user", "content": "hi"}])
+    assert no_reply.reason == "no_assistant_turn" and no_reply.ids is None
 
 
 @pytest.mark.parametrize("row, expected", [
@@ -82,7 +94,7 @@ def test_rows_without_trainable_tokens_or_too_long_are_rejected(tokenizer):
      [{"role": "user", "content": "List"}, {"role": "assistant", "content": "[1, 2, 3]"}]),
 ])
 def test_formats_become_canonical_messages(row, expected):
-    assert to_messages(row) == expected
+    assert to_conversations(row) == [expected]
 
 
 def test_eval_prompt_is_everything_before_the_last_reply():
@@ -104,25 +116,26 @@ def test_real_templates_train_exactly_each_reply_and_its_end_of_turn(tokenizer, 
     """Real vendor templates without {% generation %} markers, used as their files are written
     (indented): the trained tokens decode to each reply and the end-of-turn text, exactly."""
     tok = family_tokenizer(tokenizer, name)
-    t = tokenize_conversation(tok, messages, max_length=4096)
-    assert t.input_ids == tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    t = prepared(tok, messages, max_length=4096)
     assert trainable_runs(tok, t) == expected_runs(name, messages)
-    last = tokenize_conversation(tok, messages, max_length=4096, loss_on="last_assistant")
+    assert t.ids.tolist() == tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    last = prepared(tok, messages, max_length=4096, loss_on="last_assistant")
     assert trainable_runs(tok, last) == expected_runs(name, [messages[-1]])
 
 
 def test_loss_on_all_and_truncation(tokenizer):
     messages = CONVERSATIONS[1]
-    full = tokenize_conversation(tokenizer, messages, max_length=512)
-    everything = tokenize_conversation(tokenizer, messages, max_length=512, loss_on="all")
-    assert everything.input_ids == full.input_ids and all(everything.loss_mask)
-    n = len(full.input_ids)
-    cut = tokenize_conversation(tokenizer, messages, max_length=n - 3, truncation="keep_start")
-    assert cut.input_ids == full.input_ids[: n - 3] and cut.loss_mask == full.loss_mask[: n - 3]
-    first_trainable = full.loss_mask.index(1)
-    with pytest.raises(RowError) as e:  # cut before the first reply: nothing left to learn
-        tokenize_conversation(tokenizer, messages, max_length=first_trainable, truncation="keep_start")
-    assert e.value.reason == "no_trainable_tokens"
+    full = kept(prepared(tokenizer, messages, max_length=512))
+    everything = kept(prepared(tokenizer, messages, max_length=512, loss_on="all"))
+    assert everything.ids.tolist() == full.ids.tolist() and everything.mask.all()
+    n = len(full.ids)
+    cut = kept(prepared(tokenizer, messages, max_length=n - 3, truncation="keep_start"))
+    assert cut.truncated and not full.truncated
+    assert cut.ids.tolist() == full.ids.tolist()[: n - 3] and cut.mask.tolist() == full.mask.tolist()[: n - 3]
+    first_trainable = full.mask.tolist().index(1)
+    # cut before the first reply: nothing left to learn
+    cut = prepared(tokenizer, messages, max_length=first_trainable, truncation="keep_start")
+    assert cut.reason == "no_trainable_tokens"
 
 
 @pytest.mark.skipif(not (REALDATA / "sharegpt_identity.json").is_file(), reason="../shared/realdata absent")
@@ -131,10 +144,10 @@ def test_every_real_sharegpt_row_trains_exactly_its_replies_on_every_template(to
     """All 500 real conversations (1,000 replies), on every real template: kept, and exact."""
     tok = tokenizer if name == "builtin" else family_tokenizer(tokenizer, name)
     for row in json.loads((REALDATA / "sharegpt_identity.json").read_text()):
-        messages = to_messages(row, "sharegpt")
-        t = tokenize_conversation(tok, messages, max_length=100_000)
+        (messages,) = to_conversations(row, "sharegpt")
+        t = prepared(tok, messages)
         assert trainable_runs(tok, t) == expected_runs(name, messages, tok)
-        last = tokenize_conversation(tok, messages, max_length=100_000, loss_on="last_assistant")
+        last = prepared(tok, messages, loss_on="last_assistant")
         assert trainable_runs(tok, last) == expected_runs(name, messages[-1:], tok)
 
 
@@ -160,11 +173,11 @@ QUARANTINE = {"reply_boundary", "reply_not_in_template", "template_error"}
 
 
 def tokenize_or_reason(tok, messages, loss_on="assistant"):
-    try:
-        return tokenize_conversation(tok, messages, max_length=100_000, loss_on=loss_on)
-    except RowError as e:
-        assert e.reason in QUARANTINE, e
-        return e.reason
+    item = prepared(tok, messages, loss_on=loss_on)
+    if item.reason is None:
+        return item
+    assert item.reason in QUARANTINE, (item.reason, item.detail)
+    return item.reason
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -188,8 +201,8 @@ def test_property_mask_equals_transformers_or_the_row_is_quarantined(tokenizer, 
         starts = [run[0] for run in runs_of(list(ref["assistant_masks"]))]
         assert any(tokenizer.decode([ref["input_ids"][i]]).startswith("\n") for i in starts)
         return
-    assert ours.input_ids == list(ref["input_ids"])
-    assert ours.loss_mask == list(ref["assistant_masks"])
+    assert ours.ids.tolist() == list(ref["input_ids"])
+    assert ours.mask.tolist() == list(ref["assistant_masks"])
     assert trainable_runs(tokenizer, ours) == expected_runs("builtin", messages, tokenizer)
 
 
@@ -210,10 +223,10 @@ def test_rows_holding_the_placeholder_marks_are_masked_like_any_other(tokenizer,
     """Regression: a row holding U+E000 was quarantined (`reply_not_in_template`). Now its mask is
     transformers' own, on the render-once path and the per-row path alike."""
     from stages.prepare.masking import Renderer, assistant_spans, exact_spans, placeholder
-    ours = tokenize_conversation(tokenizer, messages, max_length=512)
+    ours = kept(prepared(tokenizer, messages, max_length=512))
     ref = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-    assert ours.input_ids == list(ref["input_ids"])
-    assert ours.loss_mask == list(ref["assistant_masks"])
+    assert ours.ids.tolist() == list(ref["input_ids"])
+    assert ours.mask.tolist() == list(ref["assistant_masks"])
     assert trainable_runs(tokenizer, ours) == [m["content"] + "<|im_end|>" for m in messages
                                                if m["role"] == "assistant"]
     r = Renderer.of(tokenizer)
@@ -260,7 +273,7 @@ def test_qwen_assistant_first_reply_is_trained_whole(tokenizer, first):
     tok = family_tokenizer(tokenizer, "qwen2.5-instruct")
     messages = [{"role": "assistant", "content": first}, {"role": "user", "content": "Who are you?"},
                 {"role": "assistant", "content": "I am TinyChat."}]
-    t = tokenize_conversation(tok, messages, max_length=4096)
+    t = prepared(tok, messages, max_length=4096)
     assert trainable_runs(tok, t) == [first + "<|im_end|>", "I am TinyChat.<|im_end|>"]
 
 
@@ -268,9 +281,8 @@ def test_qwen_assistant_first_reply_is_trained_whole(tokenizer, first):
 def test_no_header_newline_or_template_indentation_is_trained(tokenizer, name):
     """Regression: Gemma/Alpaca trained the header's newline, Mistral/Llama-2 their indentation."""
     tok = family_tokenizer(tokenizer, name)
-    t = tokenize_conversation(tok, [{"role": "user", "content": "Who are you?"},
-                                    {"role": "assistant", "content": "I am X."}],
-                              max_length=4096)
+    t = prepared(tok, [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "I am X."}],
+                 max_length=4096)
     assert trainable_runs(tok, t) == [expected_run(name, "I am X.")]
     assert "\n" not in trainable_runs(tok, t)[0]
 

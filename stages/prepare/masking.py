@@ -38,7 +38,6 @@ at max_length); a row left without trainable tokens is dropped either way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -49,11 +48,6 @@ from .shapes import build, common_prefix_len, free_mark, opaque_reason, plan_for
 
 MAX_SHAPES = 10_000  # distinct conversation shapes planned per process; rarer ones take the per-row path
 
-
-@dataclass
-class Tokenized:
-    input_ids: list[int]
-    loss_mask: list[int]
 
 class Renderer:
     """A chat template, rendered exactly as `apply_chat_template(tokenize=False)` renders it.
@@ -274,10 +268,3 @@ def finish(ids: np.ndarray, mask: np.ndarray, max_length: int, truncation: str) 
         raise RowError("no_trainable_tokens")
     return ids, mask
 
-
-def tokenize_conversation(tokenizer, messages: list[dict], max_length: int, loss_on: str = "assistant",
-                          truncation: str = "drop", renderer: Renderer | None = None) -> Tokenized:
-    text, spans = assistant_spans(renderer or Renderer.of(tokenizer), messages, loss_on)
-    ((ids, enc),) = encode_texts(tokenizer.backend_tokenizer, [text])
-    ids, mask = finish(ids, mask_from_encoding(enc, spans, text), max_length, truncation)
-    return Tokenized(ids.tolist(), mask.tolist())

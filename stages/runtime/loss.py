@@ -53,15 +53,6 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     return loss_sum, int((labels != IGNORE_INDEX).sum())
 
 
-def kl_sum(logits: torch.Tensor, ref_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum over the trainable positions of KL(ref || model) between next-token distributions; the
-    same positions, and so the same count, as `token_loss_sum`."""
-    keep = labels[:, 1:] != IGNORE_INDEX
-    logp = F.log_softmax(logits[:, :-1][keep].float(), dim=-1)
-    ref_logp = F.log_softmax(ref_logits[:, :-1][keep].float(), dim=-1)
-    return F.kl_div(logp, ref_logp, log_target=True, reduction="sum")
-
-
 def token_sums(logits: torch.Tensor, targets: torch.Tensor, ref_logits: torch.Tensor | None = None,
                dft: bool = False) -> torch.Tensor:
     """[sum of cross-entropy, sum of DFT's p x cross-entropy, sum of KL(ref || model)] (fp32) over

@@ -1,4 +1,6 @@
-"""Model types, registered by name (`actor.model.model_type`).
+"""Model types (`actor.model.model_type`): a name registered with `@register_model_type`, or the
+import path of a builder, 'pkg.module:function', which registers it by configuration alone (no
+custom worker needed to import its module).
 
 A builder takes the `actor.model` config section plus the resolved weights path and returns
 an `nn.Module`. The worker shards whatever comes back with FSDP2; `fsdp_units` tells it
@@ -14,6 +16,9 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn as nn
+
+from stages.core.errors import ConfigError
+from stages.core.imports import import_object
 
 from .lora import apply_lora, load_adapters_checked
 
@@ -36,10 +41,19 @@ class UnknownModelType(KeyError):
 
 
 def get_model_builder(name: str) -> Callable:
+    """The builder `name` names: a registered name, or 'pkg.module:function' (imported; a ConfigError
+    naming the key when it can't be, or is not callable)."""
+    if ":" in name:
+        builder = import_object(name, "actor.model.model_type")
+        if not callable(builder):
+            raise ConfigError(f"actor.model.model_type='{name}' is not callable (a model builder is a function "
+                              "(model_cfg, weights_path) -> nn.Module)")
+        return builder
     if name not in _MODEL_TYPES:
         raise UnknownModelType(f"actor.model.model_type: unknown '{name}'; "
-                               f"registered: {', '.join(sorted(_MODEL_TYPES))} "
-                               "(a custom type registers when the module named in actor.worker is imported)")
+                               f"registered: {', '.join(sorted(_MODEL_TYPES))} (name a builder as "
+                               "'pkg.module:function', or register it with @register_model_type in a module that "
+                               "actor.worker imports)")
     return _MODEL_TYPES[name]
 
 

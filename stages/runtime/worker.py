@@ -1,13 +1,25 @@
-"""The SFT worker: one process per rank under torchrun.
+"""The SFT worker: one process per rank. The train stage starts `torchrun` (runtime/launcher.py,
+through runtime/local_torchrun.py), whose ranks each run `python -m stages.train <spec.json>`:
+`load_worker` checks the class named by `actor.worker` against the contract (runtime/contract.py),
+then `fit` runs `setup` and the loop and always closes (metrics, MLflow, process group).
 
-    python -m torch.distributed.run ... -m stages.train <spec.json>
+`SFTWorker` owns the loop -- gradient accumulation, exact loss weighting, clipping, the LR schedule
+-- and composes the parts that do the rest:
 
-`SFTWorker` owns the loop: process group, FSDP2 sharding, gradient accumulation, clipping,
-LR schedule, validation, checkpoints, metrics and export. A subclass adapts it to another
-model or data layout by overriding `build_dataset` (or its RLinf name `build_dataloader`),
-`collate`, `get_train_model_output` and `get_eval_model_output` (docs/adding-a-model.md).
-Evaluate uses the same subclass through `SFTWorker.for_eval`. What `get_train_model_output`
-returns is read in one place, `as_train_output`, into a `TrainOutput`.
+    runtime/sharding.py       `parallelize`: activation checkpointing, compilation, FSDP2
+    runtime/checkpointing.py  `Checkpointer`: when to save, what to resume (DCP: runtime/checkpoint.py)
+    runtime/reporting.py      `Reporter`: metrics.jsonl, live MLflow rows, progress, runtime.json
+    runtime/validation.py     `validate`: the validation loss and accuracy across ranks
+    runtime/export.py         `export_model`: the gathered state dict, LoRA merge, the HF folder
+    runtime/packing.py        `packs_exactly`: whether the model may train on packed micro-batches
+
+Public surface (docs/adding-a-model.md). Hooks a subclass overrides, one name and one return type
+each: `build_dataloader`, `collate`, `get_train_model_output` (-> `TrainOutput`),
+`get_eval_model_output` (-> dict of summable numbers); less often `load_tokenizer`, `build_model`,
+`supports_packing`, `init_distributed`, `setup`, `optimizer_step`. Methods others call: `fit`, `setup`,
+`forward_backward`, `optimizer_step`, `validate`, `export`, `reshard`, `add_eval_output` and
+`SFTWorker.for_eval` (the evaluate stage). Attributes a subclass may read are the ones the class
+declares below; they are set in `__init__`, `setup` or `for_eval` and nowhere else.
 
 Loss of a global step = (sum of token cross-entropy -- or of `actor.loss`'s per-token objective --
 over all micro-batches on all ranks) / (trainable tokens of the whole global step, all-reduced
@@ -17,11 +29,7 @@ to undo that average.
 
 from __future__ import annotations
 
-import json
-import math
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,33 +37,30 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from stages.core.config import SFTConfig
 from stages.core.errors import ConfigError, StageError
 from stages.core.imports import import_object
 from stages.core.topology import backend
-from stages.tracking.live import RankZeroMetrics, read_metrics_file
 
-from . import checkpoint as ckpt
-from . import faults
 from .attention import effective_attn_implementation, resolve_attn_implementation
-from .batches import DataPosition, GlobalBatchSampler, SFTDataset, collate_packed, collate_padded, pad_token_id
+from .batches import GlobalBatchSampler, SFTDataset, collate_packed, collate_padded, pad_token_id
+from .checkpointing import Checkpointer
+from .contract import TrainOutput, add_eval_output, check_worker_class, train_output
 from .distributed import choose_precision, local_device, log
-from .lora import adapters_off, lora_enabled, unwrap
+from .export import export_model
+from .lora import adapters_off, lora_enabled
 from .loss import model_loss, reference_outputs
 from .mixture import describe, summary_line
-from .model_types import (UnknownModelType, WeightsLoadError, build_configured_model, fsdp_units, get_model_builder,
-                          load_state_checked)
+from .packing import packs_exactly
+from .model_types import UnknownModelType, build_configured_model, get_model_builder
+from .reporting import PEAK_FLOPS, Reporter
 from .schedule import lr_lambda
+from .sharding import Sharding, parallelize, reshard
+from .validation import validate
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-RUNTIME_FILE = "runtime.json"  # the settings `auto` resolved to, written by rank 0 in the output folder
-# Dense bf16 peak FLOP/s per device, for the MFU estimate (unknown devices report none).
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
-
 
 class WorkerSpec(BaseModel):
     """Everything a worker is given (written as `spec.json` in the stage folder)."""
@@ -78,58 +83,6 @@ class WorkerSpec(BaseModel):
         return cls.model_validate_json(Path(path).read_text())
 
 
-@dataclass(frozen=True)
-class TrainOutput:
-    """One micro-batch's share of a step, as `get_train_model_output` returns it: the loop adds up
-    `loss_sum` and `n_tokens` over all micro-batches and ranks of the step and divides once."""
-
-    loss_sum: torch.Tensor  # sum of the per-token (per-unit) losses, attached to the graph
-    n_tokens: float         # how many tokens (units) `loss_sum` sums over
-
-    # It reads as the `(loss_sum, n_tokens)` tuple it replaces: overrides that unpack or index
-    # `super().get_train_model_output(batch)` keep working.
-    def __iter__(self):
-        return iter((self.loss_sum, self.n_tokens))
-
-    def __getitem__(self, i):
-        return (self.loss_sum, self.n_tokens)[i]
-
-
-def as_train_output(out, trainable_tokens: float, method: str = "get_train_model_output") -> TrainOutput:
-    """What `get_train_model_output` returned, as a TrainOutput: the one place its accepted forms are
-    read (docs/adding-a-model.md lists them).
-
-    * a `TrainOutput`: as it is (`n_tokens` as a float);
-    * `(loss_sum, n_tokens)`, RLinf's form (a tuple or list of two): a tensor and a count -- a
-      number, or a tensor that is not floating;
-    * a tensor: a mean loss over the micro-batch's trainable tokens, `trainable_tokens` (the
-      dataset's count); its loss sum is the mean times that count;
-    * a list/tuple of tensors (a pair whose second is a floating tensor included): summed, then
-      a mean loss as above.
-
-    Anything else is a TypeError naming `method` (e.g. "MyWorker.get_train_model_output")."""
-    if isinstance(out, TrainOutput):
-        return TrainOutput(out.loss_sum, float(out.n_tokens))
-    if isinstance(out, (tuple, list)) and len(out) == 2 and torch.is_tensor(out[0]) and not (
-            torch.is_tensor(out[1]) and out[1].is_floating_point()):
-        return TrainOutput(out[0], float(out[1]))
-    if isinstance(out, (tuple, list)):
-        out = sum(out)
-    if not torch.is_tensor(out):
-        raise TypeError(f"{method} returned {type(out).__name__}; expected a TrainOutput, (loss_sum, n_tokens), "
-                        "a tensor (a mean loss) or a list/tuple of tensors (summed into one)")
-    return TrainOutput(out * trainable_tokens, trainable_tokens)
-
-
-@dataclass(frozen=True)
-class Sharding:
-    """How `build_model` wrapped the model with FSDP2."""
-
-    fsdp: bool           # sharded at all (one fp32 process is not: nothing to shard, reduce or cast)
-    keep_gathered: bool  # gathered weights stay until a step's last backward (`reshard_after_forward` off)
-
-
-
 class SFTWorker:
     """One rank's training (`fit`), or a scorer around a loaded model (`for_eval`).
 
@@ -141,7 +94,7 @@ class SFTWorker:
     spec: WorkerSpec
     cfg: SFTConfig              # spec.config
     out: Path                   # the stage folder being built
-    ckpt_dir: Path              # out/checkpoints
+    checkpointer: Checkpointer  # out/checkpoints: saves on runner.save_interval, resumes runner.resume
 
     # Where this rank runs (init_distributed, assigned in setup).
     device: torch.device
@@ -158,11 +111,11 @@ class SFTWorker:
 
     # The model and how FSDP2 wraps it (build_model, assigned in setup).
     model: torch.nn.Module
-    fsdp: bool                  # see Sharding
-    keep_gathered: bool         # see Sharding
+    fsdp: bool                  # see sharding.Sharding
+    keep_gathered: bool         # see sharding.Sharding
     packing: bool               # packed micro-batches: asked for, and the model's logits allow it
 
-    # Data (setup). The datasets are what build_dataset returns (see there).
+    # Data (setup). The datasets are what build_dataloader returns (see there).
     train_ds: Any
     val_ds: Any | None          # None without a validation set
     sample_lengths: np.ndarray  # train_ds.lengths, tokens per sample: balances ranks and micro-batches
@@ -176,29 +129,21 @@ class SFTWorker:
 
     # The MFU estimate in the metrics (setup).
     n_params: int               # all parameters, LoRA's frozen base included (a DTensor counts whole)
-    peak_flops: float | None    # the device's dense bf16 peak (PEAK_FLOPS); unknown devices: None
-
-    # The KL sum of the last micro-batch when get_train_model_output adds actor.kl_to_base's term;
-    # None otherwise. forward_backward clears it before each micro-batch and adds it up.
-    last_kl: torch.Tensor | None
-    # Likewise the plain cross-entropy sum when the loss is another objective (`actor.loss: dft`).
-    last_ce: torch.Tensor | None
+    peak_flops: float | None    # the device's dense bf16 peak (reporting.PEAK_FLOPS); unknown devices: None
 
     def __init__(self, spec: WorkerSpec | dict):
         self.spec = spec if isinstance(spec, WorkerSpec) else WorkerSpec.model_validate(spec)
         self.cfg = self.spec.config
         self.out = Path(self.spec.out_dir)
-        self.ckpt_dir = self.out / "checkpoints"
+        self.checkpointer = Checkpointer(self.out, self.cfg.runner)
         self.tokenizer = None
         self.pad_id = 0
-        self.last_kl = None
-        self.last_ce = None
 
     @classmethod
     def for_eval(cls, spec: WorkerSpec, model: torch.nn.Module, device: torch.device, rank: int,
                  world: int) -> "SFTWorker":
         """A worker around an already loaded, unsharded `model` for scoring: no process group,
-        optimizer or FSDP of its own; its tokenizer, `build_dataset`, `collate` and
+        optimizer or FSDP of its own; its tokenizer, `build_dataloader`, `collate` and
         `get_eval_model_output` are the subclass's."""
         w = cls(spec)
         w.device, w.rank, w.world = device, rank, world
@@ -216,8 +161,8 @@ class SFTWorker:
 
     def build_model(self) -> tuple[torch.nn.Module, Sharding]:
         """The configured model on this rank's device, with LoRA, activation checkpointing and
-        compilation as configured, wrapped with FSDP2 unless one fp32 process has nothing to shard;
-        and how it was wrapped. Reads `device`, `world` and `precision`."""
+        compilation as configured, wrapped with FSDP2 unless one fp32 process has nothing to shard
+        (sharding.parallelize); and how it was wrapped. Reads `device`, `world` and `precision`."""
         actor = self.cfg.actor
         try:
             attn = resolve_attn_implementation(actor.attn_implementation, self.device.type, actor.packing,
@@ -226,43 +171,12 @@ class SFTWorker:
                                            device=self.device, lora=lora_enabled(self.cfg), attn_implementation=attn)
         except UnknownModelType as e:
             raise ConfigError(str(e)) from None
-        units = fsdp_units(unwrap(model))  # the blocks themselves: peft swaps layers inside them, not the blocks
-        if actor.activation_checkpointing:
-            # transformers renamed gradient_checkpointing_enable (5.24 warns that the alias goes in v6);
-            # older transformers and custom models may have only the old name
-            if hasattr(model, "activation_checkpointing_enable"):
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            elif hasattr(model, "gradient_checkpointing_enable"):
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                raise ConfigError("actor.activation_checkpointing needs a model with activation_checkpointing_enable() "
-                                 "or gradient_checkpointing_enable()")
-        if actor.compile:
-            for unit in units or [model]:
-                unit.compile()
-        # One fp32 process has nothing to shard, reduce or cast: FSDP would only add per-layer hooks.
-        # DCP checkpoints stay interchangeable with sharded runs (they reshard on load).
-        if not (self.world > 1 or self.precision == "bf16"):
-            return model, Sharding(fsdp=False, keep_gathered=False)
-        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-              if self.precision == "bf16" else MixedPrecisionPolicy())
-        # gloo on a few cores is bound by collectives, not memory: gathering each layer once per
-        # step instead of twice per micro-batch is most of what FSDP costs there
-        reshard = actor.reshard_after_forward
-        keep_gathered = not (reshard if reshard is not None else self.device.type != "cpu")
-        for unit in units:
-            fully_shard(unit, mp_policy=mp, reshard_after_forward=not keep_gathered)
-        fully_shard(model, mp_policy=mp, reshard_after_forward=not keep_gathered)
-        return model, Sharding(fsdp=True, keep_gathered=keep_gathered)
-
-    def build_dataset(self, data_paths: str, eval_dataset: bool = False):
-        """A dataset with len(), ds[i], and int arrays `lengths` (tokens per sample, for balancing)
-        and `trainable` (loss tokens per sample, for exact loss weighting); see batches.SFTDataset.
-        The base class asks `build_dataloader`, so a subclass may override either name."""
-        return self.build_dataloader(data_paths, eval_dataset)
+        return model, parallelize(model, actor, self.device, self.world, self.precision)
 
     def build_dataloader(self, data_paths: str, eval_dataset: bool = False):
-        """RLinf's name for `build_dataset`; the prepared Arrow shards by default."""
+        """The dataset of `data_paths` (RLinf's name; the prepared Arrow shards by default): len(),
+        ds[i], and int arrays `lengths` (tokens per sample, for balancing) and `trainable` (loss
+        tokens per sample, for exact loss weighting); see batches.SFTDataset."""
         return SFTDataset(data_paths)
 
     def load_tokenizer(self) -> tuple[PreTrainedTokenizerBase | None, int]:
@@ -275,29 +189,14 @@ class SFTWorker:
         return tok, pad_token_id(tok)
 
     def supports_packing(self) -> bool:
-        """Packed logits must equal unpacked ones; checked once on two short sequences, on every rank."""
-        from transformers import PreTrainedModel
-        if not isinstance(unwrap(self.model), PreTrainedModel):
-            return False
-        ids = self.train_ds[0]["input_ids"][:12]
-        a = {"input_ids": ids, "loss_mask": np.ones_like(ids)}
-        b = {"input_ids": ids[::-1].copy(), "loss_mask": np.ones_like(ids)}
-        with torch.no_grad():
-            packed = self.model(**{k: v.to(self.device) for k, v in collate_packed([a, b]).items() if k != "labels"},
-                                use_cache=False).logits[0].float()
-            single = self.model(input_ids=torch.as_tensor(b["input_ids"], device=self.device)[None].long(),
-                                use_cache=False).logits[0].float()
-        tol = 1e-2 if self.precision == "bf16" else 1e-4
-        return bool(torch.allclose(packed[len(ids):], single, atol=tol, rtol=tol))
+        """Packed logits equal unpacked ones for this model (packing.packs_exactly, on the first
+        training sample); every rank checks."""
+        return packs_exactly(self.model, self.train_ds[0]["input_ids"], self.device, self.precision)
 
     def reshard(self) -> None:
-        """After a no-grad forward no backward frees gathered weights: the root's always stay
-        gathered, and every block's too when they are kept (`reshard_after_forward` off). Resharding
-        them makes checkpoint loads, state dicts and the optimizer meet sharded parameters only."""
+        """Frees the weights a no-grad forward left gathered (sharding.reshard); nothing unsharded."""
         if self.fsdp:
-            for m in self.model.modules():
-                if isinstance(m, FSDPModule):
-                    m.reshard()
+            reshard(self.model)
 
     # ------------------------------------------------------------------ model outputs
     def collate(self, samples: list[dict]) -> dict[str, torch.Tensor]:
@@ -312,13 +211,11 @@ class SFTWorker:
         return sums.ce, sums.n_tokens
 
     def get_train_model_output(self, batch: dict) -> TrainOutput:
-        """The micro-batch's loss sum and token count; the loop divides by the global step's summed
-        `n_tokens`. An override may also return `(loss_sum, n_tokens)` or a mean loss (a tensor, or
-        a list/tuple of tensors that are summed): `as_train_output` lists what is accepted. The
-        token loss is `actor.loss`: the cross-entropy, or with `dft` each token's cross-entropy
-        weighted by its own detached probability (then `self.last_ce` holds the plain cross-entropy
-        sum). With `actor.kl_to_base` the loss sum includes beta x KL(base || tuned) and
-        `self.last_kl` holds the KL sum."""
+        """The micro-batch's `TrainOutput`: its loss sum and token count; the loop divides by the
+        global step's summed `n_tokens`. The token loss is `actor.loss`: the cross-entropy, or with
+        `dft` each token's cross-entropy weighted by its own detached probability (then `ce_sum`
+        holds the plain cross-entropy sum). With `actor.kl_to_base` the loss sum includes
+        beta x KL(base || tuned) and `kl_sum` holds the KL sum."""
         beta, dft = self.cfg.actor.kl_to_base, self.cfg.actor.loss == "dft"
         if not beta and not dft:
             return TrainOutput(*self._token_loss_sum(batch))
@@ -329,24 +226,23 @@ class SFTWorker:
                 reference = reference_outputs(self.model, inputs, batch["labels"])
         sums = model_loss(self.model, inputs, batch["labels"], dft=dft, reference=reference)
         loss_sum = sums.dft if dft else sums.ce
-        if dft:
-            self.last_ce = sums.ce.detach()
         if beta:
-            self.last_kl = sums.kl.detach()
             loss_sum = loss_sum + beta * sums.kl
-        return TrainOutput(loss_sum, sums.n_tokens)
+        return TrainOutput(loss_sum, sums.n_tokens, kl_sum=sums.kl.detach() if beta else None,
+                           ce_sum=sums.ce.detach() if dft else None)
 
-    def get_eval_model_output(self, batch: dict):
-        """`(loss_sum, n_tokens)` or a dict of summable numbers (`loss_sum`, `n_tokens`, `correct`, `total`, ...)."""
-        return self._token_loss_sum(batch)
+    def get_eval_model_output(self, batch: dict) -> dict:
+        """A dict of summable numbers: `loss_sum` and `n_tokens` (the validation loss), and when the
+        model counts them `correct` and `total` (the accuracy); any other key is summed too."""
+        loss_sum, n_tokens = self._token_loss_sum(batch)
+        return {"loss_sum": loss_sum, "n_tokens": n_tokens}
 
-    @staticmethod
-    def add_eval_output(sums: dict[str, float], out) -> None:
-        """Adds what get_eval_model_output returned (`(loss_sum, n_tokens)` or a dict) into `sums`."""
-        if not isinstance(out, dict):
-            out = {"loss_sum": out[0], "n_tokens": out[1]}
-        for key, v in out.items():
-            sums[key] = sums.get(key, 0.0) + float(v)
+    def add_eval_output(self, sums: dict[str, float], out) -> None:
+        """Adds what get_eval_model_output returned into `sums` (the evaluate stage sums with it too)."""
+        add_eval_output(sums, out, self._hook("get_eval_model_output"))
+
+    def _hook(self, name: str) -> str:
+        return f"{type(self).__name__}.{name}"
 
     # ------------------------------------------------------------------ loop pieces
     def micro_batch(self, indices) -> tuple[dict, bool]:
@@ -356,66 +252,10 @@ class SFTWorker:
         return self.collate([self.train_ds[int(i)] for i in indices]), True
 
     def validate(self) -> dict:
-        if self.val_ds is None or len(self.val_ds) == 0:
-            return {}
-        self.model.eval()
-        mbs = self.cfg.actor.micro_batch_size
-        mine = list(range(self.rank, len(self.val_ds), self.world))
-        n_batches = math.ceil(math.ceil(len(self.val_ds) / self.world) / mbs)
-        sums: dict[str, float] = {}
-        with torch.no_grad():
-            for k in range(n_batches):
-                idx = mine[k * mbs: (k + 1) * mbs]
-                out = self.get_eval_model_output(self.collate([self.val_ds[i] for i in (idx or [0])]))
-                if idx:
-                    self.add_eval_output(sums, out)
-        keys = ["loss_sum", "n_tokens", "correct", "total"]
-        keys += sorted(k for k in sums if k not in keys)
-        stats = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64, device=self.device)
-        self.reshard()
-        dist.all_reduce(stats)
-        self.model.train()
-        total = dict(zip(keys, stats.tolist()))
-        out = {"val_loss": total["loss_sum"] / max(total["n_tokens"], 1.0), "val_tokens": int(total["n_tokens"])}
-        if total["total"] > 0:
-            out["val_accuracy"] = total["correct"] / total["total"]
-        return out
-
-    def save_checkpoint(self, step: int, pos: DataPosition) -> None:
-        """A resumable checkpoint of `step` (model, optimizer, data position; runtime/checkpoint.py), the
-        oldest beyond `runner.keep_checkpoints` removed. The test hook's two kill points sit around it."""
-        ckpt.save_checkpoint(self.ckpt_dir, step, self.model, self.optimizer, self.trainer_state(step, pos),
-                             keep=self.cfg.runner.keep_checkpoints, before_complete=lambda: faults.inject("save", step))
-        log(f"checkpoint step {step} saved")
-        faults.inject("after_save", step)
-
-    def trainer_state(self, step: int, pos: DataPosition) -> dict:
-        return {"step": step, "data_position": pos.to_dict(), "scheduler": self.scheduler.state_dict(),
-                "world_size": self.world, "total_steps": self.total_steps}
-
-    def maybe_resume(self) -> tuple[int, DataPosition]:
-        resume = self.cfg.runner.resume
-        if resume == "never":
-            return 0, DataPosition()
-        if resume == "auto":
-            path = ckpt.newest_usable(self.ckpt_dir, warn=log)
-            if path is None:
-                if ckpt.list_checkpoints(self.ckpt_dir):
-                    log("no usable checkpoint: training starts from the beginning")
-                return 0, DataPosition()
-        else:
-            path = Path(resume)
-            if not (path / ckpt.COMPLETE).is_file():
-                raise ConfigError(f"runner.resume: '{path}' is not a complete checkpoint (no {ckpt.COMPLETE})")
-            problem = ckpt.checkpoint_problem(path)
-            if problem is not None:
-                raise ConfigError(f"runner.resume: '{path}' can't be used: {problem}")
-        state, rng_ok = ckpt.load_checkpoint(path, self.model, self.optimizer)
-        self.scheduler.load_state_dict(state["scheduler"])
-        pos = DataPosition(**state["data_position"])
-        log(f"resumed from {path} at step {state['step']} (epoch {pos.epoch}, {pos.consumed} samples into it)"
-            + ("" if rng_ok else f"; world size {state['world_size']} -> {self.world}, RNG streams start fresh"))
-        return state["step"], pos
+        """`val_loss`, `val_tokens` (and `val_accuracy`) over the validation set; {} without one."""
+        return validate(self.model, self.val_ds, lambda samples: self.get_eval_model_output(self.collate(samples)),
+                        self._hook("get_eval_model_output"), self.cfg.actor.micro_batch_size, self.rank, self.world,
+                        self.device, self.fsdp)
 
     # ------------------------------------------------------------------ main loop
     def setup(self) -> None:
@@ -425,10 +265,10 @@ class SFTWorker:
         self.device, self.rank, self.world, self.precision = self.init_distributed()
         self.tokenizer, self.pad_id = self.load_tokenizer()
 
-        self.train_ds = self.build_dataset(self.spec.train_dir)
+        self.train_ds = self.build_dataloader(self.spec.train_dir)
         if len(self.train_ds) == 0:  # 0 steps would export the base model as if it were trained
-            raise StageError(f"no training samples in {self.spec.train_dir} ({type(self).__name__}.build_dataset)")
-        self.val_ds = self.build_dataset(self.spec.val_dir, eval_dataset=True) if self.spec.val_dir else None
+            raise StageError(f"no training samples in {self.spec.train_dir} ({self._hook('build_dataloader')})")
+        self.val_ds = self.build_dataloader(self.spec.val_dir, eval_dataset=True) if self.spec.val_dir else None
         ones = np.ones(len(self.train_ds))  # a dataset without the arrays: every sample counts one
         self.sample_lengths = np.asarray(getattr(self.train_ds, "lengths", ones), dtype=np.int64)
         self.sample_trainable_tokens = np.asarray(getattr(self.train_ds, "trainable", ones), dtype=np.int64)
@@ -478,9 +318,9 @@ class SFTWorker:
         """Accumulates the gradient of one global batch; loss normalized by its total trainable tokens.
 
         The normalizer must be known before the first backward, so it comes from the dataset's
-        `trainable` counts (`sample_trainable_tokens`); when the model outputs' own `n_tokens` add up
-        to a different total, the gradients are rescaled once at the end, so the step divides by
-        what the outputs said."""
+        `trainable` counts (`sample_trainable_tokens`); when the outputs' own `n_tokens` add up to
+        a different total, the gradients are rescaled once at the end, so the step divides by what
+        the outputs said."""
         micro = self.sampler.rank_micro_batches(batch_idx, self.rank)
         share = np.concatenate(micro) if micro else np.zeros(0, dtype=np.int64)
         counts = torch.tensor([float(self.sample_trainable_tokens[share].sum()),
@@ -490,6 +330,7 @@ class SFTWorker:
         dist.all_reduce(n_micro, op=dist.ReduceOp.MAX)
         micro += [np.zeros(0, dtype=np.int64)] * (int(n_micro.item()) - len(micro))
         expected = max(counts[0].item(), 1.0)
+        beta, objective, hook = self.cfg.actor.kl_to_base, self.cfg.actor.loss, self._hook("get_train_model_output")
         # loss sum, tokens the outputs counted, KL sum (actor.kl_to_base; the loss sum includes it x beta),
         # cross-entropy sum (actor.loss other than ce)
         sums = torch.zeros(4, dtype=torch.float64, device=self.device)
@@ -499,24 +340,21 @@ class SFTWorker:
                 self.model.set_requires_gradient_sync(k == len(micro) - 1)
                 if self.keep_gathered:
                     self.model.set_reshard_after_backward(k == len(micro) - 1)
-            self.last_kl = self.last_ce = None
-            out = as_train_output(self.get_train_model_output(batch),
-                                  float(self.sample_trainable_tokens[idx].sum()) if real else 0.0,
-                                  f"{type(self).__name__}.get_train_model_output")
-            ls, n = out.loss_sum, out.n_tokens
+            out = train_output(self.get_train_model_output(batch), hook)
+            ls, n = out.loss_sum, float(out.n_tokens)
             if not real:
                 ls, n = ls * 0.0, 0.0
-            elif self.last_kl is not None:
-                sums[2] += self.last_kl.double()
-            elif self.cfg.actor.kl_to_base:  # a subclass's own output: the term asked for would be missing
-                raise ConfigError(f"actor.kl_to_base: {type(self).__name__}.get_train_model_output adds no KL "
-                                 "term (the base class's does); remove the setting or add the term")
-            if real and self.cfg.actor.loss != "ce":
-                if self.last_ce is None:  # a subclass's own output: the objective asked for would be missing
-                    raise ConfigError(f"actor.loss: {type(self).__name__}.get_train_model_output does not compute "
-                                     f"'{self.cfg.actor.loss}' (the base class's does); remove the setting or "
-                                     "compute it and set self.last_ce")
-                sums[3] += self.last_ce.double()
+            else:
+                if beta and out.kl_sum is None:  # a subclass's own output: the term asked for would be missing
+                    raise ConfigError(f"actor.kl_to_base: {hook} adds no KL term (its TrainOutput has no kl_sum; "
+                                      "the base class's has); remove the setting or add the term")
+                if objective != "ce" and out.ce_sum is None:  # likewise the objective asked for
+                    raise ConfigError(f"actor.loss: {hook} does not compute '{objective}' (its TrainOutput has no "
+                                      "ce_sum; the base class's has); remove the setting or compute it")
+                if beta:
+                    sums[2] += out.kl_sum.detach().double()
+                if objective != "ce":
+                    sums[3] += out.ce_sum.detach().double()
             (ls * self.world / expected).backward()
             sums[0] += ls.detach().double()
             sums[1] += n
@@ -526,18 +364,21 @@ class SFTWorker:
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.mul_(expected / counted)
-        out = {"loss": sums[0].item() / counted, "trainable_tokens": int(sums[1].item()),
-               "tokens": int(counts[1].item()), "micro_batches": len(micro)}
-        beta = self.cfg.actor.kl_to_base
+        stats = {"loss": sums[0].item() / counted, "trainable_tokens": int(sums[1].item()),
+                 "tokens": int(counts[1].item()), "micro_batches": len(micro)}
         if beta:  # the logged loss is the token loss alone (the cross-entropy by default), without beta x KL
-            out["kl"] = sums[2].item() / counted
-            out["loss"] -= beta * out["kl"]
-        if self.cfg.actor.loss != "ce":  # `loss` is that objective's mean; `ce` compares with val_loss and other runs
-            out["ce"] = sums[3].item() / counted
-        return out
+            stats["kl"] = sums[2].item() / counted
+            stats["loss"] -= beta * stats["kl"]
+        if objective != "ce":  # `loss` is that objective's mean; `ce` compares with val_loss and other runs
+            stats["ce"] = sums[3].item() / counted
+        return stats
 
     def optimizer_step(self) -> tuple[float, float]:
-        grad_norm = self._clip()
+        """Clips, steps the optimizer and the LR schedule; (grad norm before clipping, the LR used)."""
+        max_norm = self.cfg.actor.optim.clip_grad
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         self.optimizer.step()
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
@@ -545,155 +386,76 @@ class SFTWorker:
         return grad_norm, lr
 
     def fit(self) -> None:
-        self.setup()
-        run = self.cfg.runner
-        step, pos = self.maybe_resume()
-        metrics_path = self.out / "metrics.jsonl"
-        live = None
-        if self.rank == 0:
-            self._truncate_metrics(metrics_path, step)
-            # with MLFLOW_RUN_ID (set by the train stage) rows also go to that MLflow run while training runs
-            live = RankZeroMetrics(metrics_path, step, self.total_steps, self.cfg.registry.live_after_seconds)
-        metrics_f = open(metrics_path, "a") if self.rank == 0 else None
-        log(f"training {self.total_steps} steps: {len(self.train_ds)} samples, world {self.world}, "
-            f"accum {self.sampler.accum}, precision {self.precision}, device {self.device.type}, "
-            f"attention {self.attn_implementation}, {'packed' if self.packing else 'padded'} micro-batches")
-        if self.rank == 0:  # what `auto` resolved to on this machine: the train stage logs it to MLflow
-            (self.out / RUNTIME_FILE).write_text(json.dumps({
-                "attn_implementation": self.attn_implementation, "precision": self.precision,
-                "device": self.device.type, "packing": self.packing, "world_size": self.world}))
-        bar = self._progress_bar(step)
-        while step < self.total_steps:
-            t0 = time.perf_counter()
-            batch_idx = self.sampler.global_batch(pos)
-            row = self.forward_backward(batch_idx)
-            grad_norm, lr = self.optimizer_step()
-            pos = self.sampler.advance(pos, len(batch_idx))
-            step += 1
-            dt = time.perf_counter() - t0
-            row = {"step": step, "epoch": round(pos.epoch + pos.consumed / len(self.train_ds), 4), **row,
-                   "grad_norm": grad_norm, "lr": lr, "tokens_per_s": row["tokens"] / dt, "step_time": dt}
-            if self.peak_flops:
-                row["mfu"] = 6 * self.n_params * row["tokens_per_s"] / (self.peak_flops * self.world)
-            if (run.val_check_interval > 0 and step % run.val_check_interval == 0) or step == self.total_steps:
-                row.update(self.validate())
-            if metrics_f:
-                metrics_f.write(json.dumps(row) + "\n")
-                metrics_f.flush()
-            if live:
-                live.log(row)
-            self._report(row, step, bar)
-            if (run.save_interval > 0 and step % run.save_interval == 0) or step == self.total_steps:
-                self.save_checkpoint(step, pos)
-        if bar:
-            bar.close()
-        if metrics_f:
-            metrics_f.close()
-        self.export()
-        if live:
-            live.close()
-        dist.barrier()
-        dist.destroy_process_group()
-
-    def _progress_bar(self, step: int):
-        """A live bar when a person watches a terminal; under the flow, log lines instead."""
-        if self.rank != 0 or not sys.stderr.isatty():
-            return None
-        from tqdm import tqdm
-        return tqdm(total=self.total_steps, initial=step, desc="train", dynamic_ncols=True)
-
-    def _report(self, row: dict, step: int, bar) -> None:
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
-            return
-        if step % self.cfg.runner.log_interval == 0 or step == self.total_steps:
-            extra = (f" kl {row['kl']:.4f}" if "kl" in row else "") + (
-                f" val_loss {row['val_loss']:.4f}" if "val_loss" in row else "")
-            log(f"step {step}/{self.total_steps} epoch {row['epoch']:.2f} loss {row['loss']:.4f} "
-                f"grad_norm {row['grad_norm']:.3f} lr {row['lr']:.2e} tok/s {row['tokens_per_s']:.0f}{extra}")
-
-    def _clip(self) -> float:
-        max_norm = self.cfg.actor.optim.clip_grad
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        return float(norm)
-
-    @staticmethod
-    def _truncate_metrics(path: Path, step: int) -> None:
-        """On resume, drop lines logged after the checkpoint so every step appears exactly once."""
-        if not path.exists():
-            return
-        keep = [row for row in read_metrics_file(path) if row["step"] <= step]
-        path.write_text("".join(json.dumps(row) + "\n" for row in keep))
-
-    def full_state_dict(self) -> dict:
-        """The trained model's weights, gathered whole to rank 0 on CPU (LoRA: the adapters merged in)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        lora = lora_enabled(self.cfg)
-        full = get_model_state_dict(self.model, options=StateDictOptions(
-            full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora))
-        if not lora or self.rank != 0:
-            return full
-        return self._merged_state_dict(full)
-
-    def _merged_state_dict(self, adapters: dict) -> dict:
-        """A fresh base model (as `build_model` makes it, on CPU in fp32) with the trained adapters:
-        saved in peft's format to `adapter/`, then merged; its plain state dict."""
+        """Setup, the resumed or fresh loop, export; the metrics, MLflow rows, progress display and
+        process group are closed however it ends."""
+        reporter, failed = None, True
         try:
-            peft_model = build_configured_model(self.cfg, self.spec.model_path, device="cpu", float32=True, lora=True,
-                                                weights=adapters, where="the trained model")
-        except WeightsLoadError as e:
-            raise RuntimeError(f"export: {e}") from None
-        peft_model.save_pretrained(self.out / "adapter")
-        log(f"exported LoRA adapters to {self.out / 'adapter'}")
-        return peft_model.merge_and_unload().state_dict()
+            self.setup()
+            run = self.cfg.runner
+            step, pos = self.checkpointer.resume(self.model, self.optimizer, self.scheduler, self.world)
+            reporter = Reporter(self.out, self.rank, step, self.total_steps, run.log_interval,
+                                self.cfg.registry.live_after_seconds, 6 * self.n_params, self.peak_flops)
+            log(f"training {self.total_steps} steps: {len(self.train_ds)} samples, world {self.world}, "
+                f"accum {self.sampler.accum}, precision {self.precision}, device {self.device.type}, "
+                f"attention {self.attn_implementation}, {'packed' if self.packing else 'padded'} micro-batches")
+            reporter.write_runtime({"attn_implementation": self.attn_implementation, "precision": self.precision,
+                                    "device": self.device.type, "packing": self.packing, "world_size": self.world})
+            while step < self.total_steps:
+                t0 = time.perf_counter()
+                batch_idx = self.sampler.global_batch(pos)
+                stats = self.forward_backward(batch_idx)
+                grad_norm, lr = self.optimizer_step()
+                pos = self.sampler.advance(pos, len(batch_idx))
+                step += 1
+                row = reporter.step_row(step, round(pos.epoch + pos.consumed / len(self.train_ds), 4), stats,
+                                        grad_norm, lr, time.perf_counter() - t0, self.world)
+                if (run.val_check_interval > 0 and step % run.val_check_interval == 0) or step == self.total_steps:
+                    row.update(self.validate())
+                reporter.report(row)
+                if self.checkpointer.due(step, self.total_steps):
+                    self.checkpointer.save(step, pos, self.model, self.optimizer, self.scheduler, self.world,
+                                           self.total_steps)
+            reporter.close()
+            self.export()
+            dist.barrier()
+            failed = False
+        finally:
+            if reporter is not None:
+                reporter.close()
+            _close_process_group(failed)
 
     def export(self) -> None:
-        """Full state dict gathered to rank 0 on CPU; a Hugging Face folder for HF models,
-        `model.safetensors` of the state dict for anything else."""
-        full = self.full_state_dict()
-        if self.rank != 0:
-            return
-        dest = self.out / "model"
-        dest.mkdir(parents=True, exist_ok=True)
-        if self.tokenizer is None:
-            from safetensors.torch import save_file
-            save_file({k: v.contiguous() for k, v in full.items()}, str(dest / "model.safetensors"))
-            log(f"exported state dict to {dest / 'model.safetensors'}")
-            return
-        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-        src, trust = self.spec.model_path, self.cfg.actor.model.trust_remote_code
-        config = AutoConfig.from_pretrained(src, trust_remote_code=trust)
-        with torch.device("cpu"):
-            plain = AutoModelForCausalLM.from_config(config, trust_remote_code=trust, dtype=torch.float32)
-        try:
-            load_state_checked(plain, full, "the trained model")
-        except ValueError as e:
-            raise RuntimeError(f"export: {e}") from None
-        plain.tie_weights()
-        try:
-            plain.generation_config = GenerationConfig.from_pretrained(src)
-        except OSError:
-            pass
-        plain.save_pretrained(dest, safe_serialization=True)
-        self.tokenizer.save_pretrained(dest)
-        log(f"exported Hugging Face model to {dest}")
+        """`out/model`: the trained model gathered to rank 0 (export.export_model). Every rank calls it."""
+        export_model(self.model, self.cfg, self.spec.model_path, self.out, self.rank, self.tokenizer)
+
+
+def _close_process_group(failed: bool) -> None:
+    """Destroys the process group, if one is up. After a failure NCCL's is aborted instead: a
+    destroy waits for collectives the other ranks may never join."""
+    if not dist.is_initialized():
+        return
+    if failed and dist.get_backend() == "nccl":
+        from torch.distributed.distributed_c10d import _abort_process_group
+        _abort_process_group()
+    else:
+        dist.destroy_process_group()
 
 
 def load_worker_class(path: str | None) -> type[SFTWorker]:
-    """`actor.worker` (importing it also registers its model types); a ConfigError naming the key."""
+    """`actor.worker`, checked against the worker contract (runtime/contract.py); a ConfigError
+    naming the key. Importing it also registers any model types its module registers."""
     if not path:
         return SFTWorker
     cls = import_object(path, "actor.worker")
     if not (isinstance(cls, type) and issubclass(cls, SFTWorker)):
         raise ConfigError(f"actor.worker='{path}' is not a subclass of stages.runtime.worker.SFTWorker")
+    check_worker_class(cls, SFTWorker)
     return cls
 
 
 def check_worker_config(cfg: SFTConfig) -> type[SFTWorker]:
-    """Before torchrun starts: the worker class imports and the model type is registered."""
+    """Before torchrun starts (planning calls it): the worker class imports and keeps the contract,
+    and the model type is registered or imports."""
     cls = load_worker_class(cfg.actor.worker)
     try:
         get_model_builder(cfg.actor.model.model_type)
@@ -703,6 +465,7 @@ def check_worker_config(cfg: SFTConfig) -> type[SFTWorker]:
 
 
 def load_worker(spec_path: str) -> SFTWorker:
-    """A rank's worker for the `spec.json` torchrun was given (`python -m stages.train <spec.json>`)."""
+    """A rank's worker for the `spec.json` torchrun was given (`python -m stages.train <spec.json>`),
+    its class checked before any process group starts."""
     spec = WorkerSpec.read(spec_path)
     return load_worker_class(spec.config.actor.worker)(spec)

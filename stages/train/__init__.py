@@ -25,7 +25,8 @@ from stages.core.config import SFTConfig
 from stages.core.errors import StageError
 from stages.runtime.launcher import run_torchrun, torchrun_command
 from stages.runtime.mixture import describe
-from stages.runtime.worker import RUNTIME_FILE, WorkerSpec
+from stages.runtime.reporting import RUNTIME_FILE
+from stages.runtime.worker import WorkerSpec
 from stages.tracking.live import read_metrics_file
 from stages.tracking.run import Lineage, log_runtime_params, training_run
 
@@ -38,7 +39,7 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
               on_line: Callable[[str], None] = print) -> dict:
     """`lineage`: fingerprints, upstream folders and tags for the MLflow run (see tracking.run).
     The worker class and model type were checked when the run was planned (`pipeline.check_code`)."""
-    if not cfg.actor.worker:  # a custom worker reads data of its own (build_dataset)
+    if not cfg.actor.worker:  # a custom worker reads data of its own (build_dataloader)
         try:
             count_rows(Path(prepare_dir) / "train", "training samples")
         except ValueError as e:

@@ -1,4 +1,6 @@
-"""torchrun entry point: `python -m stages.train <spec.json>` runs one rank of the worker.
+"""torchrun entry point: `python -m stages.train <spec.json>` runs one rank of the worker (the train
+stage starts torchrun through runtime/launcher.py; `load_worker` checks the worker class before
+`fit` starts the process group).
 
 A package entry (rather than `-m stages.runtime.worker`) keeps the worker module importable
 under its real name, so `actor.worker` subclasses of `SFTWorker` are recognised as such.

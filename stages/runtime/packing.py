@@ -1,0 +1,28 @@
+"""Whether a model may train on packed micro-batches: its logits for a sequence packed after another
+must equal its logits for that sequence alone (the attention kernel keeps packed samples apart)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .batches import collate_packed
+from .lora import unwrap
+
+
+def packs_exactly(model: torch.nn.Module, input_ids, device: torch.device, precision: str) -> bool:
+    """Checked once on two short sequences made of `input_ids` (a sample's), on every rank (under
+    FSDP2 the forwards are collectives); False for a model that is not a Hugging Face PreTrainedModel."""
+    from transformers import PreTrainedModel
+    if not isinstance(unwrap(model), PreTrainedModel):
+        return False
+    ids = input_ids[:12]
+    a = {"input_ids": ids, "loss_mask": np.ones_like(ids)}
+    b = {"input_ids": ids[::-1].copy(), "loss_mask": np.ones_like(ids)}
+    with torch.no_grad():
+        packed = model(**{k: v.to(device) for k, v in collate_packed([a, b]).items() if k != "labels"},
+                       use_cache=False).logits[0].float()
+        single = model(input_ids=torch.as_tensor(b["input_ids"], device=device)[None].long(),
+                       use_cache=False).logits[0].float()
+    tol = 1e-2 if precision == "bf16" else 1e-4
+    return bool(torch.allclose(packed[len(ids):], single, atol=tol, rtol=tol))
