@@ -58,10 +58,13 @@ def test_show_keeps_every_column_in_a_file(tmp_path):
     text = out.read_bytes().decode("utf-8")  # strict: no character cut in half
     stages_table = next(t for t in tables(text) if "fingerprint" in t[1] and "path" in t[1])
     header, rows = check_whole(stages_table)
-    assert header == ["stage", "fingerprint", "status", "path"]
+    assert header == ["stage", "fingerprint", "status", "reads", "path"]
     assert max(cell_len(line) for line in stages_table) > 80  # wider than rich's default for a file
-    for stage, fp, status, folder in rows:
+    reads = {}
+    for stage, fp, status, after, folder in rows:
         assert status == "missing" and folder == str(deep / stage / fp)
+        reads[stage] = after
+    assert reads["prepare"] == "-" and "train" in reads["evaluate"]
     config_table = next(t for t in tables(text) if cells(t[1]) == ["key", "value"])
     _, kv = check_whole(config_table)
     assert dict(kv)["artifacts_dir"] == str(deep)

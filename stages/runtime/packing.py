@@ -10,13 +10,14 @@ from .batches import collate_packed
 from .lora import unwrap
 
 
-def packs_exactly(model: torch.nn.Module, input_ids, device: torch.device, precision: str) -> bool:
-    """Checked once on two short sequences made of `input_ids` (a sample's), on every rank (under
-    FSDP2 the forwards are collectives); False for a model that is not a Hugging Face PreTrainedModel."""
+def packs_exactly(model: torch.nn.Module, dataset, device: torch.device, precision: str) -> bool:
+    """Checked once on two short sequences made of the first sample's `input_ids`, on every rank
+    (under FSDP2 the forwards are collectives); False for a model that is not a Hugging Face
+    PreTrainedModel, before its dataset is read (a custom worker's samples have their own keys)."""
     from transformers import PreTrainedModel
     if not isinstance(unwrap(model), PreTrainedModel):
         return False
-    ids = input_ids[:12]
+    ids = dataset[0]["input_ids"][:12]
     a = {"input_ids": ids, "loss_mask": np.ones_like(ids)}
     b = {"input_ids": ids[::-1].copy(), "loss_mask": np.ones_like(ids)}
     with torch.no_grad():

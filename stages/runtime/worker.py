@@ -191,7 +191,7 @@ class SFTWorker:
     def supports_packing(self) -> bool:
         """Packed logits equal unpacked ones for this model (packing.packs_exactly, on the first
         training sample); every rank checks."""
-        return packs_exactly(self.model, self.train_ds[0]["input_ids"], self.device, self.precision)
+        return packs_exactly(self.model, self.train_ds, self.device, self.precision)
 
     def reshard(self) -> None:
         """Frees the weights a no-grad forward left gathered (sharding.reshard); nothing unsharded."""
