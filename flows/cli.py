@@ -32,7 +32,7 @@ from rich.table import Table
 # tests/test_architecture.py); a command's own heavy imports stay inside it (torch: `chat` only).
 from flows.prefect_server import KeepSettingError, ServerDidNotStart, prefect_api
 from stages.core.quarantine import note as quarantine_note
-from stages.core.config import ConfigError, SFTConfig, default_tracking_uri, flatten, load_config
+from stages.core.config import SERVE_PROTECTED, ConfigError, SFTConfig, default_tracking_uri, flatten, load_config
 from stages.core.errors import MissingUpstream, StageError
 from stages.evaluate.report import COLUMNS, table_cells
 from stages.pipeline import (KEY_METRIC, STAGES, Plan, check_launch, check_memory, launch_report, plan, replay_file,
@@ -489,10 +489,8 @@ def serve(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesAr
           host: str = typer.Option("127.0.0.1", help="--start-server host"),
           port: int = typer.Option(4200, help="--start-server port"),
           allow_override: list[str] = typer.Option([], "--allow-override", help="let runs started through the "
-                                                   "Prefect API override this protected key (actor.worker, "
-                                                   "eval.scorer, eval.sets, "
-                                                   "actor.model.trust_remote_code, runner.resume, artifacts_dir, "
-                                                   "registry.tracking_uri); repeatable"),
+                                                   "Prefect API override this protected key "
+                                                   f"({', '.join(SERVE_PROTECTED)}); repeatable"),
           on_data: bool = typer.Option(False, "--on-data", help="also run when `sftflow notify` says new data "
                                        "arrived (a Prefect event)"),
           within: float = typer.Option(60, "--within", min=0, help="--on-data: arrivals within this many seconds "
@@ -504,7 +502,6 @@ def serve(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesAr
     if cron is None and interval is None and not on_data:
         _fail("give --cron, --interval or --on-data (or --on-data with one of them)")
     arrivals = cfg.registry.model_name if on_data else None
-    from stages.core.config import SERVE_PROTECTED
     for key in allow_override:
         if key not in SERVE_PROTECTED:
             _fail(f"--allow-override {key}: not a protected key; protected: {', '.join(SERVE_PROTECTED)}")
@@ -603,7 +600,6 @@ def deploy(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesA
            allow_override: list[str] = typer.Option([], "--allow-override", help="as for `serve`; repeatable")) -> None:
     """Deploy the flow to a Prefect work pool: `prefect worker start --pool NAME` runs it (needs PREFECT_API_URL)."""
     p = _plan_or_exit(config, overrides)  # a config that can't plan here is not deployed
-    from stages.core.config import SERVE_PROTECTED
     for key in allow_override:
         if key not in SERVE_PROTECTED:
             _fail(f"--allow-override {key}: not a protected key; protected: {', '.join(SERVE_PROTECTED)}")

@@ -338,6 +338,14 @@ def launch_report(p: Plan, device: memory_plan.Device | None = None, memory: boo
     return report
 
 
+def _worker_identity(cfg: SFTConfig):
+    """The code that builds and trains the model: `actor.worker`'s source, and an import-path
+    `actor.model.model_type`'s builder's (editing either re-runs the stages that use the worker)."""
+    worker = import_identity(cfg.actor.worker)
+    model_type = cfg.actor.model.model_type
+    return {"worker": worker, "model_type": import_identity(model_type)} if ":" in model_type else worker
+
+
 def _custom_scorer_identity(cfg: SFTConfig):
     custom = _custom_scorers(cfg)
     return ({k: import_identity(v) for k, v in custom.items()} if cfg.eval.sets else
@@ -368,7 +376,7 @@ def _build_plan(cfg: SFTConfig) -> Plan:
         inputs[eval_split(name)] = [(f, input_digest(Path(f), root)) for f in h["files"]]
     digests = {split: [d for _, d in items] for split, items in inputs.items()}
     model_fp = model_fingerprint(cfg, digests.get(CORPUS) or digests["train"])
-    facts = {"model": model_fp, "prepare_code": code_version("prepare"), "worker": import_identity(cfg.actor.worker),
+    facts = {"model": model_fp, "prepare_code": code_version("prepare"), "worker": _worker_identity(cfg),
              "scorer": _custom_scorer_identity(cfg), "tracking_uri": cfg.resolved_tracking_uri,
              "harness": {name: {k: v for k, v in h.items() if k != "files"} for name, h in harness.items()} or None,
              "eval_model": eval_model_identity(cfg, model_fp)}

@@ -223,6 +223,22 @@ def test_a_model_type_named_by_import_path_needs_no_custom_worker(tmp_path):
                                  "bad.yaml"))
 
 
+def test_editing_an_import_path_model_types_builder_retrains(tmp_path, monkeypatch):
+    """The builder's source is a fact of every stage that builds the model (as `actor.worker`'s is):
+    an edit re-runs training and scoring, not prepare."""
+    pkg = tmp_path / "code"
+    pkg.mkdir()
+    builder = pkg / "my_builder.py"
+    builder.write_text("from custom_model import build_tiny_mlp as build\n")
+    monkeypatch.syspath_prepend(str(pkg))
+    path = write_config(tmp_path, tiny_config_dict(tmp_path, actor={"model": {"model_type": "my_builder:build"}}))
+    before = plan(load_config(path)).fingerprints
+    builder.write_text("from custom_model import build_tiny_mlp as build  # a tweak\n")
+    after = plan(load_config(path)).fingerprints
+    changed = {s for s in before if before[s] != after[s]}
+    assert "train" in changed and "evaluate" in changed and "prepare" not in changed
+
+
 # --------------------------------------------------------------------------- fit always closes
 
 
