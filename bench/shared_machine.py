@@ -56,6 +56,7 @@ while True:
 """
 
 POLICIES = {"default": {}, "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"}, "ACTIVE": {"OMP_WAIT_POLICY": "ACTIVE"},
+            "spin 1k": {"GOMP_SPINCOUNT": "1000"},
             "spin 10k": {"GOMP_SPINCOUNT": "10000"}, "spin 100k": {"GOMP_SPINCOUNT": "100000"}}
 
 

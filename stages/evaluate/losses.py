@@ -16,8 +16,10 @@ def teacher_forced_sums(model, samples: list[dict], pad_id: int, batch_size: int
     Sums (not means) so that ranks add up exactly; `loss_metrics` divides once. The output head
     runs on the trained positions only, in chunks, where the model allows it (runtime/loss.py)."""
     loss_sum, tokens, correct = 0.0, 0, 0
-    for i in range(0, len(samples), batch_size):
-        batch = {k: v.to(model.device) for k, v in collate_padded(samples[i:i + batch_size], pad_id).items()}
+    # shortest first: a batch pads to its longest sample, so batches of like lengths compute few pads
+    ordered = sorted(samples, key=lambda s: len(s["input_ids"]))
+    for i in range(0, len(ordered), batch_size):
+        batch = {k: v.to(model.device) for k, v in collate_padded(ordered[i:i + batch_size], pad_id).items()}
         sums = model_loss(model, {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]},
                           batch["labels"], accuracy=True)
         loss_sum += sums.ce.item()

@@ -1,12 +1,44 @@
 """Batched greedy generation for a Hugging Face chat model (evaluate, `sftflow chat`, and the
-registered pyfunc model, which ships this file as its code)."""
+registered pyfunc model, which ships this file as its code: torch and transformers only).
+
+Replies are those of one `model.generate` per prompt (greedy). The decode loop is our own because
+of where `generate` per left-padded batch spent its time (docs/benchmarks.md, "Generation: where
+the time goes"): every row decoded until its batch's longest reply ended (29% of the decode
+row-steps on the quickstart's retention set were on finished rows) and the system prompt every row
+shares was prefilled again for each (58% of the prefill tokens). Here a row leaves the batch at its
+stop token and, while prompts are waiting, freed slots are refilled (continuous batching), and the
+shared prefix is computed once, on models whose KV cache is plain full attention; sliding-window
+caches keep fixed batches, without their finished rows. A generation config that changes greedy
+decoding's logits (repetition penalty, minimum length, ...) or a model without the cache API goes
+through `model.generate` per batch, as before.
+"""
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 
 # End-of-turn markers of common templates; whichever the tokenizer knows stops generation.
 END_OF_TURN = ["<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "</s>", "<|endoftext|>"]
+
+# Generation-config fields that make greedy `generate` differ from the argmax of the last logits,
+# with the value that changes nothing; our loop applies none of them, so any other value means
+# `model.generate` decodes.
+_NEUTRAL = {"repetition_penalty": (None, 1.0), "encoder_repetition_penalty": (None, 1.0),
+            "no_repeat_ngram_size": (None, 0), "encoder_no_repeat_ngram_size": (None, 0),
+            "bad_words_ids": (None,), "min_length": (None, 0), "min_new_tokens": (None, 0),
+            "suppress_tokens": (None,), "begin_suppress_tokens": (None,), "forced_bos_token_id": (None,),
+            "forced_eos_token_id": (None,), "sequence_bias": (None,), "exponential_decay_length_penalty": (None,),
+            "renormalize_logits": (None, False), "guidance_scale": (None, 1.0), "watermarking_config": (None,),
+            "diversity_penalty": (None, 0.0), "num_beams": (None, 1), "assistant_model": (None,),
+            "prompt_lookup_num_tokens": (None,), "max_length_penalty": (None,)}
+
+# Refill a running batch once this share of its slots is free: each refill is one prefill forward,
+# so refilling a single slot at a time costs a forward per reply.
+REFILL_SHARE = 0.25
+# A prefix every prompt shares (the template's system prompt) is computed once when at least this long.
+MIN_SHARED = 4
 
 
 def load(model_dir: str, trust_remote_code: bool = False, device: str | None = None):
@@ -32,28 +64,211 @@ def stop_ids(model, tok) -> list[int]:
     return sorted(ids)
 
 
+def _reply(tok, ids: list[int], stops) -> dict:
+    n = next((k for k, t in enumerate(ids) if t in stops), len(ids))
+    return {"text": tok.decode(ids[:n], skip_special_tokens=True), "new_tokens": n, "stopped": n < len(ids)}
+
+
 @torch.no_grad()
-def generate(model, tok, prompts: list[list[dict]], max_new_tokens: int, batch_size: int) -> list[dict]:
-    """Greedy replies for chat prompts (left-padded batches, KV cache); special tokens stripped.
+def generate(model, tok, prompts: list[list[dict]], max_new_tokens: int, batch_size: int,
+             loop: str = "auto") -> list[dict]:
+    """Greedy replies for chat prompts, in their order; special tokens stripped.
 
     Each reply ends at its first stop token (eos or the template's end-of-turn marker), which is
-    neither decoded nor counted: `new_tokens` is the reply's length in tokens."""
+    neither decoded nor counted: `new_tokens` is the reply's length in tokens. At most
+    `batch_size` prompts decode together. `loop`: "auto" (ours where it applies), "generate"
+    (`model.generate` per left-padded batch in the input order: the former path, kept to compare)."""
+    if not prompts:
+        return []
     tok.padding_side = "left"
     if tok.pad_token is None:  # Llama-3, Mistral: no pad token; left pads are masked out anyway
         tok.pad_token = tok.eos_token
-    pad_id = tok.pad_token_id
     stops = stop_ids(model, tok)
+    texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    if loop == "generate" or max_new_tokens < 1 or not _own_loop_applies(model):
+        return _with_generate(model, tok, texts, stops, max_new_tokens, batch_size)
+    ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    tokens = _decode(model, ids, set(stops), max_new_tokens, max(1, batch_size))
+    return [_reply(tok, t, stops) for t in tokens]
+
+
+def _with_generate(model, tok, texts, stops, max_new_tokens, batch_size) -> list[dict]:
     out = []
-    for i in range(0, len(prompts), batch_size):
-        texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
-                 for p in prompts[i:i + batch_size]]
-        enc = tok(texts, add_special_tokens=False, padding=True, return_tensors="pt").to(model.device)
+    for i in range(0, len(texts), batch_size):
+        enc = tok(texts[i:i + batch_size], add_special_tokens=False, padding=True, return_tensors="pt").to(model.device)
         gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stops,
-                             pad_token_id=pad_id, use_cache=True)
-        new = gen[:, enc["input_ids"].shape[1]:]
-        for row in new:
-            ids = row.tolist()
-            n = next((k for k, t in enumerate(ids) if t in stops), len(ids))
-            out.append({"text": tok.decode(ids[:n], skip_special_tokens=True), "new_tokens": n,
-                        "stopped": n < len(ids)})
+                             pad_token_id=tok.pad_token_id, use_cache=True)
+        out += [_reply(tok, row.tolist(), stops) for row in gen[:, enc["input_ids"].shape[1]:]]
+    return out
+
+
+def _own_loop_applies(model) -> bool:
+    params = inspect.signature(model.forward).parameters
+    if getattr(model.config, "is_encoder_decoder", False) or not {"position_ids", "attention_mask"} <= set(params):
+        return False
+    if "cache" not in params and "past_key_values" not in params:
+        return False
+    gc = getattr(model, "generation_config", None)
+    return gc is None or all(getattr(gc, k, None) in ok for k, ok in _NEUTRAL.items())
+
+
+def _new_cache(model):
+    from transformers import DynamicCache
+    return DynamicCache(config=model.config.get_text_config(decoder=True))
+
+
+def _forward(model, cache, ids, mask, pos):
+    """One forward of `ids` [rows, n] after `cache`; the argmax of each row's last logits."""
+    params = inspect.signature(model.forward).parameters
+    kw = {"cache" if "cache" in params else "past_key_values": cache}
+    if "logits_to_keep" in params:  # the last position's logits only, as `generate` asks
+        kw["logits_to_keep"] = 1
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **kw)
+    return out.logits[:, -1, :].float().argmax(-1)
+
+
+def _prefill(model, rows: list[list[int]], prefix=None):
+    """Left-padded prefill of `rows` in a fresh cache: (cache, 2D mask, next tokens, last positions).
+    Positions count real tokens (`generate`'s cumsum of the mask); a batch without padding passes
+    no mask, as `generate` drops an all-ones one. `prefix`: (its cache, its length P), the first P
+    tokens of every row, already computed once: its keys and values are every row's first P
+    (they depend on those tokens only), the rest follows after the pads."""
+    dev = model.device
+    start = prefix[1] if prefix else 0
+    tails = [r[start:] for r in rows]
+    width = max(len(t) for t in tails)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.ones((len(rows), start + width), dtype=torch.long)
+    for i, t in enumerate(tails):
+        ids[i, width - len(t):] = torch.tensor(t)
+        mask[i, start:start + width - len(t)] = 0
+    ids, mask = ids.to(dev), mask.to(dev)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = _new_cache(model)
+    if prefix:
+        for layer, shared in zip(cache.layers, prefix[0].layers):
+            layer.lazy_initialization(shared.keys, shared.values)
+            layer.keys = shared.keys.expand(len(rows), -1, -1, -1)
+            layer.values = shared.values.expand(len(rows), -1, -1, -1)
+    nxt = _forward(model, cache, ids, None if bool(mask.all()) else mask, pos[:, start:])
+    return cache, mask, nxt, pos[:, -1]
+
+
+def _shared_prefix(model, prompts: list[list[int]]):
+    """The tokens every prompt starts with (a chat template's system prompt), computed once: (cache, P),
+    or None when there is nothing worth sharing. Each prompt keeps at least its last token to feed."""
+    if len(prompts) < 2:
+        return None
+    first, n = prompts[0], min(len(p) for p in prompts) - 1
+    common = next((k for k in range(n) if any(p[k] != first[k] for p in prompts)), n)
+    if common < MIN_SHARED:
+        return None
+    cache = _new_cache(model)
+    ids = torch.tensor([first[:common]], device=model.device)
+    _forward(model, cache, ids, None, torch.arange(common, device=model.device)[None])
+    return cache, common
+
+
+def _plain_layers(cache) -> bool:
+    from transformers.cache_utils import DynamicLayer
+    return all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    if t.shape[dim] == width:
+        return t
+    shape = list(t.shape)
+    shape[dim] = width - t.shape[dim]
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _merge(cache, mask, other, other_mask):
+    """Rows of `other` appended to `cache` (plain full-attention layers): both left-padded to one
+    length; the pads are masked, so no row attends to them."""
+    width = max(mask.shape[1], other_mask.shape[1])
+    for a, b in zip(cache.layers, other.layers):
+        a.keys = torch.cat([_left_pad(a.keys, width, 2), _left_pad(b.keys, width, 2)])
+        a.values = torch.cat([_left_pad(a.values, width, 2), _left_pad(b.values, width, 2)])
+    return torch.cat([_left_pad(mask, width, 1), _left_pad(other_mask, width, 1)])
+
+
+def _trim(cache, mask):
+    """Drop leading columns no remaining row attends to (left by rows that left)."""
+    first = int(mask.any(0).long().argmax())
+    if first == 0:
+        return mask
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+    return mask[:, first:]
+
+
+class _Running:
+    """The batch decoding now: its cache, the 2D mask over the cache's columns, the prompts' indices
+    (`rows`), each row's last token and position."""
+
+    def __init__(self, cache, mask, rows: list[int], last, pos):
+        self.cache, self.mask, self.rows, self.last, self.pos = cache, mask, rows, last, pos
+
+    def keep(self, keep: list[int], trim: bool) -> None:
+        """Only the rows at positions `keep` go on; with `trim`, the cache columns none of them
+        attends to go (plain full-attention layers only)."""
+        if len(keep) < len(self.rows):
+            idx = torch.tensor(keep, device=self.mask.device)
+            self.cache.batch_select_indices(idx)
+            self.mask, self.last, self.pos = self.mask[idx], self.last[idx], self.pos[idx]
+            self.rows = [self.rows[k] for k in keep]
+        if trim:
+            self.mask = _trim(self.cache, self.mask)
+
+    def join(self, other: "_Running") -> None:
+        self.mask = _merge(self.cache, self.mask, other.cache, other.mask)
+        self.rows = self.rows + other.rows
+        self.last, self.pos = torch.cat([self.last, other.last]), torch.cat([self.pos, other.pos])
+
+
+def _decode(model, prompts: list[list[int]], stops: set[int], max_new_tokens: int,
+            batch_size: int) -> list[list[int]]:
+    """Greedy tokens per prompt (up to and including its stop token)."""
+    # shortest prompts first: a prefill pads its rows to the longest, so similar lengths pad least
+    queue = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[list[int]] = [[] for _ in prompts]
+    refill = max(1, int(batch_size * REFILL_SHARE))
+
+    def going_on(rows: list[int], tokens) -> list[int]:
+        """Appends each row's token; the positions of the rows still decoding."""
+        keep = []
+        for k, (i, t) in enumerate(zip(rows, tokens.tolist())):
+            out[i].append(t)
+            if t not in stops and len(out[i]) < max_new_tokens:
+                keep.append(k)
+        return keep
+
+    # plain full-attention layers: rows join a running batch, pads in the middle of a row are masked;
+    # a sliding window counts cache slots, so there rows only leave, and nothing is shared
+    continuous = _plain_layers(_new_cache(model))
+    prefix = _shared_prefix(model, prompts) if continuous else None
+    batch: _Running | None = None
+    while queue or batch is not None:
+        free = batch_size - (len(batch.rows) if batch else 0)
+        if batch is None or (continuous and queue and free >= refill):
+            take, queue = queue[:free], queue[free:]
+            cache, mask, last, pos = _prefill(model, [prompts[i] for i in take], prefix)
+            new = _Running(cache, mask, take, last, pos)
+            keep = going_on(take, last)
+            if keep:
+                new.keep(keep, trim=continuous and batch is None)
+                if batch is None:
+                    batch = new
+                else:
+                    batch.join(new)
+            continue
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(batch.rows), 1))], dim=1)
+        batch.pos = batch.pos + 1
+        batch.last = _forward(model, batch.cache, batch.last[:, None],
+                              None if bool(batch.mask.all()) else batch.mask, batch.pos[:, None])
+        keep = going_on(batch.rows, batch.last)
+        if keep:
+            batch.keep(keep, trim=continuous and len(keep) < len(batch.rows))
+        else:
+            batch = None
     return out

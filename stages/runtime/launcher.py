@@ -25,6 +25,7 @@ from typing import Callable
 
 from stages.core.config import SFTConfig
 from stages.core.errors import ConfigError, StageError
+from stages.core.threads import wait_policy
 
 from .proctree import descendants, signal_tree
 
@@ -89,6 +90,7 @@ def worker_env(nproc_per_node: int = 1) -> dict[str, str]:
     env = dict(os.environ)
     # Share the cores among the ranks of this node, or they fight over them.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
+    wait_policy(env)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
