@@ -146,10 +146,45 @@ def test_smollm2_replies_are_those_of_one_prompt_at_a_time(quickstart):
     assert len(prompts) == 303
     prompts = prompts[::EVERY]
     quick = yaml.safe_load(QUICKSTART.read_text())["eval"]
-    want = [{k: w[k] for k in ("text", "new_tokens", "stopped")}
-            for w in one_at_a_time(model, tok, prompts, quick["max_new_tokens"])]
+    reference = one_at_a_time(model, tok, prompts, quick["max_new_tokens"])
+    want = [{k: w[k] for k in ("text", "new_tokens", "stopped")} for w in reference]
     assert sum(w["stopped"] for w in want) > len(want) // 4  # replies end at different steps
     for batch_size in sorted({quick["batch_size"], 4}):
         got = generate(model, tok, prompts, quick["max_new_tokens"], batch_size)
-        diff = [(i, g["text"], w["text"]) for i, (g, w) in enumerate(zip(got, want)) if g != w]
-        assert not diff, (batch_size, diff[:3])
+        diff = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+        if diff:  # another CPU rounds a batch otherwise: only a near-tie may flip
+            ours = _loop_tokens(model, tok, prompts, batch_size, quick["max_new_tokens"])
+            for i in diff:
+                _a_near_tie_flipped(model, tok, prompts[i], ours[i], reference[i]["ids"])
+        assert len(diff) <= max(1, len(prompts) // 50), (batch_size, diff)
+
+
+# The largest gap between the reference's best and second logit that batching's rounding may flip
+# (fp32: a batch changes the kernels' blocking, by ~1e-5 to 1e-4 on these logits; a wrong mask or
+# position moves them by whole units)
+NEAR_TIE = 5e-3
+
+
+def _prompt_ids(tok, prompt) -> list[int]:
+    return tok(tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True),
+               add_special_tokens=False)["input_ids"]
+
+
+def _loop_tokens(model, tok, prompts, batch_size, max_new_tokens) -> list[list[int]]:
+    """The tokens `generate` decoded (the same loop, the same batches), its stop token included."""
+    from stages.runtime import generation
+    return generation._decode(model, [_prompt_ids(tok, p) for p in prompts],
+                              set(generation.stop_ids(model, tok)), max_new_tokens, batch_size)
+
+
+def _a_near_tie_flipped(model, tok, prompt, ours: list[int], want_ids: list[int]) -> None:
+    """Where the loop's reply first leaves the reference's, the reference's two best logits were
+    within NEAR_TIE and the loop took the second."""
+    import torch
+    ids = _prompt_ids(tok, prompt)
+    k = next(k for k, (a, b) in enumerate(zip(ours, want_ids + [None])) if a != b)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids + want_ids[:k]])).logits[0, -1].float()
+    top = logits.topk(2)
+    assert ours[k] in top.indices.tolist() and float(top.values[0] - top.values[1]) < NEAR_TIE, (
+        prompt, k, ours[k], top)
