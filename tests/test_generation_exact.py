@@ -101,9 +101,9 @@ def test_every_family_replies_as_one_prompt_at_a_time(family, tok, monkeypatch):
     assert len(set(lengths)) >= 3 and min(lengths) < NEW_TOKENS, lengths
     assert len({w["text"] for w in want}) >= len(PROMPTS) // 2
     merges, shared = [], []
-    merge, prefix = generation._merge, generation._shared_prefix
+    merge, prefix = generation._merge, generation.shared_prefix
     monkeypatch.setattr(generation, "_merge", lambda *a: merges.append(1) or merge(*a))
-    monkeypatch.setattr(generation, "_shared_prefix", lambda *a: shared.append(prefix(*a)) or shared[-1])
+    monkeypatch.setattr(generation, "shared_prefix", lambda *a: shared.append(prefix(*a)) or shared[-1])
     for batch_size in (1, 3, 4, len(PROMPTS)):
         got = generate(model, tok, PROMPTS, NEW_TOKENS, batch_size)
         assert got == [{k: w[k] for k in ("text", "new_tokens", "stopped")} for w in want], (family, batch_size)
@@ -123,7 +123,7 @@ def test_prompts_without_a_shared_prefix(tok):
     prompts = [([{"role": "system", "content": f"You are bot number {i}."}] if i % 3 else []) + q
                for i, q in enumerate(QUESTIONS)]
     ids = [tok.apply_chat_template(p, add_generation_prompt=True) for p in prompts]
-    assert generation._shared_prefix(model, ids) is None
+    assert generation.shared_prefix(model, ids) is None
     want = with_early_stops(model, tok, prompts)
     for batch_size in (2, 4):
         assert generate(model, tok, prompts, NEW_TOKENS, batch_size) == [

@@ -308,6 +308,42 @@ def test_evaluate_sums_equal_the_full_logits():
     assert got["loss_sum"] == pytest.approx(loss_sum, rel=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["llama-tied", "qwen2-untied", "cohere-scale", "gemma2-softcap"])
+def test_evaluate_sums_with_the_shared_prefix_computed_once(kind, monkeypatch):
+    """Samples that start alike (a system prompt): the loss pass computes the common tokens once and
+    every batch attends to them; its sums equal each batch's full forward's. The prefix stops before
+    the earliest trained token's predecessor (one sample is trained right after it); gemma2's
+    sliding-window cache shares nothing."""
+    import stages.evaluate.losses as losses
+    model = tiny_lm(kind).eval()
+    rng = np.random.default_rng(5)
+    system = [5, 6, 7, 8, 9, 10, 11, 12]
+    samples = []
+    for n, first_trained in ((9, 4), (5, 2), (14, 3), (7, 7), (11, 1)):
+        ids = np.array(system + list(rng.integers(13, 97, n)))
+        samples.append({"input_ids": ids, "loss_mask": (np.arange(len(ids)) >= len(system) + first_trained - 1).astype(np.int8)})
+    from stages.runtime.generation import shared_prefix as prefix
+    shared = []
+    monkeypatch.setattr(losses, "shared_prefix", lambda *a, **k: shared.append(prefix(*a, **k)) or shared[-1])
+    got = losses.teacher_forced_sums(model, samples, pad_id=0, batch_size=2)
+    if kind == "gemma2-softcap":
+        assert shared == []
+    else:  # the earliest trained token is at 8 (1 after the system prompt): its predecessor 7 is not shared
+        assert len(shared) == 1 and shared[0][1] == 7
+    ordered = sorted(samples, key=lambda s: len(s["input_ids"]))
+    loss_sum, tokens, correct = 0.0, 0, 0
+    with torch.no_grad():
+        for i in range(0, len(ordered), 2):
+            b = collate_padded(ordered[i:i + 2], 0)
+            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+            ls, n = token_loss_sum(logits, b["labels"])
+            loss_sum, tokens = loss_sum + ls.item(), tokens + n
+            y = b["labels"][:, 1:]
+            correct += int(((logits[:, :-1].argmax(-1) == y) & (y != IGNORE_INDEX)).sum())
+    assert got["tokens"] == tokens and got["token_correct"] == correct
+    assert got["loss_sum"] == pytest.approx(loss_sum, rel=1e-5)
+
+
 def test_a_changed_output_rule_after_the_first_batch_is_an_error():
     model = DoubledLogits()
     inputs, labels = batch("padded")

@@ -144,22 +144,20 @@ def _prefill(model, rows: list[list[int]], prefix=None):
         mask[i, start:start + width - len(t)] = 0
     ids, mask = ids.to(dev), mask.to(dev)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = _new_cache(model)
-    if prefix:
-        for layer, shared in zip(cache.layers, prefix[0].layers):
-            layer.lazy_initialization(shared.keys, shared.values)
-            layer.keys = shared.keys.expand(len(rows), -1, -1, -1)
-            layer.values = shared.values.expand(len(rows), -1, -1, -1)
+    cache = prefix_cache(model, prefix, len(rows)) if prefix else _new_cache(model)
     nxt = _forward(model, cache, ids, None if bool(mask.all()) else mask, pos[:, start:])
     return cache, mask, nxt, pos[:, -1]
 
 
-def _shared_prefix(model, prompts: list[list[int]]):
+def shared_prefix(model, prompts: list[list[int]], limit: int | None = None):
     """The tokens every prompt starts with (a chat template's system prompt), computed once: (cache, P),
-    or None when there is nothing worth sharing. Each prompt keeps at least its last token to feed."""
+    or None when there is nothing worth sharing. Each prompt keeps at least its last token to feed;
+    `limit` caps P (the teacher-forced loss keeps every trained token's predecessor out of it)."""
     if len(prompts) < 2:
         return None
     first, n = prompts[0], min(len(p) for p in prompts) - 1
+    if limit is not None:
+        n = min(n, limit)
     common = next((k for k in range(n) if any(p[k] != first[k] for p in prompts)), n)
     if common < MIN_SHARED:
         return None
@@ -167,6 +165,30 @@ def _shared_prefix(model, prompts: list[list[int]]):
     ids = torch.tensor([first[:common]], device=model.device)
     _forward(model, cache, ids, None, torch.arange(common, device=model.device)[None])
     return cache, common
+
+
+def prefix_cache(model, prefix, rows: int):
+    """A fresh cache whose first P columns are `prefix`'s, for `rows` rows: its keys and values are
+    every row's (they depend on those tokens only), shared by view, not copied."""
+    cache = _new_cache(model)
+    for layer, shared in zip(cache.layers, prefix[0].layers):
+        layer.lazy_initialization(shared.keys, shared.values)
+        layer.keys = shared.keys.expand(rows, -1, -1, -1)
+        layer.values = shared.values.expand(rows, -1, -1, -1)
+    return cache
+
+
+def cache_argument(model) -> str | None:
+    """The name `model.forward` takes a KV cache by, when a prefix can be shared with it: a decoder
+    with positions, a mask and plain full-attention cache layers (a sliding window counts slots)."""
+    params = inspect.signature(model.forward).parameters
+    if getattr(model.config, "is_encoder_decoder", False) or not {"position_ids", "attention_mask"} <= set(params):
+        return None
+    name = "cache" if "cache" in params else "past_key_values" if "past_key_values" in params else None
+    try:
+        return name if name and _plain_layers(_new_cache(model)) else None
+    except (AttributeError, TypeError, ValueError):  # no text config a cache can be built from
+        return None
 
 
 def _plain_layers(cache) -> bool:
@@ -246,7 +268,7 @@ def _decode(model, prompts: list[list[int]], stops: set[int], max_new_tokens: in
     # plain full-attention layers: rows join a running batch, pads in the middle of a row are masked;
     # a sliding window counts cache slots, so there rows only leave, and nothing is shared
     continuous = _plain_layers(_new_cache(model))
-    prefix = _shared_prefix(model, prompts) if continuous else None
+    prefix = shared_prefix(model, prompts) if continuous else None
     batch: _Running | None = None
     while queue or batch is not None:
         free = batch_size - (len(batch.rows) if batch else 0)

@@ -26,6 +26,7 @@ arithmetic on `model(...).logits`), decided once per model on its first batch an
 
 from __future__ import annotations
 
+import copy
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -210,6 +211,8 @@ def _verdict(model: nn.Module, inputs: dict, labels: torch.Tensor) -> str | None
         return _VERDICTS[model]
     head, why = output_head(model)
     if head is not None:
+        # a KV cache grows in a forward: the deciding one gets a copy, the caller's stays as it is
+        inputs = {k: copy.deepcopy(v) if k in ("cache", "past_key_values") else v for k, v in inputs.items()}
         try:
             with torch.no_grad(), _tapped(model, head, labels, None) as tap:
                 model(**inputs, use_cache=False)
