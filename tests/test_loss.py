@@ -321,7 +321,8 @@ def test_evaluate_sums_with_the_shared_prefix_computed_once(kind, monkeypatch):
     samples = []
     for n, first_trained in ((9, 4), (5, 2), (14, 3), (7, 7), (11, 1)):
         ids = np.array(system + list(rng.integers(13, 97, n)))
-        samples.append({"input_ids": ids, "loss_mask": (np.arange(len(ids)) >= len(system) + first_trained - 1).astype(np.int8)})
+        trained = np.arange(len(ids)) >= len(system) + first_trained - 1
+        samples.append({"input_ids": ids, "loss_mask": trained.astype(np.int8)})
     from stages.runtime.generation import shared_prefix as prefix
     shared = []
     monkeypatch.setattr(losses, "shared_prefix", lambda *a, **k: shared.append(prefix(*a, **k)) or shared[-1])
