@@ -182,7 +182,10 @@ def cache_argument(model) -> str | None:
     """The name `model.forward` takes a KV cache by, when a prefix can be shared with it: a decoder
     with positions, a mask and plain full-attention cache layers (a sliding window counts slots)."""
     params = inspect.signature(model.forward).parameters
-    if getattr(model.config, "is_encoder_decoder", False) or not {"position_ids", "attention_mask"} <= set(params):
+    config = getattr(model, "config", None)  # a custom (non-Hugging Face) model may have none
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        return None
+    if not {"position_ids", "attention_mask"} <= set(params):
         return None
     name = "cache" if "cache" in params else "past_key_values" if "past_key_values" in params else None
     try:
