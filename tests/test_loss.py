@@ -287,6 +287,20 @@ def test_dft_equals_a_per_token_loop(kind):
     assert F.cosine_similarity(g_ce, g_dft, dim=0) < 0.99
 
 
+def one_sample_at_a_time(model, samples: list[dict]) -> dict:
+    """The reference for evaluate's sums: each sample's own full forward, unpadded, its full logits."""
+    loss_sum, tokens, correct = 0.0, 0, 0
+    with torch.no_grad():
+        for sample in samples:
+            b = collate_padded([sample], 0)
+            logits = model(input_ids=b["input_ids"]).logits
+            ls, n = token_loss_sum(logits, b["labels"])
+            loss_sum, tokens = loss_sum + ls.item(), tokens + n
+            y = b["labels"][:, 1:]
+            correct += int(((logits[:, :-1].argmax(-1) == y) & (y != IGNORE_INDEX)).sum())
+    return {"loss_sum": loss_sum, "tokens": tokens, "token_correct": correct}
+
+
 def test_evaluate_sums_equal_the_full_logits():
     """Evaluate's teacher-forced sums (chunked, no grad) against today's arithmetic: loss and argmax hits."""
     from stages.evaluate.losses import teacher_forced_sums
@@ -295,17 +309,7 @@ def test_evaluate_sums_equal_the_full_logits():
     samples = [{"input_ids": rng.integers(3, 97, n), "loss_mask": (np.arange(n) >= 3).astype(np.int8)}
                for n in (12, 7, 15, 9, 13)]
     got = teacher_forced_sums(model, samples, pad_id=0, batch_size=2)
-    loss_sum, tokens, correct = 0.0, 0, 0
-    with torch.no_grad():
-        for i in range(0, len(samples), 2):
-            b = collate_padded(samples[i:i + 2], 0)
-            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-            ls, n = token_loss_sum(logits, b["labels"])
-            loss_sum, tokens = loss_sum + ls.item(), tokens + n
-            y = b["labels"][:, 1:]
-            correct += int(((logits[:, :-1].argmax(-1) == y) & (y != IGNORE_INDEX)).sum())
-    assert got["tokens"] == tokens and got["token_correct"] == correct
-    assert got["loss_sum"] == pytest.approx(loss_sum, rel=1e-6)
+    assert got == pytest.approx(one_sample_at_a_time(model, samples), rel=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["llama-tied", "qwen2-untied", "cohere-scale", "gemma2-softcap"])
@@ -331,18 +335,7 @@ def test_evaluate_sums_with_the_shared_prefix_computed_once(kind, monkeypatch):
         assert shared == []
     else:  # the earliest trained token is at 8 (1 after the system prompt): its predecessor 7 is not shared
         assert len(shared) == 1 and shared[0][1] == 7
-    ordered = sorted(samples, key=lambda s: len(s["input_ids"]))
-    loss_sum, tokens, correct = 0.0, 0, 0
-    with torch.no_grad():
-        for i in range(0, len(ordered), 2):
-            b = collate_padded(ordered[i:i + 2], 0)
-            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-            ls, n = token_loss_sum(logits, b["labels"])
-            loss_sum, tokens = loss_sum + ls.item(), tokens + n
-            y = b["labels"][:, 1:]
-            correct += int(((logits[:, :-1].argmax(-1) == y) & (y != IGNORE_INDEX)).sum())
-    assert got["tokens"] == tokens and got["token_correct"] == correct
-    assert got["loss_sum"] == pytest.approx(loss_sum, rel=1e-5)
+    assert got == pytest.approx(one_sample_at_a_time(model, samples), rel=1e-5)
 
 
 def test_a_changed_output_rule_after_the_first_batch_is_an_error():
