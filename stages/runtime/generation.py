@@ -102,11 +102,20 @@ def _with_generate(model, tok, texts, stops, max_new_tokens, batch_size) -> list
     return out
 
 
-def _own_loop_applies(model) -> bool:
+def _cache_name(model) -> str | None:
+    """The name `model.forward` takes a KV cache by, for a decoder our loop can drive (positions and
+    a mask as inputs); None otherwise (an encoder-decoder, a custom model without a config)."""
     params = inspect.signature(model.forward).parameters
-    if getattr(model.config, "is_encoder_decoder", False) or not {"position_ids", "attention_mask"} <= set(params):
-        return False
-    if "cache" not in params and "past_key_values" not in params:
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        return None
+    if not {"position_ids", "attention_mask"} <= set(params):
+        return None
+    return "cache" if "cache" in params else "past_key_values" if "past_key_values" in params else None
+
+
+def _own_loop_applies(model) -> bool:
+    if _cache_name(model) is None:
         return False
     gc = getattr(model, "generation_config", None)
     return gc is None or all(getattr(gc, k, None) in ok for k, ok in _NEUTRAL.items())
@@ -119,9 +128,9 @@ def _new_cache(model):
 
 def _forward(model, cache, ids, mask, pos):
     """One forward of `ids` [rows, n] after `cache`; the argmax of each row's last logits."""
-    params = inspect.signature(model.forward).parameters
-    kw = {"cache" if "cache" in params else "past_key_values": cache}
-    if "logits_to_keep" in params:  # the last position's logits only, as `generate` asks
+    kw = {_cache_name(model): cache}
+    # the last position's logits only, as `generate` asks
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
         kw["logits_to_keep"] = 1
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **kw)
     return out.logits[:, -1, :].float().argmax(-1)
@@ -181,13 +190,7 @@ def prefix_cache(model, prefix, rows: int):
 def cache_argument(model) -> str | None:
     """The name `model.forward` takes a KV cache by, when a prefix can be shared with it: a decoder
     with positions, a mask and plain full-attention cache layers (a sliding window counts slots)."""
-    params = inspect.signature(model.forward).parameters
-    config = getattr(model, "config", None)  # a custom (non-Hugging Face) model may have none
-    if config is None or getattr(config, "is_encoder_decoder", False):
-        return None
-    if not {"position_ids", "attention_mask"} <= set(params):
-        return None
-    name = "cache" if "cache" in params else "past_key_values" if "past_key_values" in params else None
+    name = _cache_name(model)
     try:
         return name if name and _plain_layers(_new_cache(model)) else None
     except (AttributeError, TypeError, ValueError):  # no text config a cache can be built from
