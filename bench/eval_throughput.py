@@ -24,7 +24,8 @@ answers right) with the same model, greedy decoding and the `contains` scorer:
   * evaluate stage through `generate`  the stage, 1 process, with generation.generate's former
                              path (`loop="generate"`): today's stage against its own past.
   * llama.cpp                (`llama.cpp`, needs llama-cpp-python) the model exported to GGUF f32
-                             (stages/export), one prompt at a time, greedy, 2 threads: the CPU
+                             (stages/export), one prompt at a time, greedy, OMP_NUM_THREADS
+                             threads (all cores when unset): the CPU
                              engine people compare with. Its own kernels round differently, so
                              its replies may differ (the check column counts them).
 
@@ -157,8 +158,10 @@ def run_llama_cpp(tmp: Path, args) -> dict:
     stops = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>") if t in tok.get_vocab()}
     score = get_scorer("contains")
     t0 = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=str(done.gguf), n_ctx=1024, verbose=False, seed=0, n_threads=os.cpu_count(),
-                          n_batch=512)
+    # as many threads as the torch methods get (OMP_NUM_THREADS when set), for a like-for-like row
+    threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count())
+    llm = llama_cpp.Llama(model_path=str(done.gguf), n_ctx=1024, verbose=False, seed=0, n_threads=threads,
+                          n_threads_batch=threads, n_batch=512)
     stops.add(llm.token_eos())
     texts, tokens, correct = [], 0, 0
     for row in rows:
