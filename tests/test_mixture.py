@@ -136,9 +136,9 @@ def test_prepare_counts_each_source_and_the_weights_never_reprepare(tmp_path):
 @pytest.mark.slow
 def test_a_mixture_resumed_mid_epoch_on_another_world_size_equals_the_uninterrupted_run(tmp_path):
     """120 rows (96 + 24, weights 0.5 / 0.5: the small source upsampled x2.5) = 8 steps an epoch; killed
-    after the checkpoint at step 3 (48 samples into epoch 0) on 2 processes, resumed on 1: the same
+    after the checkpoint at step 3 (48 samples into epoch 0) on 1 process, resumed on 2: the same
     losses and weights as 2 processes without interruption, and the per-source counts in train.log and
-    the manifest."""
+    the manifest. (test_train_core resumes 2 -> 1; together, both directions.)"""
     from stages.train import TrainingFailed
     from test_train_core import assert_same_weights, weights
     from test_train_core import train as _train
@@ -152,11 +152,11 @@ def test_a_mixture_resumed_mid_epoch_on_another_world_size_equals_the_uninterrup
     one = load_config(write_config(tmp_path, one_raw, "one.yaml"))
     assert plan(one).fingerprints["train"] == plan(two).fingerprints["train"]
     with pytest.raises(TrainingFailed):
-        _train(two, {"SFTFLOW_FAULT": "after_save:3"})
-    done = _train(one)
+        _train(one, {"SFTFLOW_FAULT": "after_save:3"})
+    done = _train(two)
     log = (Path(done.path) / "train.log").read_text()
     assert "mixture: 120 samples per epoch: train 60 (50%, 96 rows x0.625), extra 60 (50%, 24 rows x2.5)" in log
-    assert "at step 3 (epoch 0, 48 samples into it); world size 2 -> 1" in log
+    assert "at step 3 (epoch 0, 48 samples into it); world size 1 -> 2" in log
     rows = [json.loads(line) for line in (Path(done.path) / "metrics.jsonl").read_text().splitlines()]
     ref_rows = [json.loads(line) for line in (Path(ref.path) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 7))
@@ -165,7 +165,7 @@ def test_a_mixture_resumed_mid_epoch_on_another_world_size_equals_the_uninterrup
     manifest = json.loads((Path(done.path) / "manifest.json").read_text())
     assert manifest["metrics"]["mix_extra_per_epoch"] == 60 and manifest["mixture"][1]["passes"] == 2.5
     from mlflow.tracking import MlflowClient
-    params = MlflowClient(one.resolved_tracking_uri).get_run(manifest["mlflow_run_id"]).data.params
+    params = MlflowClient(two.resolved_tracking_uri).get_run(manifest["mlflow_run_id"]).data.params
     assert (params["mix.extra.per_epoch"], params["mix.train.rows"],
             params["data.mix.extra.weight"]) == ("60", "96", "0.5")
 

@@ -191,7 +191,8 @@ ONE_PROC = {"nproc_per_node": 1, "micro_batch_size": 4, "global_batch_size": 16,
 TWO_PROCS = ONE_PROC | {"nproc_per_node": 2}  # the tests of the distributed maths ask for two ranks
 
 
-@pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
+# 1 -> 2: test_mixture's resume of a mixture (one run each way; they would check the same twice)
+@pytest.mark.parametrize("first, then", [(2, 1)])
 @pytest.mark.slow
 def test_resume_on_another_world_size(tmp_path, first, then):
     """Checkpointed on `first` processes (sharded, or a plain model for one fp32 process),
