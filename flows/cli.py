@@ -296,7 +296,7 @@ def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg
     dev = launch["device"]
     where = (f"{dev['count']} x {dev['name']}" + (f" (compute {dev['capability']})" if dev["capability"] else "")
              if dev["kind"] == "cuda" else "the CPU")
-    console.print(f"on {escape(where)}: {launch['backend']}, {launch['precision']}, attention "
+    console.print(f"on {escape(where)}: {launch['backend']}, {escape(launch['precision_why'])}; attention "
                   f"{launch['attn_implementation'] or '-'}" + (f" ({escape(dev['note'])})" if dev["note"] else ""),
                   highlight=False)
     _memory_table(p)
@@ -366,7 +366,7 @@ def chat(question: Optional[str] = typer.Argument(None, help="the user message; 
         path = resolve_model_ref(model, uri)
     except ValueError as e:
         _fail(str(e))
-    m, tok = load(path)
+    m, tok = load(path, precision=cfg.actor.precision if cfg is not None else "auto")
 
     def reply(turns: list[dict]) -> str:
         return generate(m, tok, [turns], max_new_tokens, batch_size=1)[0]["text"]

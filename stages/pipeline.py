@@ -32,6 +32,7 @@ from .core.errors import ConfigError, MissingUpstream, StageError
 from .core.imports import import_identity, import_object
 from .core.inputs import HUB_PREFIX
 from .core.narrow import with_sets
+from .core.quarantine import check_folder
 from .graph import BY_NAME, KEY_METRIC, STAGES, UPSTREAM, Stage, config_slice, planning_order
 from .models.base import model_config_json, model_fingerprint, resolve_model
 from .models.refs import eval_model_identity
@@ -304,7 +305,7 @@ def launch_report(p: Plan, device: memory_plan.Device | None = None, memory: boo
                    "capability": ".".join(map(str, device.capability)) if device.capability else None,
                    "source": inv.source, "note": inv.note},
         "nproc_per_node": a.nproc_per_node, "topology": a.topology, "backend": backend(device.kind),
-        "precision": precision, "attn_implementation": None,
+        "precision": precision, "precision_why": device.precision_why(a.precision), "attn_implementation": None,
         "train_devices": [f"cuda:{rank_gpu(r, device.count)}" if device.kind == "cuda" else "cpu"
                           for r in range(a.nproc_per_node)],
         "eval_devices": [f"cuda:{rank_gpu(r, device.count, shared=True)}" if device.kind == "cuda" else "cpu"
@@ -465,6 +466,11 @@ def requires(p: Plan, stage: str) -> set[str]:
     return found
 
 
+# Stages whose folders the data gate (data.max_bad_fraction, in no fingerprint) holds: on a run
+# (stages/prepare/stage.py) and on every reuse, its own or a downstream stage's (core/quarantine.py).
+GATED = ("prepare", "prepare_eval")
+
+
 def require_upstream(p: Plan, stage: str) -> dict[str, str]:
     if stage == "register" and p.cfg.eval.model is not None:
         raise ConfigError(f"register: eval.model={p.cfg.eval.model!r} scores another model than the trained one "
@@ -479,6 +485,8 @@ def require_upstream(p: Plan, stage: str) -> dict[str, str]:
         if problem is not None:
             raise MissingUpstream(f"{stage} needs the {up} stage folder {p.folder(up)}, which is damaged ({problem}); "
                                   f"`sftflow stage {up} -c <config>` or `sftflow run -c <config>` rebuilds it")
+        if up in GATED:  # a stage reading a prepared folder reads it only if it passes today's gate
+            check_folder(p.folder(up), up, p.cfg.data.max_bad_fraction)
         dirs[up] = str(p.folder(up))
     return dirs
 
@@ -521,6 +529,8 @@ def run_stage(p: Plan, stage: str, force: bool = False, on_line: Callable[[str],
         if hit is not None and stage == "register":
             hit = _registry_now(p, hit)
         if hit is not None and not force:
+            if stage in GATED:  # the data gate holds on a reused folder as on a prepare that runs
+                check_folder(hit.path, stage, cfg.data.max_bad_fraction)
             return hit
         if stage == "replay":
             from .replay import run_replay

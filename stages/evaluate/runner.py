@@ -29,7 +29,8 @@ from stages.core.errors import ConfigError
 from stages.core.scores import by_set, counted
 from stages.runtime.batches import pad_token_id
 from stages.runtime.checkpoint import load_model_weights
-from stages.runtime.distributed import add_up, choose_precision, gather, local_device, log, rank_and_world, rank_slice
+from stages.runtime.distributed import (add_up, choose_precision, gather, local_device, log, precision_why,
+                                        rank_and_world, rank_slice)
 from stages.runtime.generation import generate
 from stages.runtime.harness import score_task
 from stages.runtime.lora import lora_enabled
@@ -68,7 +69,7 @@ def load_model(cfg: SFTConfig, ref: dict, base_model: str, device: torch.device)
         model = model.merge_and_unload()
     is_hf = isinstance(model, PreTrainedModel)
     model.to(device)
-    if is_hf and choose_precision("auto", device) == "bf16":
+    if is_hf and choose_precision(cfg.actor.precision, device) == "bf16":
         model.to(torch.bfloat16)
     model.eval()
     tok = None
@@ -210,6 +211,7 @@ def evaluate_spec(spec: EvalSpec) -> dict:
             for s in sets}
     out = Path(spec.out_dir)
     per_set: dict[str, dict] = {s: {} for s in sets}
+    log(f"evaluate: precision {precision_why(cfg.actor.precision, device)}")
     for name, ref in spec.models.items():
         model, tok = load_model(cfg, ref, spec.base_model, device)
         records: list[dict] = []

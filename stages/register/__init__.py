@@ -45,6 +45,7 @@ from stages.tracking.run import (FLOW_RUN_ID, FLOW_RUN_URL, NOTE_TAG, RUN_TAG, T
 
 # shipped with the logged model as its code (found, not imported: register never needs torch itself)
 GENERATION_PY = importlib.util.find_spec("stages.runtime.generation").origin
+PRECISION_PY = importlib.util.find_spec("stages.core.precision").origin  # generation.py's precision rule
 PIP_REQUIREMENTS = ["torch", "transformers", "tokenizers", "safetensors", "mlflow", "pandas"]
 # What the model page shows and `mlflow models serve` documents: a prompt and a conversation; its
 # params are the signature's defaults (chat_model.MAX_NEW_TOKENS).
@@ -243,8 +244,8 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
             here = Path(__file__).resolve().parent
             info = mlflow.pyfunc.log_model(
                 name=name, python_model=str(here / "chat_model.py"), artifacts={"hf_model": model_dir},
-                code_paths=[GENERATION_PY], pip_requirements=PIP_REQUIREMENTS, input_example=INPUT_EXAMPLE,
-                registered_model_name=name)
+                code_paths=[GENERATION_PY, PRECISION_PY], pip_requirements=PIP_REQUIREMENTS,
+                input_example=INPUT_EXAMPLE, registered_model_name=name)
         version = client.get_model_version(name, str(info.registered_model_version))
         client.set_tag(run_id, NOTE_TAG, run_note(cfg, client.get_run(run_id).data.tags, (name, version.version)))
         vtags = {"train_fingerprint": fingerprints["train"], "prepare_fingerprint": fingerprints["prepare"],

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from stages.runtime.distributed import gather, local_device, log, rank_and_world
+from stages.runtime.distributed import gather, local_device, log, precision_why, rank_and_world
 from stages.runtime.generation import generate, load
 
 from .spec import ReplaySpec
@@ -18,7 +18,9 @@ def answer_spec(spec: ReplaySpec) -> list[dict]:
     """The base model's greedy answer to every prompt, in order ({text, new_tokens, stopped})."""
     cfg = spec.config
     rank, world = rank_and_world()
-    model, tok = load(spec.model_path, cfg.actor.model.trust_remote_code, str(local_device(shared=True)))
+    device = local_device(shared=True)
+    model, tok = load(spec.model_path, cfg.actor.model.trust_remote_code, str(device), cfg.actor.precision)
+    log(f"replay: precision {precision_why(cfg.actor.precision, device)}")
     n = len(spec.prompts)
     mine = spec.prompts[rank * n // world: (rank + 1) * n // world]
     answers = generate(model, tok, [p["prompt"] for p in mine], cfg.replay.max_new_tokens, cfg.replay.batch_size)

@@ -11,6 +11,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from stages.core import precision
 from stages.core.topology import rank_gpu
 
 from .proctree import die_with_parent
@@ -42,10 +43,14 @@ def local_device(shared: bool = False) -> torch.device:
 
 
 def choose_precision(requested: str, device: torch.device) -> str:
-    """`auto` is bf16 on a GPU that supports it, fp32 otherwise (CPU runs are fp32)."""
-    if requested != "auto":
-        return requested
-    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    """`actor.precision` on this rank's device, by the one rule (core/precision.py): `auto` is bf16 only
+    where the device computes it natively (capability >= 8.0, ROCm), fp32 elsewhere."""
+    return precision.on_device(requested, device)
+
+
+def precision_why(requested: str, device: torch.device) -> str:
+    """The line the stage logs say: which precision runs here and why."""
+    return precision.why(requested, *precision.device_facts(device))
 
 
 def gather(obj) -> list:

@@ -19,6 +19,11 @@ import inspect
 
 import torch
 
+try:  # inside the project
+    from stages.core.precision import on_device as resolve_precision
+except ImportError:  # inside a logged model: precision.py ships beside this file (register's code_paths)
+    from precision import on_device as resolve_precision
+
 # End-of-turn markers of common templates; whichever the tokenizer knows stops generation.
 END_OF_TURN = ["<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "</s>", "<|endoftext|>"]
 
@@ -41,15 +46,18 @@ REFILL_SHARE = 0.25
 MIN_SHARED = 4
 
 
-def load(model_dir: str, trust_remote_code: bool = False, device: str | None = None):
+def load(model_dir: str, trust_remote_code: bool = False, device: str | None = None, precision: str = "auto"):
+    """(model, tokenizer) on `device` in `precision` as `actor.precision` resolves there (the one rule,
+    core/precision.py: `auto` is bf16 only on a GPU that computes it natively). `model.sftflow_precision`
+    says which ran."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    # what `actor.precision: auto` picks (stages/runtime/distributed.py); inlined because this file
-    # also runs alone inside a logged model
-    dtype = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    chosen = resolve_precision(precision, device)
+    dtype = torch.bfloat16 if chosen == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=trust_remote_code, dtype=dtype).to(device)
     model.eval()
+    model.sftflow_precision = chosen
     return model, tok
 
 

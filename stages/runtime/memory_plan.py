@@ -26,6 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stages.core.precision import native_bf16
+from stages.core.precision import resolve as resolve_precision
+from stages.core.precision import why as precision_why
+
 __all__ = ["MARGIN", "Arch", "Batch", "Budget", "Device", "MemoryPlan", "UnknownArchitecture", "Verdict", "estimate",
            "fits", "human", "longest_batch_bound",
            "longest_batch_of", "for_config", "budget_for", "check_fits", "visible_device", "prepared_lengths",
@@ -269,15 +273,19 @@ class Device:
     bytes: int  # a GPU's total memory, or the RAM this machine (or its cgroup) allows
     capability: tuple[int, int] | None = None  # a GPU's compute capability (nvidia-smi's compute_cap); None: unknown
     count: int = 1  # how many such GPUs are visible (0 on CPU)
+    rocm: bool = False  # an AMD GPU under a ROCm build of torch
 
     @property
     def bf16(self) -> bool:
-        """What `choose_precision`'s torch.cuda.is_bf16_supported() answers there: a GPU of
-        compute capability >= 8.0 (T4, V100 train in fp32); unknown capability: assumed bf16."""
-        return self.kind == "cuda" and (self.capability is None or tuple(self.capability) >= (8, 0))
+        """Whether `actor.precision: auto` is bf16 here: the one rule (core/precision.py) the ranks apply
+        with torch's view of the same GPU; T4 and V100 (7.x) train in fp32."""
+        return native_bf16(self.kind, self.capability, self.rocm)
 
     def precision(self, requested: str) -> str:
-        return requested if requested != "auto" else ("bf16" if self.bf16 else "fp32")
+        return resolve_precision(requested, self.kind, self.capability, self.rocm)
+
+    def precision_why(self, requested: str) -> str:
+        return precision_why(requested, self.kind, self.capability, self.rocm)
 
 
 def human(n: float) -> str:
@@ -332,10 +340,10 @@ def visible_device() -> Device:
     else the CPU, with the machine's RAM or its cgroup's limit when smaller."""
     import os
 
-    from stages.core.topology import inventory
+    from stages.core.topology import inventory, torch_build
     gpus = inventory().gpus
     if gpus:
-        return Device("cuda", gpus[0].name, gpus[0].bytes, gpus[0].capability, len(gpus))
+        return Device("cuda", gpus[0].name, gpus[0].bytes, gpus[0].capability, len(gpus), torch_build() == "rocm")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         limit = open("/sys/fs/cgroup/memory.max").read().strip()

@@ -47,7 +47,7 @@ from .attention import effective_attn_implementation, resolve_attn_implementatio
 from .batches import GlobalBatchSampler, SFTDataset, collate_packed, collate_padded, pad_token_id
 from .checkpointing import Checkpointer
 from .contract import TrainOutput, add_eval_output, check_worker_class, train_output
-from .distributed import choose_precision, local_device, log
+from .distributed import choose_precision, local_device, log, precision_why
 from .export import export_model
 from .lora import adapters_off, lora_enabled
 from .loss import model_loss, reference_outputs
@@ -396,7 +396,8 @@ class SFTWorker:
             reporter = Reporter(self.out, self.rank, step, self.total_steps, run.log_interval,
                                 self.cfg.registry.live_after_seconds, 6 * self.n_params, self.peak_flops)
             log(f"training {self.total_steps} steps: {len(self.train_ds)} samples, world {self.world}, "
-                f"accum {self.sampler.accum}, precision {self.precision}, device {self.device.type}, "
+                f"accum {self.sampler.accum}, precision {precision_why(self.cfg.actor.precision, self.device)}, "
+                f"device {self.device.type}, "
                 f"attention {self.attn_implementation}, {'packed' if self.packing else 'padded'} micro-batches")
             reporter.write_runtime({"attn_implementation": self.attn_implementation, "precision": self.precision,
                                     "device": self.device.type, "packing": self.packing, "world_size": self.world})
