@@ -1,21 +1,26 @@
 """The data gate (data.max_bad_fraction): prepare fails in one line, before anything trains, when more
 than that share of a training file's rows, or of a training split's, was quarantined; the quarantine
-file it names is kept."""
+file it names is kept. It holds on a reused (cached) folder as on a prepare that runs, and on the
+named eval sets (prepare_eval) as on the training data."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from conftest import demo_rows, tiny_config_dict, write_jsonl
+from conftest import demo_rows, sftflow, tiny_config_dict, write_config, write_jsonl
+from stages.core.artifacts import read_manifest
 from stages.core.config import config_from_dict
 from stages.core.errors import DataError
-from stages.pipeline import plan, run_stage
+from stages.core.quarantine import folder_checks
+from stages.pipeline import plan, require_upstream, run_stage
 
 
-def messy(path: Path, good: int = 70, malformed: int = 28, missing: int = 2) -> tuple[Path, list[int]]:
-    """`good` rows, then every 10th-ish line a bad one: `malformed` unparsable, `missing` without messages."""
-    lines = [json.dumps(r).encode() for r in demo_rows("train.jsonl", good)]
+def messy(path: Path, good: int = 70, malformed: int = 28, missing: int = 2,
+          demo: str = "train.jsonl") -> tuple[Path, list[int]]:
+    """`good` rows (of the demo file `demo`), with a bad one every third line: `malformed` unparsable,
+    `missing` without messages."""
+    lines = [json.dumps(r).encode() for r in demo_rows(demo, good)]
     bad = [b"{not json"] * malformed + [json.dumps({"text": "no messages"}).encode()] * missing
     for k, line in enumerate(bad):
         lines.insert(min(3 * k + 1, len(lines)), line)
@@ -98,3 +103,128 @@ def test_a_bad_drop_is_stopped_even_when_the_split_is_mostly_good(tmp_path, toke
         run_stage(p, "prepare")
     raw["data"]["train_data_paths"] = [str(history)]  # the operator takes the drop out
     assert run_stage(plan(config_from_dict(raw)), "prepare").metrics["train_rows_kept"] == 120
+
+
+# --------------------------------------------------------------------------- the gate on a cached folder
+
+
+def gate_line(stage: str, what, n: int, of: int, limit: float, reasons: str, quarantine: Path) -> str:
+    return (f"{stage}: {n} of {of} rows ({100 * n / of:.1f}%) in {what} were quarantined, above "
+            f"data.max_bad_fraction={limit} ({reasons}); nothing was trained; see {quarantine}")
+
+
+def test_a_tighter_gate_holds_on_the_cached_folder(tmp_path, tokenizer_dir):
+    """Prepared under a loose gate, the same data under a tighter one fails on the reused folder with the
+    line a running prepare gives (naming the folder's own quarantine.jsonl); the fingerprint is the same
+    and the complete folder is kept. A stage reading the folder (train) is stopped the same way."""
+    train, _ = messy(tmp_path / "messy.jsonl")
+    loose = plan(config(tmp_path, tokenizer_dir, train, max_bad_fraction=0.5))
+    first = run_stage(loose, "prepare")
+    assert not first.cached
+    source = read_manifest(Path(first.path))["sources"][0]  # each source's counts, for the gate on reuse
+    assert (source["ref"], source["rows_read"], source["rows_kept"], source["dropped"]) == (
+        str(train), 100, 70, {"malformed_json": 28, "missing_key": 2})
+    assert run_stage(loose, "prepare").cached  # the loose gate still passes it
+
+    tight = plan(config(tmp_path, tokenizer_dir, train, max_bad_fraction=0.1))
+    assert tight.fingerprints["prepare"] == loose.fingerprints["prepare"]
+    folder = tight.folder("prepare")
+    expected = gate_line("prepare", train, 30, 100, 0.1, "malformed_json 28, missing_key 2",
+                         folder / "quarantine.jsonl")
+    with pytest.raises(DataError) as e:
+        run_stage(tight, "prepare")
+    assert str(e.value) == expected and "\n" not in str(e.value)
+    assert tight.status("prepare") == "complete" and (folder / "quarantine.jsonl").is_file()
+    assert not (folder.parent / f"{tight.fingerprints['prepare']}.rejected").exists()
+    with pytest.raises(DataError) as e:  # `sftflow stage train` on the folder: the same line
+        require_upstream(tight, "train")
+    assert str(e.value) == expected
+    assert run_stage(loose, "prepare").cached  # nothing was deleted: the loose gate reuses it
+
+
+def test_a_folder_without_each_files_counts_is_gated_from_its_quarantine(tmp_path, tokenizer_dir):
+    """A folder written before the manifest held each source's counts: each file's counts come from its
+    quarantine.jsonl and its kept rows, the same as the manifest's, so a drop is still named."""
+    history = write_jsonl(tmp_path / "history.jsonl", demo_rows("train.jsonl", 120))
+    drop, _ = messy(tmp_path / "drop.jsonl", good=7, malformed=2, missing=1)
+    raw = tiny_config_dict(tmp_path)
+    raw["actor"]["model"] = {"model_path": str(tokenizer_dir)}
+    raw["data"].update({"train_data_paths": [str(history), str(drop)], "max_bad_fraction": 0.5})
+    loose = run_stage(plan(config_from_dict(raw)), "prepare")
+    folder = Path(loose.path)
+    counted = folder_checks(folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for s in manifest["sources"]:
+        for key in ("rows_read", "rows_kept", "dropped"):
+            del s[key]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    assert folder_checks(folder) == counted
+    assert [c[:2] for c in counted] == [(str(history), 120), (str(drop), 10), (str(tmp_path / "val.jsonl"), 12),
+                                        ("the train split", 130), ("the val split", 12)]
+    raw["data"]["max_bad_fraction"] = 0.1
+    with pytest.raises(DataError) as e:
+        run_stage(plan(config_from_dict(raw)), "prepare")
+    assert str(e.value) == gate_line("prepare", drop, 3, 10, 0.1, "malformed_json 2, missing_key 1",
+                                     folder / "quarantine.jsonl")
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("prefect_api")
+def test_the_cli_stops_on_the_cached_folder_in_one_line(tmp_path, tokenizer_dir):
+    """`sftflow stage prepare`, `sftflow run` (the flows' prepare task) and `sftflow stage train` with a
+    tighter gate on data prepared under a looser one: exit 2, the gate's line last on stderr, no traceback."""
+    train, _ = messy(tmp_path / "messy.jsonl")
+    raw = tiny_config_dict(tmp_path)
+    raw["actor"]["model"] = {"model_path": str(tokenizer_dir)}
+    raw["data"].update({"train_data_paths": [str(train)], "max_bad_fraction": 0.5})
+    path = write_config(tmp_path, raw)
+    p = plan(config_from_dict(raw))
+    run_stage(p, "prepare")
+    expected = "error: " + gate_line("prepare", train, 30, 100, 0.1, "malformed_json 28, missing_key 2",
+                                     p.folder("prepare") / "quarantine.jsonl")
+    for command in (["stage", "prepare"], ["run"], ["stage", "train"]):
+        proc = sftflow(*command, "-c", str(path), "data.max_bad_fraction=0.1", "flow.retries=2",
+                       "flow.retry_delay_seconds=0", cwd=tmp_path, timeout=300)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert proc.stderr.strip().splitlines()[-1] == expected, proc.stderr[-3000:]
+        assert "Traceback" not in proc.stdout + proc.stderr and "Retry" not in proc.stdout + proc.stderr
+        assert p.status("prepare") == "complete"
+
+
+# --------------------------------------------------------------------------- eval sets
+
+
+def test_an_eval_set_with_too_many_bad_rows_fails_prepare_eval(tmp_path, tokenizer_dir):
+    """The named eval sets share data.max_bad_fraction: prepare_eval fails on a set's file with too many
+    bad rows, when it runs and on its reused folder; the training data's prepare is not held by it."""
+    qa, bad_lines = messy(tmp_path / "qa.jsonl", good=42, malformed=17, missing=1, demo="eval.jsonl")
+
+    def eval_plan(limit: float):
+        raw = tiny_config_dict(tmp_path)  # its training data is clean
+        raw["actor"]["model"] = {"model_path": str(tokenizer_dir)}
+        raw["data"]["max_bad_fraction"] = limit
+        raw["eval"]["sets"] = {"qa": {"data_paths": [str(qa)]}}
+        return plan(config_from_dict(raw))
+
+    p = eval_plan(0.1)
+    rejected = p.folder("prepare_eval").parent / f"{p.fingerprints['prepare_eval']}.rejected" / "quarantine.jsonl"
+    with pytest.raises(DataError) as e:  # a prepare_eval that runs
+        run_stage(p, "prepare_eval")
+    assert str(e.value) == gate_line("prepare_eval", qa, 18, 60, 0.1, "malformed_json 17, missing_key 1", rejected)
+    assert [json.loads(line)["line"] for line in rejected.read_text().splitlines()] == bad_lines
+    assert p.status("prepare_eval") == "missing"
+    assert not run_stage(p, "prepare").cached  # the training data passes
+
+    loose = eval_plan(0.5)
+    assert loose.fingerprints == p.fingerprints
+    run_stage(loose, "prepare_eval")
+    assert loose.status("prepare_eval") == "complete" and not rejected.parent.exists()
+
+    folder = p.folder("prepare_eval")
+    expected = gate_line("prepare_eval", qa, 18, 60, 0.1, "malformed_json 17, missing_key 1",
+                         folder / "quarantine.jsonl")
+    with pytest.raises(DataError) as e:  # the same gate on the reused folder
+        run_stage(p, "prepare_eval")
+    assert str(e.value) == expected
+    assert p.status("prepare_eval") == "complete"
+    assert run_stage(p, "prepare").cached

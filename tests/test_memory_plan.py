@@ -167,7 +167,7 @@ def test_longest_micro_batch_bounds_every_micro_batch_the_sampler_cuts():
 
 def test_over_budget_names_the_settings_that_fit_at_the_values_that_do(tmp_path):
     cfg = config(tmp_path, micro_batch_size=8, global_batch_size=16, packing=False)
-    gpu = mp.Device("cuda", "test GPU", 10 * mp.GIB)
+    gpu = mp.Device("cuda", "test GPU", 10 * mp.GIB, (9, 0))
     hf = SMOLLM2
     full = mp.for_config(cfg, hf, gpu)
     assert full.precision == "bf16" and full.fsdp and not full.keep_gathered
@@ -409,4 +409,5 @@ def test_the_plan_takes_precision_as_the_runtime_does_from_nvidia_smi(tmp_path, 
                    "exit 2;; esac\necho '0, Tesla V100, 16384'\n")
     device = mp.visible_device()
     assert (device.kind, device.name, device.capability) == ("cuda", "Tesla V100", None)
-    assert mp.for_config(cfg, SMOLLM2, device).precision == "bf16"  # unknown: assumed, as documented
+    # unknown: bf16 is not assumed native (core/precision.py), so the plan is fp32's, the larger
+    assert mp.for_config(cfg, SMOLLM2, device).precision == "fp32"

@@ -305,7 +305,8 @@ class DataConfig(_Section):
     strict: bool = Field(False, description="the first bad row is an error instead of being quarantined")
     max_bad_fraction: float | None = unhashed(
         None, ge=0, le=1, description="a data gate: prepare fails, before anything trains, when more than this "
-        "share of a training split's rows is quarantined; unset: any share is quarantined and counted")
+        "share of a training file's or split's rows is quarantined (prepare_eval: an eval set's), on a run and on "
+        "a cached folder; unset: any share is quarantined and counted")
     shard_rows: int = Field(50_000, ge=1)
     num_proc: int = unhashed(1, ge=1, description="tokenizing processes; the output is identical for any value")
     mix: dict[str, MixSource] = Field(default_factory=dict, description="weighted training sources; empty: "

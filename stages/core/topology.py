@@ -14,8 +14,11 @@ Torch-free: the config is resolved in the CLI before any stage imports torch, on
 launches torchrun. The GPUs come from nvidia-smi; where it is missing or lists none and the
 installed torch is a CUDA or ROCm build (read from torch's own version.py, not imported), torch
 itself is asked in a subprocess, so a machine whose torch sees a GPU never takes the CPU branch.
-A CPU build of torch sees no GPU whatever nvidia-smi lists. The simulated GPU machine of the tests
-(tests/fake_gpu.py) is a fake nvidia-smi on PATH plus `torch_build` answering "cuda".
+A CPU build of torch sees no GPU whatever nvidia-smi lists. CUDA_VISIBLE_DEVICES is applied as
+CUDA applies it (`resolve_visible`: indices, GPU UUIDs and unique prefixes, MIG device UUIDs, up to
+the first entry that names nothing), and a MIG device counts its own memory, not its GPU's
+(`_smi_gpus`). The simulated GPU machine of the tests (tests/fake_gpu.py) is a fake nvidia-smi on
+PATH plus `torch_build` answering "cuda".
 """
 
 from __future__ import annotations
@@ -36,16 +39,30 @@ __fingerprint__ = False  # how the work is spread never changes a result (unhash
 
 @dataclass(frozen=True)
 class GPU:
-    index: str  # as CUDA_VISIBLE_DEVICES names it
+    index: str  # as CUDA_VISIBLE_DEVICES names it: nvidia-smi's index; a MIG device: its MIG UUID
     name: str
-    bytes: int
+    bytes: int  # its own memory: a MIG device's slice, never its parent GPU's
     capability: tuple[int, int] | None = None  # compute capability; None: unknown (an old driver)
+    uuid: str | None = None  # "GPU-..."; a MIG device: "MIG-..." ("MIG-GPU-.../gi/ci" before driver R470)
+    slices: tuple[GPU, ...] = ()  # a GPU in MIG mode: its MIG devices, which CUDA enumerates instead of it
+    parent: str | None = None  # a MIG device: its GPU's UUID
+    instance: tuple[int, int] | None = None  # a MIG device: (GPU instance id, compute instance id), where known
+
+
+@dataclass(frozen=True)
+class Listing:
+    """What nvidia-smi says of the machine: every GPU (a GPU in MIG mode with its MIG devices), and the
+    driver's major version where it was read (only with MIG devices: CUDA's MIG rules depend on it)."""
+
+    gpus: tuple[GPU, ...] = ()
+    driver: int | None = None
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class Inventory:
     """The GPUs visible to this process (CUDA_VISIBLE_DEVICES applied), where that came from, and
-    a note when nvidia-smi and torch disagree."""
+    a note when nvidia-smi and torch disagree or CUDA_VISIBLE_DEVICES names what CUDA can't use."""
 
     gpus: tuple[GPU, ...]
     source: str  # "nvidia-smi" | "torch" | "none"
@@ -74,25 +91,126 @@ def _capability(text: str) -> tuple[int, int] | None:
     return (int(parts[0]), int(parts[1])) if len(parts) == 2 and all(p.isdigit() for p in parts) else None
 
 
+# the --query-gpu fields, asked in this order until one answers: compute_cap needs a driver from 2021
+# or later; a tool answering only the older fields without uuid (no GPU UUIDs to match) is still read
+QUERIES = ("index,uuid,name,memory.total,compute_cap", "index,uuid,name,memory.total",
+           "index,name,memory.total,compute_cap", "index,name,memory.total")
+
+
+def parse_query(out: str, fields: str) -> tuple[GPU, ...]:
+    """`nvidia-smi --query-gpu=FIELDS --format=csv,noheader,nounits` (FIELDS one of QUERIES) as GPUs;
+    () when the reply doesn't have those fields (an error, or a driver that lacks one)."""
+    names = fields.split(",")
+    rows = [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.count(",") == len(names) - 1]
+    gpus = []
+    for row in rows:
+        r = dict(zip(names, row))
+        if not (r["index"].isdigit() and r["memory.total"].isdigit()) or not r.get("uuid", "GPU-").startswith("GPU-"):
+            return ()
+        gpus.append(GPU(r["index"], r["name"], int(r["memory.total"]) * 1024 ** 2,
+                        _capability(r["compute_cap"]) if "compute_cap" in r else None, r.get("uuid")))
+    return tuple(gpus)
+
+
+_L_GPU = re.compile(r"^GPU (\d+): (.*?) \(UUID: (GPU-[^)\s]+)\)\s*$")
+_L_MIG = re.compile(r"^\s+MIG (\S+)\s+Device\s+(\d+): \(UUID: (MIG-[^)\s]+)\)\s*$")
+_LEGACY_MIG = re.compile(r"^MIG-(GPU-[0-9A-Fa-f-]+)/(\d+)/(\d+)$")  # drivers before R470
+
+
+def parse_list(out: str) -> list[tuple[str, str, str, list[tuple[str, int, str]]]]:
+    """`nvidia-smi -L`: (index, name, GPU UUID, [(MIG profile, MIG device index, MIG UUID)]) per GPU,
+    e.g. `GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-...)` then `  MIG 3g.40gb     Device  0: (UUID: MIG-...)`
+    (`MIG-GPU-<gpu uuid>/<gi>/<ci>` from drivers before R470)."""
+    gpus: list[tuple[str, str, str, list[tuple[str, int, str]]]] = []
+    for line in out.splitlines():
+        if m := _L_GPU.match(line):
+            gpus.append((m.group(1), m.group(2), m.group(3), []))
+        elif (m := _L_MIG.match(line)) and gpus:
+            gpus[-1][3].append((m.group(1), int(m.group(2)), m.group(3)))
+    return gpus
+
+
+def parse_xml(out: str) -> tuple[int | None, dict[str, dict[int, dict]]]:
+    """`nvidia-smi -q -x`: the driver's major version, and per GPU UUID its MIG devices by index (the
+    `Device N` of `-L`): {"instance": (gi, ci), "mib": the slice's own memory.total or None, "uuid"
+    where the driver writes one}; (None, {}) for anything that isn't that XML."""
+    import xml.etree.ElementTree as ET
+    try:
+        root = ET.fromstring(out)
+    except ET.ParseError:
+        return None, {}
+
+    def number(text: str | None) -> int | None:
+        m = re.match(r"\s*(\d+)", text or "")
+        return int(m.group(1)) if m else None
+    driver = number(root.findtext("driver_version"))
+    found: dict[str, dict[int, dict]] = {}
+    for gpu in root.iter("gpu"):
+        migs = {}
+        for d in gpu.findall("mig_devices/mig_device"):
+            index, gi, ci = (number(d.findtext(k)) for k in ("index", "gpu_instance_id", "compute_instance_id"))
+            if index is not None:
+                migs[index] = {"instance": (gi, ci) if gi is not None and ci is not None else None,
+                               "mib": number(d.findtext("fb_memory_usage/total")),
+                               "uuid": (d.findtext("uuid") or "").strip() or None}
+        found[(gpu.findtext("uuid") or "").strip()] = migs
+    return driver, found
+
+
+def profile_bytes(profile: str) -> int | None:
+    """A MIG profile's nominal memory (`1g.10gb`, `1c.3g.40gb`, `1g.10gb+me`) in decimal gigabytes:
+    at or below the slice's real size on the A100/H100/H200 profiles (a 1g.10gb of an A100-80GB has
+    9.5 GiB, 10.2e9 bytes), so the memory plan errs on the refusing side where the XML is missing."""
+    m = re.search(r"(\d+)g\.(\d+)gb", profile)
+    return int(m.group(2)) * 10 ** 9 if m else None
+
+
+def _smi(smi: str, *args: str) -> str:
+    try:
+        return subprocess.run([smi, *args], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 @lru_cache(maxsize=None)
-def _smi_gpus(path: str | None = None) -> tuple[GPU, ...]:
-    """Every GPU nvidia-smi lists (index, name, memory, compute capability), CUDA_VISIBLE_DEVICES not applied."""
+def _smi_gpus(path: str | None = None) -> Listing:
+    """Every GPU nvidia-smi lists (index, UUID, name, memory, compute capability; a GPU in MIG mode with
+    its MIG devices, each with its own memory), CUDA_VISIBLE_DEVICES not applied.
+
+    GPUs: `--query-gpu` (QUERIES). MIG devices: `-L` names them under their GPU (profile, UUID);
+    their memory and GPU/compute instance ids come from `-q -x` (each `<mig_device>`'s own
+    `fb_memory_usage/total`: `--query-gpu` reports the parent GPU's memory for a MIG device), asked
+    only when `-L` lists a MIG device; without it, the profile's nominal size (`profile_bytes`)."""
     smi = shutil.which("nvidia-smi", path=path)
     if not smi:
-        return ()
-    # compute_cap needs a driver from 2021 or later: without it, the same query less that field
-    for fields in ("index,name,memory.total,compute_cap", "index,name,memory.total"):
-        try:
-            out = subprocess.run([smi, f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=20).stdout
-        except (OSError, subprocess.SubprocessError):
-            out = ""
-        n = fields.count(",")
-        rows = [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.count(",") == n]
-        rows = [r for r in rows if r[2].isdigit()]
-        if rows:
-            return tuple(GPU(r[0], r[1], int(r[2]) * 1024 ** 2, _capability(r[3]) if n == 3 else None) for r in rows)
-    return ()
+        return Listing()
+    gpus: tuple[GPU, ...] = ()
+    for fields in QUERIES:
+        gpus = parse_query(_smi(smi, f"--query-gpu={fields}", "--format=csv,noheader,nounits"), fields)
+        if gpus:
+            break
+    if not gpus:
+        return Listing()
+    listed = {index: (uuid, migs) for index, _, uuid, migs in parse_list(_smi(smi, "-L"))}
+    driver, xml, notes = None, {}, []
+    if any(migs for _, migs in listed.values()):
+        driver, xml = parse_xml(_smi(smi, "-q", "-x"))
+        if not xml:
+            notes.append("nvidia-smi -q -x gave no MIG memory: each MIG device counts its profile's nominal "
+                         "size")
+    out = []
+    for g in gpus:
+        uuid, migs = listed.get(g.index, (g.uuid, []))
+        uuid = g.uuid or uuid
+        slices = []
+        for profile, k, mig_uuid in migs:
+            info = xml.get(uuid or "", {}).get(k, {})
+            legacy = _LEGACY_MIG.match(mig_uuid)
+            instance = info.get("instance") or ((int(legacy.group(2)), int(legacy.group(3))) if legacy else None)
+            size = info["mib"] * 1024 ** 2 if info.get("mib") else profile_bytes(profile) or g.bytes
+            slices.append(GPU(mig_uuid, f"{g.name} MIG {profile}", size, g.capability, mig_uuid, (), uuid, instance))
+        out.append(GPU(g.index, g.name, g.bytes, g.capability, uuid, tuple(slices)))
+    return Listing(tuple(out), driver, tuple(notes))
 
 
 _PROBE = ("import json, torch\n"
@@ -103,8 +221,9 @@ _PROBE = ("import json, torch\n"
 
 @lru_cache(maxsize=None)
 def _torch_gpus(visible: str | None) -> tuple[GPU, ...]:
-    """The GPUs torch itself sees (CUDA_VISIBLE_DEVICES applied by torch), asked in a subprocess so that
-    the CLI never imports torch or initializes CUDA; only where nvidia-smi can't tell."""
+    """The GPUs torch itself sees (CUDA_VISIBLE_DEVICES applied by torch, a MIG device with its own
+    memory), asked in a subprocess so that the CLI never imports torch or initializes CUDA; only where
+    nvidia-smi can't tell."""
     try:
         out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120).stdout
         rows = json.loads(out.strip().splitlines()[-1]) if out.strip() else []
@@ -113,29 +232,107 @@ def _torch_gpus(visible: str | None) -> tuple[GPU, ...]:
     return tuple(GPU(str(i), name, int(mem), (cap[0], cap[1])) for i, name, mem, cap in rows)
 
 
-def _visible(gpus: tuple[GPU, ...], visible: str | None) -> tuple[GPU, ...]:
+def _unique(entry: str, candidates: list[GPU], what: str) -> tuple[GPU | None, str]:
+    """The one candidate whose UUID starts with `entry` (CUDA accepts any unique prefix)."""
+    hits = [g for g in candidates if g.uuid and g.uuid.lower().startswith(entry.lower())]
+    if len(hits) == 1:
+        return hits[0], ""
+    return None, (f"'{entry}' matches no {what} nvidia-smi lists" if not hits else
+                  f"'{entry}' is not unique: it starts the UUIDs of {len(hits)} {what}s")
+
+
+def _match(gpus: tuple[GPU, ...], entry: str) -> tuple[GPU | None, str]:
+    """The GPU or MIG device a CUDA_VISIBLE_DEVICES entry names, else None and why."""
+    if entry.isdigit():
+        hit = next((g for g in gpus if g.index == str(int(entry))), None)
+        return hit, "" if hit else f"'{entry}' is no GPU index (nvidia-smi lists {len(gpus)}: 0-{len(gpus) - 1})"
+    upper = entry.upper()
+    if upper.startswith("GPU-"):
+        return _unique(entry, list(gpus), "GPU")
+    migs = [s for g in gpus for s in g.slices]
+    if upper.startswith("MIG-"):
+        if legacy := _LEGACY_MIG.match(entry):  # MIG-<GPU UUID>/<GPU instance>/<compute instance>
+            parent, why = _unique(legacy.group(1), list(gpus), "GPU")
+            want = (int(legacy.group(2)), int(legacy.group(3)))
+            hit = next((s for s in (parent.slices if parent else ()) if s.instance == want or s.uuid == entry), None)
+            return hit, "" if hit else why or f"'{entry}' matches no MIG device (GPU instance {want[0]}, compute " \
+                                              f"instance {want[1]}) nvidia-smi lists"
+        return _unique(entry, migs, "MIG device")
+    return None, f"'{entry}' is neither a GPU index, a GPU UUID nor a MIG device UUID"
+
+
+def resolve_visible(gpus: tuple[GPU, ...], visible: str | None,
+                    driver: int | None = None) -> tuple[tuple[GPU, ...], str | None]:
+    """The devices CUDA enumerates, in its order, from nvidia-smi's listing and CUDA_VISIBLE_DEVICES,
+    and a note of what it left out and why (None: nothing). CUDA's documented rules:
+
+      * CUDA_VISIBLE_DEVICES unset: every GPU. Set: comma-separated entries, each a GPU index, a GPU
+        UUID (`GPU-...`, or any prefix of it that starts one GPU's UUID only) or a MIG device UUID
+        (`MIG-...`, or `MIG-<GPU UUID>/<GPU instance id>/<compute instance id>` before driver R470);
+        the devices are enumerated in the order named, each once; the first entry that names nothing
+        ends the list: CUDA sees only the devices named before it (`0,2,-1,1`: 0 and 2).
+      * A GPU in MIG mode is not a CUDA device itself: CUDA enumerates its MIG devices. From driver
+        R570 one compute instance per GPU instance (the first named), beside whole GPUs; before
+        R570 (and where the driver is unknown) a process enumerates one MIG device only, the first,
+        and no whole GPU beside it.
+    Each MIG device has its own memory (`GPU.bytes`) and its GPU's compute capability."""
+    notes = []
     if visible is None:
-        return gpus
-    wanted = [v.strip() for v in visible.split(",") if v.strip()]
-    if wanted and all(v.isdigit() for v in wanted):
-        by_index = {g.index: g for g in gpus}
-        return tuple(by_index[v] for v in wanted if v in by_index)
-    return gpus[:len(wanted)]  # UUIDs or MIG names: as many as named
+        named = list(gpus)
+    else:
+        named = []
+        for entry in visible.split(","):
+            hit, why = _match(gpus, entry.strip())
+            if hit is None:
+                before = (f"only the {len(named)} device{'s' if len(named) > 1 else ''} named before it"
+                          if named else "no GPU")
+                notes.append(f"CUDA_VISIBLE_DEVICES={visible}: {why}; CUDA stops at the first entry it can't "
+                             f"match, so this process sees {before}")
+                break
+            named.append(hit)
+    devices: list[GPU] = []
+    for d in named:
+        for each in d.slices or (d,):
+            if each not in devices:
+                devices.append(each)
+    if any(d.parent for d in devices):
+        if driver is not None and driver >= 570:
+            kept, seen = [], set()
+            for d in devices:
+                key = (d.parent, d.instance[0]) if d.parent and d.instance else None
+                if key is None or key not in seen:
+                    kept.append(d)
+                    seen.add(key)
+            if len(kept) < len(devices):
+                notes.append("CUDA enumerates one compute instance per MIG GPU instance: "
+                             f"{len(devices) - len(kept)} MIG device{'s' if len(devices) - len(kept) > 1 else ''} "
+                             "sharing a GPU instance with an earlier one left out")
+        else:
+            kept = [next(d for d in devices if d.parent)]
+            if len(devices) > 1:
+                notes.append(f"driver {f'R{driver}' if driver else 'version unknown'}: before R570 CUDA enumerates "
+                             f"a single MIG device per process and no other GPU beside it: only {kept[0].uuid} "
+                             f"({kept[0].name}) of {len(devices)}")
+        devices = kept
+    return tuple(devices), "; ".join(notes) or None
 
 
 def inventory() -> Inventory:
-    """The GPUs this process may train on."""
+    """The GPUs this process may train on (`resolve_visible`: CUDA's rules on nvidia-smi's listing)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return Inventory((), "none")
     build = torch_build()
-    smi = _visible(_smi_gpus(os.environ.get("PATH")), visible)
+    listing = _smi_gpus(os.environ.get("PATH"))
+    smi, note = resolve_visible(listing.gpus, visible, listing.driver)
     if build == "cpu":
         note = (f"nvidia-smi lists {len(smi)} GPU{'s' if len(smi) > 1 else ''}, but the installed torch is a "
                 "CPU build: training runs on the CPU; install a CUDA build of torch to use them") if smi else None
         return Inventory((), "none", note)
     if smi:
-        return Inventory(smi, "nvidia-smi")
+        return Inventory(smi, "nvidia-smi", "; ".join([*listing.notes, *([note] if note else [])]) or None)
+    if listing.gpus:  # nvidia-smi lists GPUs, CUDA_VISIBLE_DEVICES names none of them: CUDA sees none
+        return Inventory((), "none", note)
     if build in ("cuda", "rocm"):
         found = _torch_gpus(visible)
         if found:

@@ -8,8 +8,9 @@ into one piece per source (pieces.py: cached by content and settings, so only ne
 sources are tokenized). The folder is then assembled from the pieces in source order, one
 Arrow record batch at a time. Memory stays bounded by the chunks in flight plus one Arrow batch
 per split, and the output is identical for any `num_proc` and any mix of reused and new pieces.
-The data gate (data.max_bad_fraction) runs on the pieces' counts, before the folder is written;
-when it stops prepare, `<stage>/<fp>.rejected/quarantine.jsonl` keeps the quarantined rows.
+The data gate (data.max_bad_fraction) runs on the pieces' counts, before the folder is written,
+in prepare and prepare_eval alike; when it stops one, `<stage>/<fp>.rejected/quarantine.jsonl`
+keeps the quarantined rows. A reused folder is gated on its manifest's counts (run_stage).
 
 Output folder:
     train/shard-*.arrow, val/shard-*.arrow   prepared rows (see stages/chatdata/shards.py); val only when
@@ -17,7 +18,8 @@ Output folder:
     eval/<set>/shard-*.arrow                 each named eval set (eval.sets), rows as in val
     quarantine.jsonl                         every row not kept: file, line, split, reason, detail, raw
     preview.txt                              the first samples, trainable spans in [[...]]
-    manifest.json                            sources, counts by split and reason, tokens, trainable tokens
+    manifest.json                            sources (each with its rows read, kept and dropped by reason),
+                                             counts by split and reason, tokens, trainable tokens
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import tempfile
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, replace
-from fractions import Fraction
 from pathlib import Path
 from typing import Iterator
 
@@ -40,7 +41,8 @@ from stages.core.codeversion import code_version
 from stages.core.inputs import HUB_PREFIX
 from stages.runtime.mixture import epoch_samples
 from stages.core.config import SFTConfig, eval_split, mix_split
-from stages.core.errors import DataError, StageError
+from stages.core.errors import StageError
+from stages.core.quarantine import Check, breach, gate_error
 
 from .pieces import (Piece, PieceBuilder, PieceDamaged, SplitStats, clean_stale, open_piece, piece_key, pieces_root,
                      remove, strict_error, tokenizer_identity)
@@ -163,8 +165,8 @@ def run_prepare(cfg: SFTConfig, fp: str, model_path: str, part: str = "train", r
     Each source's rows come from its piece (pieces.py): reused when one with its key exists, else
     tokenized now (every missing source together, by up to data.num_proc processes) and kept for the
     next prepare. The folder is then assembled from the pieces in source order, byte-identical to
-    tokenizing every row here. With part "train" and data.max_bad_fraction set, the data gate runs
-    between the two (`check_bad_fraction`)."""
+    tokenizing every row here. With data.max_bad_fraction set, the data gate runs between the two
+    (`check_bad_fraction`), for the training data and the named eval sets alike."""
     started = time.time()
     tokenizer = load_tokenizer(model_path, cfg.actor.model.trust_remote_code)
     sources = plan_sources(cfg, part, replay_file)  # format detection fails here, before any output exists
@@ -176,8 +178,7 @@ def run_prepare(cfg: SFTConfig, fp: str, model_path: str, part: str = "train", r
     try:
         for attempt in (1, 2):
             pieces, reuse = source_pieces(cfg, sources, opts, tokenizer, scratch)
-            if part == "train":
-                check_bad_fraction(cfg, stage, fp, pieces, splits_of(cfg, part), sources)
+            check_bad_fraction(cfg, stage, fp, pieces, splits_of(cfg, part), sources)
             try:
                 return _assemble(cfg, fp, model_path, part, stage, sources, pieces, reuse, tokenizer, started)
             except PieceDamaged as e:  # unreadable past the checks open_piece makes: build it again, once
@@ -298,46 +299,55 @@ def _build(cfg: SFTConfig, sources: list[Source], todo: list[int], keys: list, d
 
 def check_bad_fraction(cfg: SFTConfig, stage: str, fp: str, pieces: list[Piece], splits: list[str],
                        sources: list[Source] | None = None) -> None:
-    """The data gate: a DataError when more than data.max_bad_fraction of any training file's rows, or
-    of the train split's (then the val split's), were quarantined. Per file too: a bad drop among a
-    long history would pass a split-wide share. The quarantine file it names is
-    `<artifacts>/<stage>/<fp>.rejected/quarantine.jsonl` (what the folder's quarantine.jsonl would have
-    held), kept until a prepare of this fingerprint succeeds; no stage folder is written."""
+    """The data gate: a DataError when more than data.max_bad_fraction of any source file's rows, or
+    of any split's (prepare: train, then val; prepare_eval: each named eval set's), were quarantined.
+    Per file too: a bad drop among a long history would pass a split-wide share. The quarantine file
+    it names is `<artifacts>/<stage>/<fp>.rejected/quarantine.jsonl` (what the folder's
+    quarantine.jsonl would have held), kept until a prepare of this fingerprint succeeds; no stage
+    folder is written. The same rule and line hold a reused folder (quarantine.check_folder)."""
     limit = cfg.data.max_bad_fraction
     if limit is None:
         return
-    bound = Fraction(repr(float(limit)))
-    checks: list[tuple[str, SplitStats]] = []
+    checks: list[Check] = []
     for piece, src in zip(pieces, sources or []):
-        if src.split in ("train", "auto", "val"):
-            st = SplitStats()
-            for split in piece.splits:
-                st.add(piece.stats(split))
-            checks.append((f"{src.ref}", st))
-    for split in ("train", "val"):
-        if split in splits:
-            st = SplitStats()
-            for p in pieces:
-                if split in p.splits:
-                    st.add(p.stats(split))
-            checks.append((f"the {split} split", st))
-    for what, st in checks:
-        bad = sum(st.dropped.values())
-        if st.rows_read == 0 or Fraction(bad, st.rows_read) <= bound:
-            continue
-        folder = rejected_dir(cfg, stage, fp)
-        tmp = folder.parent / f".{folder.name}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        with open(tmp / "quarantine.jsonl", "wb") as out:
-            for p in pieces:
-                p.copy_quarantine(out)
-        shutil.rmtree(folder, ignore_errors=True)
-        tmp.rename(folder)
-        reasons = ", ".join(f"{reason} {n}" for reason, n in st.dropped.most_common())
-        raise DataError(f"{stage}: {bad} of {st.rows_read} rows ({100 * bad / st.rows_read:.1f}%) in {what} "
-                        f"were quarantined, above data.max_bad_fraction={limit} ({reasons}); nothing was trained; "
-                        f"see {folder / 'quarantine.jsonl'}")
+        st = _whole(piece)
+        checks.append((src.ref, st.rows_read, st.dropped))
+    for split in splits:
+        st = SplitStats()
+        for p in pieces:
+            if split in p.splits:
+                st.add(p.stats(split))
+        checks.append((f"the {split} split", st.rows_read, st.dropped))
+    found = breach(checks, limit)
+    if found is None:
+        return
+    folder = rejected_dir(cfg, stage, fp)
+    tmp = folder.parent / f".{folder.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    with open(tmp / "quarantine.jsonl", "wb") as out:
+        for p in pieces:
+            p.copy_quarantine(out)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    raise gate_error(stage, found, limit, folder / "quarantine.jsonl")
+
+
+def _whole(piece: Piece) -> SplitStats:
+    """One source's counts over its splits (an `auto` source's train and val): what the gate checks
+    per file, and what the manifest keeps of each source for the gate on a reused folder."""
+    st = SplitStats()
+    for split in piece.splits:
+        st.add(piece.stats(split))
+    return st
+
+
+def _source_entry(src: Source, piece: Piece) -> dict:
+    """A source in the manifest: what it is, and its counts over its splits (the data gate checks them
+    per file when the folder is reused: quarantine.folder_checks)."""
+    st = _whole(piece)
+    return {**{k: v for k, v in src.__dict__.items() if k != "columns"},
+            "rows_read": st.rows_read, "rows_kept": st.rows_kept, "dropped": dict(sorted(st.dropped.items()))}
 
 
 def rejected_dir(cfg: SFTConfig, stage: str, fp: str) -> Path:
@@ -389,7 +399,7 @@ def _assemble(cfg: SFTConfig, fp: str, model_path: str, part: str, stage: str, s
         metrics.update(rows_kept=sum(st.rows_kept for st in stats.values()),
                        rows_dropped=sum(sum(st.dropped.values()) for st in stats.values()))
     build.commit({"metrics": metrics, "splits": splits, "model_path": model_path, "mix": mix,
-                  "sources": [{k: v for k, v in s.__dict__.items() if k != "columns"} for s in sources],
+                  "sources": [_source_entry(s, p) for s, p in zip(sources, pieces)],
                   "inputs": {s: [x.ref for x in sources
                                  if x.split == s or (x.split == "auto" and s in ("train", "val"))]
                              for s in splits},

@@ -335,15 +335,20 @@ def largest_fitting(lo: int, hi: int, fits_at) -> int | None:
 
 
 def visible_device() -> Device:
-    """The first GPU this process may train on (`core.topology.inventory`: nvidia-smi, or torch where
-    nvidia-smi can't tell; no torch import here, planning runs in the CLI), with how many there are;
-    else the CPU, with the machine's RAM or its cgroup's limit when smaller."""
+    """The GPUs this process may train on, as the least of them (`core.topology.inventory`: nvidia-smi,
+    or torch where nvidia-smi can't tell; no torch import here, planning runs in the CLI), with how many
+    there are; else the CPU, with the machine's RAM or its cgroup's limit when smaller."""
     import os
 
     from stages.core.topology import inventory, torch_build
     gpus = inventory().gpus
     if gpus:
-        return Device("cuda", gpus[0].name, gpus[0].bytes, gpus[0].capability, len(gpus), torch_build() == "rocm")
+        # the plan must hold on every device a rank may get (a 1g.10gb MIG slice beside a 3g.40gb one, an
+        # L4 beside an H100): the smallest memory, the lowest compute capability
+        small = min(gpus, key=lambda g: g.bytes)
+        caps = [g.capability for g in gpus]
+        cap = None if None in caps else min(caps)
+        return Device("cuda", small.name, small.bytes, cap, len(gpus), torch_build() == "rocm")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         limit = open("/sys/fs/cgroup/memory.max").read().strip()
