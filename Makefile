@@ -6,7 +6,7 @@ CONFIG  ?= configs/default.yaml
 ARGS    ?=
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: run test test-fast lint ui prefect-ui serve-model serve install clean
+.PHONY: run test test-fast test-min-versions lint ui prefect-ui serve-model serve install clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,23 @@ test: lint
 # The fast tier while you work: in-process, no torchrun, no servers (under 2 minutes).
 test-fast: lint
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+
+# The oldest versions pyproject.toml admits: tests/min_versions.py pins each direct dependency at its lower
+# bound (a pip constraints file), installed in a fresh venv of its own (everything else at its newest that
+# fits, as a user would get); then the fast tier, and the generation, loss and GGUF export files whole (their
+# slow tests too). ~10 min on 2 cores (install ~1.5 with pip's cache warm, fast tier ~7.5); the main venv has
+# the newest versions.
+VENV_MIN ?= .venv-min
+MIN_FILES := tests/test_generation_exact.py tests/test_loss.py tests/test_export_gguf.py
+test-min-versions:
+	rm -rf $(VENV_MIN)
+	$(PY) -m venv $(VENV_MIN)
+	$(VENV_MIN)/bin/pip install -q --upgrade pip
+	$(VENV_MIN)/bin/python tests/min_versions.py --constraints $(VENV_MIN)/constraints.txt
+	timeout 900 $(VENV_MIN)/bin/pip install -q -c $(VENV_MIN)/constraints.txt -e '.[dev]'
+	$(VENV_MIN)/bin/python tests/min_versions.py --check $(VENV_MIN)/constraints.txt
+	timeout 1500 $(VENV_MIN)/bin/python -m pytest -q -p no:cacheprovider -m "not slow" $(ARGS)
+	timeout 600 $(VENV_MIN)/bin/python -m pytest -q -p no:cacheprovider -m slow $(MIN_FILES) $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check stages flows tests bench data

@@ -118,8 +118,15 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_tests:
             # -m gpu: they skip on a CPU machine, so the dry run checks the command and the collection
             cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_gpu.py"]
+            os.environ["SFTFLOW_GPU_CHECK_OUT"] = str(out)  # the generation test's differing share lands there
             status, secs = run_part("tests", cmd, min(TESTS_SHARE * budget, deadline - time.monotonic()), log)
             parts.append({"part": "pytest -m gpu", "status": status, "seconds": round(secs)})
+            gen = out / "generation.json"
+            if gen.is_file():
+                g = json.loads(gen.read_text())
+                parts.append({"part": "the stage's generation vs one `model.generate` per prompt: " + ", ".join(
+                    f"{p} {v['differ']} of {v['total']} replies differ" for p, v in g.items() if isinstance(v, dict)),
+                    "status": "ok", "seconds": 0})
         # the first command on this machine: the demo through its stages, one process per GPU it can use
         demo_out = out / "demo"
         if args.skip_demo:

@@ -296,7 +296,8 @@ def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg
     dev = launch["device"]
     where = (f"{dev['count']} x {dev['name']}" + (f" (compute {dev['capability']})" if dev["capability"] else "")
              if dev["kind"] == "cuda" else "the CPU")
-    console.print(f"on {escape(where)}: {launch['backend']}, {escape(launch['precision_why'])}; attention "
+    console.print(f"on {escape(where)}: {launch['backend']}, {escape(launch['precision_why'])}; evaluation in "
+                  f"{launch['eval_precision']} (eval.precision); attention "
                   f"{launch['attn_implementation'] or '-'}" + (f" ({escape(dev['note'])})" if dev["note"] else ""),
                   highlight=False)
     _memory_table(p)

@@ -305,7 +305,8 @@ def launch_report(p: Plan, device: memory_plan.Device | None = None, memory: boo
                    "capability": ".".join(map(str, device.capability)) if device.capability else None,
                    "source": inv.source, "note": inv.note},
         "nproc_per_node": a.nproc_per_node, "topology": a.topology, "backend": backend(device.kind),
-        "precision": precision, "precision_why": device.precision_why(a.precision), "attn_implementation": None,
+        "precision": precision, "precision_why": device.precision_why(a.precision),
+        "eval_precision": device.precision(p.cfg.eval.precision), "attn_implementation": None,
         "train_devices": [f"cuda:{rank_gpu(r, device.count)}" if device.kind == "cuda" else "cpu"
                           for r in range(a.nproc_per_node)],
         "eval_devices": [f"cuda:{rank_gpu(r, device.count, shared=True)}" if device.kind == "cuda" else "cpu"

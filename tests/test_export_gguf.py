@@ -116,7 +116,7 @@ def llama_dir(tmp_path_factory) -> Path:
     hf_tok.save_pretrained(out)
     config = LlamaConfig(vocab_size=len(hf_tok), hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+                         rms_norm_eps=1e-5, rope_theta=100000.0,  # v5 reads it into rope_parameters
                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
@@ -132,11 +132,14 @@ def folders(qwen2_dir, llama_dir) -> dict:
 
 
 def _reload(done):
-    """The exported model and tokenizer, as transformers' GGUF loader builds them."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The exported model, as transformers' GGUF loader builds it, and its tokenizer as sftflow reads a GGUF's
+    (transformers' with the eos token the file names: 4.x's reader takes another)."""
+    from transformers import AutoModelForCausalLM
+
+    from stages.models.gguf import gguf_tokenizer
     folder, name = str(done.gguf.parent), done.gguf.name
     return (AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval(),
-            AutoTokenizer.from_pretrained(folder, gguf_file=name))
+            gguf_tokenizer(done.gguf))
 
 
 def _original(folder: Path):
@@ -147,7 +150,19 @@ def _original(folder: Path):
 
 def _gguf_fields(path: Path) -> dict:
     reader = gguf.GGUFReader(str(path))
-    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    return {k: _contents(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def _contents(field):
+    """`ReaderField.contents()` (gguf >= 0.16); read from the field's parts as it does where the reader lacks it."""
+    if hasattr(field, "contents"):
+        return field.contents()
+    text = lambda part: part.tobytes().decode("utf-8")  # noqa: E731
+    if field.types[0] == gguf.GGUFValueType.ARRAY:
+        if field.types[-1] == gguf.GGUFValueType.STRING:
+            return [text(field.parts[i]) for i in field.data]
+        return [v for i in field.data for v in field.parts[i].tolist()]
+    return text(field.parts[-1]) if field.types[0] == gguf.GGUFValueType.STRING else field.parts[-1].tolist()[0]
 
 
 def _logit_error(model_a, model_b, tok, prompts) -> float:

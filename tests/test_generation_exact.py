@@ -114,7 +114,8 @@ def test_every_family_replies_as_one_prompt_at_a_time(family, tok, monkeypatch):
         and not layer_types)
     if not windowed:
         assert merges, f"{family}: no slot was refilled"
-        assert all(s is not None and s[1] >= 10 for s in shared), f"{family}: the system prompt was not shared"
+        assert shared and all(s is not None and s[1] >= 10 for s in shared), \
+            f"{family}: the system prompt was not shared"
 
 
 def test_prompts_without_a_shared_prefix(tok):
@@ -154,3 +155,64 @@ def test_no_prompts_and_one_prompt(tok):
     want = one_at_a_time(model, tok, PROMPTS[:1], NEW_TOKENS)
     assert generate(model, tok, PROMPTS[:1], NEW_TOKENS, 4) == [
         {k: want[0][k] for k in ("text", "new_tokens", "stopped")}]
+
+
+def prompt_ids(tok, prompt) -> list[int]:
+    """The prompt's tokens as `generate` makes them."""
+    return tok(tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True),
+               add_special_tokens=False)["input_ids"]
+
+
+def naive_fp32_head(model, tok, prompts, max_new_tokens) -> list[list[int]]:
+    """The reference of the fp32-head rule: per prompt, no cache and no batch, the whole sequence
+    forwarded at every step; the next token is the argmax of the last hidden state (after the final
+    norm) times the head's weights, both in fp32."""
+    stops = set(stop_ids(model, tok))
+    head = model.get_output_embeddings()
+    weight = head.weight.detach().float()
+    out = []
+    for p in prompts:
+        ids, reply = prompt_ids(tok, p), []
+        with torch.no_grad():
+            while len(reply) < max_new_tokens:
+                hidden = model(input_ids=torch.tensor([ids + reply]), output_hidden_states=True).hidden_states[-1]
+                t = int(torch.nn.functional.linear(hidden[0, -1].float(), weight).argmax())
+                reply.append(t)
+                if t in stops:
+                    break
+        out.append(reply)
+    return out
+
+
+@pytest.mark.parametrize("family", list(families_check.FAMILIES))
+def test_the_fp32_head_is_the_models_own_argmax_in_fp32(family, tok):
+    """The head split from the body (`generation.Fp32Head`) picks what the whole model picks: forced
+    onto an fp32 model, its replies are `model.generate`'s one prompt at a time (Gemma2's soft cap and
+    Cohere's logit scale come after the head and never move an argmax)."""
+    model = tiny_family(family, tok)
+    assert generation.Fp32Head.of(model) is None  # an fp32 model's head is fp32 already
+    head = generation.Fp32Head(model.get_decoder(), model.get_output_embeddings())
+    want = with_early_stops(model, tok, PROMPTS)
+    ids = [prompt_ids(tok, p) for p in PROMPTS]
+    stops = set(stop_ids(model, tok))
+    for batch_size in (1, 4, len(PROMPTS)):
+        got = generation._decode(model, ids, stops, NEW_TOKENS, batch_size, head)
+        assert [g[:w["new_tokens"] + 1] for g, w in zip(got, want)] == [
+            (w["ids"] + [g[w["new_tokens"]]] if w["stopped"] else w["ids"]) for g, w in zip(got, want)], family
+        assert all(g[-1] in stops or len(g) == NEW_TOKENS for g in got)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_bf16_model_decodes_with_its_head_in_fp32(family, tok):
+    """In bf16 the loop picks every token through the fp32 head, at any batch size: its tokens are the
+    naive reference's (a full forward per step, the head in fp32), one prompt at a time."""
+    model = tiny_family(family, tok).to(torch.bfloat16)
+    assert generation.Fp32Head.of(model) is not None
+    want = naive_fp32_head(model, tok, PROMPTS, NEW_TOKENS)
+    ids = [prompt_ids(tok, p) for p in PROMPTS]
+    stops = set(stop_ids(model, tok))
+    for batch_size in (1, 3, len(PROMPTS)):
+        got = generation._decode(model, ids, stops, NEW_TOKENS, batch_size, generation.Fp32Head.of(model))
+        assert got == want, (family, batch_size)
+    replies = generate(model, tok, PROMPTS, NEW_TOKENS, 4)
+    assert [r["new_tokens"] for r in replies] == [len(w) - (w[-1] in stops) for w in want]

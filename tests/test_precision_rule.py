@@ -111,6 +111,23 @@ def test_show_json_says_what_torch_says_on_each_capability(tmp_path, gpu):
         assert proc.returncode == 0, proc.stderr[-2000:]
         launch = json.loads(proc.stdout)["launch"]
         seen[cap] = launch["precision"]
+        assert launch["eval_precision"] == "fp32"  # scoring stays fp32 unless eval.precision says otherwise
         assert launch["precision_why"].startswith(f"{seen[cap]}: auto, compute capability {cap[0]}.{cap[1]}")
     assert seen == expected
     assert [seen[c] for c in CAPABILITIES] == ["fp32", "fp32", "bf16", "bf16", "bf16"]
+
+
+@pytest.mark.parametrize("asked,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16), ("auto", torch.float32)])
+def test_evaluation_scores_in_eval_precision_whatever_training_used(tmp_path, asked, dtype):
+    """evaluate, baseline and champion load the scored model in `eval.precision` (fp32 by default, also
+    when training ran in bf16), so every model of a comparison is scored alike."""
+    from conftest import base_model, tiny_config_dict
+    from stages.core.config import config_from_dict
+    from stages.evaluate.runner import load_model
+    raw = tiny_config_dict(tmp_path)
+    raw["actor"]["precision"] = "bf16"
+    raw.setdefault("eval", {})["precision"] = asked
+    cfg = config_from_dict(raw)
+    folder = base_model(cfg)
+    model, _ = load_model(cfg, {"kind": "hf", "path": folder}, folder, torch.device("cpu"))
+    assert next(model.parameters()).dtype == dtype

@@ -133,7 +133,7 @@ EVERY = 1 if os.environ.get("SFTFLOW_ALL_PROMPTS") == "1" else 24
 def test_smollm2_replies_are_those_of_one_prompt_at_a_time(quickstart):
     """The decode loop on the real model and the quickstart's own eval sets, at its 48 new tokens:
     the replies equal one `model.generate` per prompt, at the quickstart's batch size and at 4 (rows
-    leave, freed slots are refilled, the system prompt is shared)."""
+    leave, freed slots are refilled, the system prompt is shared), but for `allowed_flips` near-ties."""
     from stages.chatdata.readers import prompt_and_reference
     from stages.models.base import resolve_model
     from stages.runtime.generation import generate, load
@@ -156,7 +156,14 @@ def test_smollm2_replies_are_those_of_one_prompt_at_a_time(quickstart):
             ours = _loop_tokens(model, tok, prompts, batch_size, quick["max_new_tokens"])
             for i in diff:
                 _a_near_tie_flipped(model, tok, prompts[i], ours[i], reference[i]["ids"])
-        assert len(diff) <= max(1, len(prompts) // 50), (batch_size, diff)
+        assert len(diff) <= allowed_flips(len(prompts)), (batch_size, diff)
+
+
+def allowed_flips(n: int) -> int:
+    """How many of `n` replies may differ, each a checked near-tie: 1 in 50, rounded up (1 of the 13
+    sampled prompts, 7 of all 303). A flip is a near-tie the reference itself nearly took (its two best
+    logits within NEAR_TIE), never a wrong mask or position, which move logits by whole units."""
+    return -(-n // 50)
 
 
 # The largest gap between the reference's best and second logit that batching's rounding may flip

@@ -434,6 +434,11 @@ HARNESS_KEYS = ("task", "num_fewshot", "limit", "chat_template", "metric", "filt
 class EvalConfig(_Section):
     max_new_tokens: int = Field(64, ge=1)
     batch_size: int = Field(16, ge=1)
+    precision: Literal["fp32", "bf16", "auto"] = Field(
+        "fp32", description="what evaluate, baseline and champion score in. fp32: replies and accuracy do not "
+                            "depend on eval.batch_size or the process count; bf16 (auto: where the device computes "
+                            "it natively, as actor.precision) is faster, but its greedy replies follow the batch's "
+                            "rounding (docs/evaluation.md, 'Replies, batch size and precision')")
     max_samples: int = Field(0, description="<= 0: every held-out sample; else this many, spread evenly over the set")
     eval_base: bool = Field(True, description="also score the untrained base model (base_accuracy)")
     scorer: str = Field("exact", description="exact | normalized | contains | regex | numeric | 'pkg.module:fn'")

@@ -34,11 +34,13 @@ def resolve(requested: str, kind: str, capability: tuple[int, int] | None = None
     return "bf16" if native_bf16(kind, capability, rocm) else "fp32"
 
 
-def why(requested: str, kind: str, capability: tuple[int, int] | None = None, rocm: bool = False) -> str:
-    """One line for `sftflow show`, train.log and the stage logs: which precision runs and why."""
+def why(requested: str, kind: str, capability: tuple[int, int] | None = None, rocm: bool = False,
+        key: str = "actor.precision") -> str:
+    """One line for `sftflow show`, train.log and the stage logs: which precision runs and why (`key`:
+    the config key `requested` came from)."""
     chosen = resolve(requested, kind, capability, rocm)
     if requested != "auto":
-        return f"{chosen}: actor.precision={requested} (set in the config)"
+        return f"{chosen}: {key}={requested} (set in the config)"
     if kind != "cuda":
         return f"{chosen}: auto on CPU"
     if rocm:

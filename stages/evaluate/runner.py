@@ -69,7 +69,7 @@ def load_model(cfg: SFTConfig, ref: dict, base_model: str, device: torch.device)
         model = model.merge_and_unload()
     is_hf = isinstance(model, PreTrainedModel)
     model.to(device)
-    if is_hf and choose_precision(cfg.actor.precision, device) == "bf16":
+    if is_hf and choose_precision(cfg.eval.precision, device) == "bf16":
         model.to(torch.bfloat16)
     model.eval()
     tok = None
@@ -211,7 +211,7 @@ def evaluate_spec(spec: EvalSpec) -> dict:
             for s in sets}
     out = Path(spec.out_dir)
     per_set: dict[str, dict] = {s: {} for s in sets}
-    log(f"evaluate: precision {precision_why(cfg.actor.precision, device)}")
+    log(f"evaluate: precision {precision_why(cfg.eval.precision, device, 'eval.precision')}")
     for name, ref in spec.models.items():
         model, tok = load_model(cfg, ref, spec.base_model, device)
         records: list[dict] = []

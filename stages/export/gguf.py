@@ -377,6 +377,21 @@ def portable_template(template: str) -> str:
     return _GEN_CLOSE.sub(r"{%\1 endif \2%}", _GEN_OPEN.sub(r"{%\1 if true \2%}", template))
 
 
+def saved_template(folder: Path) -> str | list[dict] | None:
+    """The chat template transformers saves beside tokenizer_config.json (`chat_template.jinja`, plus
+    `additional_chat_templates/*.jinja`; `chat_template.json` before), read as gguf-py's `SpecialVocab`
+    reads it since gguf 0.18 (older ones read tokenizer_config.json's `chat_template` only)."""
+    jinja, as_json = folder / "chat_template.jinja", folder / "chat_template.json"
+    if jinja.is_file():
+        default = jinja.read_text(encoding="utf-8")
+        more = sorted((folder / "additional_chat_templates").glob("*.jinja"))
+        return [{"name": "default", "template": default}] + [
+            {"name": p.stem, "template": p.read_text(encoding="utf-8")} for p in more] if more else default
+    if as_json.is_file():
+        return json.loads(as_json.read_text(encoding="utf-8")).get("chat_template")
+    return None
+
+
 def adds_specials(tok) -> tuple[bool, bool]:
     """(add_bos, add_eos): what the Hugging Face tokenizer does to text it encodes with special tokens."""
     bare = tok.encode("Hello world", add_special_tokens=False)
@@ -448,6 +463,8 @@ def export_gguf(src: Path | str, out: Path | str, type_: str = "f16", name: str 
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(folder))
     special = gguf.SpecialVocab(folder, load_merges=True)
+    if special.chat_template is None:
+        special.chat_template = saved_template(folder)
     template = special.chat_template
     if isinstance(template, list):  # named templates: the default one
         template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])

@@ -56,8 +56,10 @@ def build_tiny_chat(out: Path, corpus: list[Path], *, vocab_size: int, seed: int
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_corpus_texts(corpus, fmt, columns), trainer=trainer)
+    # no token_type_ids (transformers 4.x's default adds them, and `generate` refuses what a decoder doesn't take)
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                     bos_token=None, unk_token=None, model_max_length=arch["max_position_embeddings"])
+                                     bos_token=None, unk_token=None, model_max_length=arch["max_position_embeddings"],
+                                     model_input_names=["input_ids", "attention_mask"])
     hf_tok.chat_template = CHATML_TEMPLATE
     hf_tok.save_pretrained(out)
 

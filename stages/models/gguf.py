@@ -130,14 +130,37 @@ def gguf_file(model_path: str, sha256: str | None, root: Path, say=to_stderr) ->
     return Path(model_path).expanduser().resolve()
 
 
+def gguf_tokenizer(src: Path):
+    """The GGUF's tokenizer as transformers builds it, with the eos token and the bos / eos adding the file
+    names (`tokenizer.ggml.eos_token_id`, `add_bos_token`, `add_eos_token`): transformers 4.x's reader gives
+    Qwen2 its class's eos (`<|endoftext|>`), Llama the bos token as eos, and Llama's class default of adding bos."""
+    from gguf import GGUFReader
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    fields = GGUFReader(str(src)).fields
+
+    def value(key: str):
+        field = fields.get(f"tokenizer.ggml.{key}")
+        return None if field is None else field.parts[field.data[0]][0].item()
+
+    eos = value("eos_token_id")
+    if eos is not None and tok.convert_ids_to_tokens(int(eos)) not in (None, tok.eos_token):
+        tok.eos_token = tok.convert_ids_to_tokens(int(eos))
+    for kind in ("bos", "eos"):
+        adds = value(f"add_{kind}_token")
+        if adds is not None and hasattr(tok, f"add_{kind}_token") and getattr(tok, f"add_{kind}_token") != bool(adds):
+            setattr(tok, f"add_{kind}_token", bool(adds))
+    return tok
+
+
 def convert_gguf(src: Path, dest: Path, say=to_stderr) -> dict:
     """Writes a Hugging Face folder (fp32 safetensors, tokenizer, chat template) for `src` into `dest`."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     say(f"converting {src.name} to a Hugging Face folder (dequantized to fp32)")
     try:
-        tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+        tok = gguf_tokenizer(src)
         loaded = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
     except Exception as e:  # noqa: BLE001 - any failure of the library is reported as one line
         raise StageError(f"actor.model.model_path: transformers could not load '{src}' "

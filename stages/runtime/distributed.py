@@ -48,9 +48,9 @@ def choose_precision(requested: str, device: torch.device) -> str:
     return precision.on_device(requested, device)
 
 
-def precision_why(requested: str, device: torch.device) -> str:
+def precision_why(requested: str, device: torch.device, key: str = "actor.precision") -> str:
     """The line the stage logs say: which precision runs here and why."""
-    return precision.why(requested, *precision.device_facts(device))
+    return precision.why(requested, *precision.device_facts(device), key=key)
 
 
 def gather(obj) -> list:

@@ -79,13 +79,15 @@ def _reply(tok, ids: list[int], stops) -> dict:
 
 @torch.no_grad()
 def generate(model, tok, prompts: list[list[dict]], max_new_tokens: int, batch_size: int,
-             loop: str = "auto") -> list[dict]:
+             loop: str = "auto", fp32_head: bool = True) -> list[dict]:
     """Greedy replies for chat prompts, in their order; special tokens stripped.
 
     Each reply ends at its first stop token (eos or the template's end-of-turn marker), which is
     neither decoded nor counted: `new_tokens` is the reply's length in tokens. At most
     `batch_size` prompts decode together. `loop`: "auto" (ours where it applies), "generate"
-    (`model.generate` per left-padded batch in the input order: the former path, kept to compare)."""
+    (`model.generate` per left-padded batch in the input order: the former path, kept to compare).
+    A bf16 or fp16 model picks each token with its output head in fp32 (`Fp32Head`; `fp32_head=False`:
+    the model's own logits, to measure what that rule changes)."""
     if not prompts:
         return []
     tok.padding_side = "left"
@@ -96,7 +98,8 @@ def generate(model, tok, prompts: list[list[dict]], max_new_tokens: int, batch_s
     if loop == "generate" or max_new_tokens < 1 or not _own_loop_applies(model):
         return _with_generate(model, tok, texts, stops, max_new_tokens, batch_size)
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    tokens = _decode(model, ids, set(stops), max_new_tokens, max(1, batch_size))
+    head = Fp32Head.of(model) if fp32_head else None
+    tokens = _decode(model, ids, set(stops), max_new_tokens, max(1, batch_size), head)
     return [_reply(tok, t, stops) for t in tokens]
 
 
@@ -134,8 +137,47 @@ def _new_cache(model):
     return DynamicCache(config=model.config.get_text_config(decoder=True))
 
 
-def _forward(model, cache, ids, mask, pos):
-    """One forward of `ids` [rows, n] after `cache`; the argmax of each row's last logits."""
+class Fp32Head:
+    """The argmax of the next token with the output head computed in fp32, for a model that computes
+    in bf16 or fp16: its decoder body runs as it is, and the last hidden state goes through an fp32
+    copy of the head's weights. bf16 logits hold 8 significant bits (0.125 apart near 20), so a
+    reduced-precision head makes exact ties common and the argmax among them then follows the
+    rounding of whichever batch the row decoded in (docs/evaluation.md, "Replies and batch size").
+    The model's own post-head transforms (Gemma2's soft cap, Cohere's logit scale) are monotone and
+    leave the argmax alone. `of(model)` is None where it does not apply: an fp32 model (its head
+    is fp32 already) or a model without the decoder/head split."""
+
+    def __init__(self, body, head: torch.nn.Linear):
+        self.body = body
+        self.cache_name = _cache_name(body)
+        self.weight = head.weight.detach().float()
+        self.bias = None if head.bias is None else head.bias.detach().float()
+
+    @classmethod
+    def of(cls, model) -> "Fp32Head | None":
+        if next(model.parameters()).dtype == torch.float32:
+            return None
+        get_body, get_head = getattr(model, "get_decoder", None), getattr(model, "get_output_embeddings", None)
+        body, head = (get_body() if get_body else None), (get_head() if get_head else None)
+        if body is None or body is model or not isinstance(head, torch.nn.Linear):
+            return None
+        params = inspect.signature(body.forward).parameters
+        if not {"input_ids", "attention_mask", "position_ids"} <= set(params) or _cache_name(body) is None:
+            return None
+        return cls(body, head)
+
+    def argmax(self, cache, ids, mask, pos) -> torch.Tensor:
+        out = self.body(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                        **{self.cache_name: cache})
+        last = out.last_hidden_state[:, -1].float()
+        return torch.nn.functional.linear(last, self.weight, self.bias).argmax(-1)
+
+
+def _forward(model, cache, ids, mask, pos, head: Fp32Head | None = None):
+    """One forward of `ids` [rows, n] after `cache`; the argmax of each row's last logits (through
+    `head` when given)."""
+    if head is not None:
+        return head.argmax(cache, ids, mask, pos)
     kw = {_cache_name(model): cache}
     # the last position's logits only, as `generate` asks
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
@@ -144,7 +186,7 @@ def _forward(model, cache, ids, mask, pos):
     return out.logits[:, -1, :].float().argmax(-1)
 
 
-def _prefill(model, rows: list[list[int]], prefix=None):
+def _prefill(model, rows: list[list[int]], prefix=None, head: Fp32Head | None = None):
     """Left-padded prefill of `rows` in a fresh cache: (cache, 2D mask, next tokens, last positions).
     Positions count real tokens (`generate`'s cumsum of the mask); a batch without padding passes
     no mask, as `generate` drops an all-ones one. `prefix`: (its cache, its length P), the first P
@@ -162,7 +204,7 @@ def _prefill(model, rows: list[list[int]], prefix=None):
     ids, mask = ids.to(dev), mask.to(dev)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = prefix_cache(model, prefix, len(rows)) if prefix else _new_cache(model)
-    nxt = _forward(model, cache, ids, None if bool(mask.all()) else mask, pos[:, start:])
+    nxt = _forward(model, cache, ids, None if bool(mask.all()) else mask, pos[:, start:], head)
     return cache, mask, nxt, pos[:, -1]
 
 
@@ -189,10 +231,19 @@ def prefix_cache(model, prefix, rows: int):
     every row's (they depend on those tokens only), shared by view, not copied."""
     cache = _new_cache(model)
     for layer, shared in zip(cache.layers, prefix[0].layers):
-        layer.lazy_initialization(shared.keys, shared.values)
+        _init_layer(layer, shared.keys, shared.values)
         layer.keys = shared.keys.expand(rows, -1, -1, -1)
         layer.values = shared.values.expand(rows, -1, -1, -1)
     return cache
+
+
+def _init_layer(layer, keys, values) -> None:
+    """`layer.lazy_initialization` (dtype, device, empty tensors) as this transformers declares it: it
+    takes the keys and the values since v5, the keys alone in 4.56-4.57."""
+    if len(inspect.signature(layer.lazy_initialization).parameters) >= 2:
+        layer.lazy_initialization(keys, values)
+    else:
+        layer.lazy_initialization(keys)
 
 
 def cache_argument(model) -> str | None:
@@ -263,8 +314,8 @@ class _Running:
 
 
 def _decode(model, prompts: list[list[int]], stops: set[int], max_new_tokens: int,
-            batch_size: int) -> list[list[int]]:
-    """Greedy tokens per prompt (up to and including its stop token)."""
+            batch_size: int, head: Fp32Head | None = None) -> list[list[int]]:
+    """Greedy tokens per prompt (up to and including its stop token); `head`: the argmax through it."""
     # shortest prompts first: a prefill pads its rows to the longest, so similar lengths pad least
     queue = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[list[int]] = [[] for _ in prompts]
@@ -288,7 +339,7 @@ def _decode(model, prompts: list[list[int]], stops: set[int], max_new_tokens: in
         free = batch_size - (len(batch.rows) if batch else 0)
         if batch is None or (continuous and queue and free >= refill):
             take, queue = queue[:free], queue[free:]
-            cache, mask, last, pos = _prefill(model, [prompts[i] for i in take], prefix)
+            cache, mask, last, pos = _prefill(model, [prompts[i] for i in take], prefix, head)
             new = _Running(cache, mask, take, last, pos)
             keep = going_on(take, last)
             if keep:
@@ -301,7 +352,7 @@ def _decode(model, prompts: list[list[int]], stops: set[int], max_new_tokens: in
         batch.mask = torch.cat([batch.mask, batch.mask.new_ones((len(batch.rows), 1))], dim=1)
         batch.pos = batch.pos + 1
         batch.last = _forward(model, batch.cache, batch.last[:, None],
-                              None if bool(batch.mask.all()) else batch.mask, batch.pos[:, None])
+                              None if bool(batch.mask.all()) else batch.mask, batch.pos[:, None], head)
         keep = going_on(batch.rows, batch.last)
         if keep:
             batch.keep(keep, trim=continuous and len(keep) < len(batch.rows))
