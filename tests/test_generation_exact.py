@@ -191,7 +191,8 @@ def test_the_fp32_head_is_the_models_own_argmax_in_fp32(family, tok):
     Cohere's logit scale come after the head and never move an argmax)."""
     model = tiny_family(family, tok)
     assert generation.Fp32Head.of(model) is None  # an fp32 model's head is fp32 already
-    head = generation.Fp32Head(model.get_decoder(), model.get_output_embeddings())
+    head = generation.Fp32Head.of(model, fp32_too=True)
+    assert head is not None, family
     want = with_early_stops(model, tok, PROMPTS)
     ids = [prompt_ids(tok, p) for p in PROMPTS]
     stops = set(stop_ids(model, tok))

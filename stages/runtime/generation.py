@@ -154,11 +154,15 @@ class Fp32Head:
         self.bias = None if head.bias is None else head.bias.detach().float()
 
     @classmethod
-    def of(cls, model) -> "Fp32Head | None":
-        if next(model.parameters()).dtype == torch.float32:
+    def of(cls, model, fp32_too: bool = False) -> "Fp32Head | None":
+        """The head split from `model`'s body; None for an fp32 model (unless `fp32_too`: tests) or
+        where the split is not there."""
+        if next(model.parameters()).dtype == torch.float32 and not fp32_too:
             return None
         get_body, get_head = getattr(model, "get_decoder", None), getattr(model, "get_output_embeddings", None)
         body, head = (get_body() if get_body else None), (get_head() if get_head else None)
+        if body is None or body is model:  # transformers 4.x: get_decoder() is None or the model itself
+            body = getattr(model, "base_model", None)
         if body is None or body is model or not isinstance(head, torch.nn.Linear):
             return None
         params = inspect.signature(body.forward).parameters
