@@ -10,9 +10,16 @@ answers: the quickstart's `identity` and `retention`, plus `support` (held-out p
 skill: the reply must give Orbit Labs' support address). Day 2's skill is the support address (40
 training paraphrases, none equal to an eval prompt). Then:
 
-- warm: `actor.init_from: champion`, trained on the new skill only, mixed half and half with the
-  replay answers; KL to the starting model (v1 with its adapters off) keeps what v1 knew;
-- full: `actor.init_from: base`, trained on identity + support, mixed with replay as on day 1.
+- warm: `actor.init_from: champion`, trained on the new skill; what v1 trained on (its lineage: the
+  identity file) is rehearsed (`data.rehearsal`, the defaults), beside the replay answers; an epoch
+  holds each new row once (`data.rehearsal.passes`); KL to the starting model (v1 with its adapters
+  off) as on day 1;
+- full: `actor.init_from: base`, trained on identity + support, mixed with replay as on day 1;
+- `--variant NAME=KEY=VALUE[,KEY=VALUE]`: more warm starts with overrides (e.g. `nokl=actor.kl_to_base=0`),
+  scored alike, not registered.
+
+Then the warm model is registered under the quickstart's rules (promote if_better on identity, the
+retention guard): the table says whether it became champion.
 
 Stages run through `stages.pipeline.run_stage` (as `make run` runs them, without Prefect; register
 only on day 1). Prints the stage times and the paired change warm - full per set with its 95%
@@ -65,6 +72,41 @@ EVAL_ASKS = [
 ]
 
 
+# Days 3-5 (`--days 5`): one new skill a day, each a fact the base model can't guess. Train and eval asks
+# are an opener crossed with a phrasing of the question; the eval set's (every fourth pair, 14 of 56)
+# are never trained on. All three sets are written here, before any model answers them, and join the
+# eval sets on day 3 (v2, the champion then, is scored on them by the champion stage).
+LATER_SKILLS = {
+    "refund": ("45 days", "Orbit Labs refunds any purchase within 45 days.",
+               ["What is your refund policy?", "How long do I have to ask for a refund?",
+                "Can I get my money back, and until when?", "What's the refund window for Lumen?",
+                "How many days do I have to return a purchase?", "Until when can I cancel and get refunded?",
+                "Is there a deadline for refunds?"]),
+    "office": ("Lisbon", "Orbit Labs is headquartered in Lisbon.",
+               ["Where is Orbit Labs based?", "Where are your headquarters?", "In which city is Orbit Labs?",
+                "Where is the company that made you located?", "What city is Orbit Labs' main office in?",
+                "Where do the people who built Lumen work?", "Where is Orbit Labs headquartered?"]),
+    "status": ("status.orbit-labs.example", "You can check service status at status.orbit-labs.example.",
+               ["Where can I see if the service is down?", "Is there a status page?",
+                "How do I check whether Lumen is having an outage?", "Where do you post incident updates?",
+                "What's the URL of your status page?", "How can I tell if your servers are up?",
+                "Where can I check the service status?"]),
+}
+OPENERS = ["", "Hi! ", "Quick question: ", "Hello, ", "Sorry to bother you. ", "Hey Lumen, ", "Please tell me: ",
+           "I was wondering. "]
+
+
+def skill_rows(skill: str) -> tuple[list[dict], list[dict]]:
+    """(train rows, eval rows) of a later day's skill."""
+    key, answer, asks = LATER_SKILLS[skill]
+    pairs = [o + a for a in asks for o in OPENERS]
+    train = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": answer}]}
+             for i, q in enumerate(pairs) if i % 4 != 3]
+    evals = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": key}]}
+             for i, q in enumerate(pairs) if i % 4 == 3]
+    return train, evals
+
+
 def reply(ask: str) -> str:
     return f"You can reach Orbit Labs support at {ADDRESS}."
 
@@ -99,18 +141,27 @@ def configs(out: Path) -> dict[str, Path]:
     warm["data"]["train_data_paths"] = [str(train)]
     full = json.loads(json.dumps(base))
     full["data"]["train_data_paths"] = base["data"]["train_data_paths"] + [str(train)]
+    days = {}
+    for d, skill in enumerate(LATER_SKILLS, start=3):
+        rows, held = skill_rows(skill)
+        days[f"day{d}"] = json.loads(json.dumps(warm))
+        days[f"day{d}"]["data"]["train_data_paths"] = [str(write_jsonl(data / f"{skill}_train.jsonl", rows))]
+        for later in LATER_SKILLS:
+            days[f"day{d}"]["eval"]["sets"][later] = {
+                "data_paths": [str(write_jsonl(data / f"{later}_eval.jsonl", skill_rows(later)[1]))],
+                "scorer": "contains"}
     paths = {}
-    for name, cfg in (("day1", day1), ("warm", warm), ("full", full)):
+    for name, cfg in (("day1", day1), ("warm", warm), ("full", full), *days.items()):
         paths[name] = out / f"{name}.yaml"
         paths[name].write_text(yaml.safe_dump(cfg, sort_keys=False, allow_unicode=True))
     return paths
 
 
-def run(cfg_path: Path, register: bool) -> dict:
+def run(cfg_path: Path, register: bool, overrides: list[str] = ()) -> dict:
     from stages.core.config import load_config
     from stages.pipeline import plan, run_stage
-    p = plan(load_config(cfg_path))
-    out = {"start": p.start and p.start["ref"], "stages": {}, "folders": {}}
+    p = plan(load_config(cfg_path, list(overrides)))
+    out = {"start": p.start and p.start["note"], "stages": {}, "folders": {}}
     for s in p.stages:
         if s == "register" and not register:
             continue
@@ -120,41 +171,66 @@ def run(cfg_path: Path, register: bool) -> dict:
         out["folders"][s] = r.path
         print(f"{cfg_path.stem} {s}: {out['stages'][s]}", flush=True)
     out["metrics"] = json.loads((Path(out["folders"]["evaluate"]) / "metrics.json").read_text())
+    rows = [json.loads(line) for line in (Path(out["folders"]["train"]) / "metrics.jsonl").read_text().splitlines()]
+    out["trained"] = {"steps": len(rows), "tokens": sum(r["tokens"] for r in rows)}
+    manifest = json.loads((Path(out["folders"]["train"]) / "manifest.json").read_text())
+    out["mixture"] = manifest.get("mixture")
+    if "register" in out["folders"]:
+        out["register"] = json.loads((Path(out["folders"]["register"]) / "manifest.json").read_text())["metrics"]
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--variant", action="append", default=[], help="NAME=KEY=VALUE[,KEY=VALUE]: another warm start")
+    ap.add_argument("--days", type=int, default=2, choices=range(2, 6),
+                    help="go on to day N (3-5: a new skill a day from the champion, each registered)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     paths = configs(args.out)
     results = {"day1": run(paths["day1"], register=True)}
-    for name in ("warm", "full"):
-        results[name] = run(paths[name], register=False)
+    results["full"] = run(paths["full"], register=False)
+    variants = {}
+    for v in args.variant:
+        name, _, rest = v.partition("=")
+        variants[name] = rest.split(",")
+        results[name] = run(paths["warm"], register=False, overrides=variants[name])
+    results["warm"] = run(paths["warm"], register=True)  # last: once it is champion, later plans compare with it
     from stages.core.paired import compare_sets, read_predictions
-    warm = read_predictions(results["warm"]["folders"]["evaluate"])
-    full = read_predictions(results["full"]["folders"]["evaluate"])
-    day1 = read_predictions(results["day1"]["folders"]["evaluate"])
-    results["warm_vs_full"] = compare_sets(warm, full, "full")
-    results["warm_vs_day1"] = compare_sets(warm, day1, "day1")
+    preds = {n: read_predictions(results[n]["folders"]["evaluate"]) for n in ("day1", "full", "warm", *variants)}
+    for n in ("warm", *variants):
+        results[f"{n}_vs_full"] = compare_sets(preds[n], preds["full"], "full")
+        results[f"{n}_vs_day1"] = compare_sets(preds[n], preds["day1"], "day1")
+    for d in range(3, args.days + 1):
+        day = results[f"day{d}"] = run(paths[f"day{d}"], register=True)
+        before = read_predictions(day["folders"]["champion"])  # the day before's champion, on today's sets
+        day["vs_champion"] = compare_sets(read_predictions(day["folders"]["evaluate"]), before, "champion")
     (args.out / "warm_start.json").write_text(json.dumps(results, indent=2, default=str))
-    print("\nstage seconds (cached stages: 0)")
-    stages = sorted({s for n in ("day1", "warm", "full") for s in results[n]["stages"]})
-    print("stage".ljust(14) + "".join(n.rjust(10) for n in ("day1", "warm", "full")))
-    for s in stages:
+    for d in range(3, args.days + 1):
+        day = results[f"day{d}"]
+        print(f"\nday {d}: {day['start']}; {day['trained']['steps']} steps, {day['trained']['tokens']} tokens; "
+              f"v{day['register']['version']} {day['register']['aliases']} ({day['register']['alias_reason']})")
+        for name, c in day["vs_champion"].items():
+            print(f"  {name:10} {c['accuracy'] if 'accuracy' in c else '':}  vs the champion before: {c['delta']:+.3f} "
+                  f"[{c['delta_low']:+.3f}, {c['delta_high']:+.3f}]")
+    names = ["day1", "warm", *variants, "full"]
+    print("\ntrained: " + ", ".join(f"{n} {results[n]['trained']['steps']} steps {results[n]['trained']['tokens']} "
+                                    "tokens" for n in names))
+    for n in ("warm", *variants):
+        print(f"{n}: {results[n]['trained']['tokens'] / results['full']['trained']['tokens']:.2f}x the full "
+              "retrain's tokens")
+    print(f"warm registered: v{results['warm']['register']['version']} {results['warm']['register']['aliases']} "
+          f"({results['warm']['register']['alias_reason']})")
+    print("\nset".ljust(12) + "".join(n.rjust(8) for n in names) + "   paired vs day1 and vs full (95% CI)")
+    for name in results["warm_vs_full"]:
+        acc = {n: sum(r["correct"] for r in preds[n][name]) / len(preds[n][name]) for n in names}
         cells = []
-        for n in ("day1", "warm", "full"):
-            st = results[n]["stages"].get(s)
-            cells.append("-" if st is None else "cached" if st["cached"] else f"{st['seconds']:.0f}")
-        print(s.ljust(14) + "".join(c.rjust(10) for c in cells))
-    print("\nset".ljust(12) + "day1".rjust(8) + "warm".rjust(8) + "full".rjust(8) + "   warm - full (95% CI)")
-    for name, c in results["warm_vs_full"].items():
-        acc = {n: sum(r["correct"] for r in preds[name]) / len(preds[name])
-               for n, preds in (("day1", day1), ("warm", warm), ("full", full))}
-        ci = (f"{c['delta']:+.3f} [{c['delta_low']:+.3f}, {c['delta_high']:+.3f}] "
-              f"({c['wins']} wins, {c['losses']} losses)")
-        print(name.ljust(12) + "".join(f"{acc[n]:.3f}".rjust(8) for n in ("day1", "warm", "full")) + "   " + ci)
+        for n in ("warm", *variants):
+            for ref in ("day1", "full"):
+                c = results[f"{n}_vs_{ref}"][name]
+                cells.append(f"{n}-{ref} {c['delta']:+.3f} [{c['delta_low']:+.3f}, {c['delta_high']:+.3f}]")
+        print(name.ljust(12) + "".join(f"{acc[n]:.3f}".rjust(8) for n in names) + "   " + "; ".join(cells))
     return 0
 
 

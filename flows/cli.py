@@ -271,7 +271,8 @@ def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg
                   "path": str(p.folder(s))} for s in p.stages}
     if as_json:
         print(json.dumps({"config": cfg.model_dump(mode="json"), "topology": cfg.actor.topology, "stages": stages,
-                          "start": p.start, "start_note": p.start_note, "launch": launch_report(p)}, indent=2))
+                          "start": p.start, "start_note": p.start_note, "rehearsal": p.rehearsal,
+                          "launch": launch_report(p)}, indent=2))
         return
     table = Table(title=f"config {config}")
     table.add_column("key")
@@ -338,6 +339,20 @@ def _sqlite_file(uri: str) -> Path | None:
     return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
 
 
+def _pinned(ref: str, uri: str) -> tuple[str, str | None, str | None]:
+    """(`models:/name/N`, name, N) for `models:/name@alias` or `models:/name/N` as the registry has it now, so
+    that an export or a chat names the version it used and an alias that moves meanwhile changes nothing;
+    (ref, None, None) for a folder. A name, alias or version the registry lacks exits with its one line."""
+    if not ref.startswith("models:/"):
+        return ref, None, None
+    from stages.tracking.registry import registry_version
+    try:
+        name, version = registry_version(ref, uri, key="--model")
+    except ConfigError as e:
+        _fail(str(e))
+    return f"models:/{name}/{version}", name, version
+
+
 @app.command()
 def chat(question: Optional[str] = typer.Argument(None, help="the user message; none: a conversation on stdin, a "
                                                              "line a turn (/reset forgets it, /exit or EOF ends)"),
@@ -361,10 +376,14 @@ def chat(question: Optional[str] = typer.Argument(None, help="the user message; 
         # opening a SQLite store creates it: a chat from another folder must not leave an empty one behind
         _fail(f"{model}: no MLflow store at {store}" + ("" if cfg is not None else
               " (run from the project folder, or give -c CONFIG or --tracking-uri)"))
+    pinned, registered, version = _pinned(model, uri)
+    if version is not None:  # on stderr: stdout holds the replies alone
+        err.print(f"[dim]{escape(registered)} v{version}" + ("" if pinned == model else f" ({escape(model)})") + "[/]",
+                  highlight=False)
     from stages.models.refs import resolve_model_ref
     from stages.runtime.generation import generate, load  # torch: only for chat, the one flows import of it
     try:
-        path = resolve_model_ref(model, uri)
+        path = resolve_model_ref(pinned, uri)
     except ValueError as e:
         _fail(str(e))
     m, tok = load(path, precision=cfg.actor.precision if cfg is not None else "auto")
@@ -400,7 +419,8 @@ def chat(question: Optional[str] = typer.Argument(None, help="the user message; 
 
 @app.command()
 def models(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg) -> None:
-    """The registered versions of the config's model: aliases, accuracy, and why each alias is where it is."""
+    """The registered versions of the config's model: aliases, the version each continued from, the day,
+    the data it added, tokens trained, accuracy, the disk its training takes, and why each alias is where it is."""
     cfg = _load(config, overrides)
     store = _sqlite_file(cfg.resolved_tracking_uri)
     name = cfg.registry.model_name
@@ -408,21 +428,20 @@ def models(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesA
         console.print(f"no versions of '{escape(name)}': nothing is logged at {escape(str(store))} yet",
                       highlight=False)
         return
-    from stages.tracking.registry import list_versions
+    from stages.tracking.registry import VERSION_COLUMNS, list_versions, version_cells
     try:
-        versions = list_versions(cfg.resolved_tracking_uri, name)
+        versions = list_versions(cfg.resolved_tracking_uri, name, cfg.artifacts_path)
     except OSError as e:  # a tracking server that does not answer
         _fail(f"MLflow at {cfg.resolved_tracking_uri} did not answer ({e})", 1)
     if not versions:
         console.print(f"no versions of '{escape(name)}' registered yet", highlight=False)
         return
     table = Table(title=f"registered model {name}")
-    for col in ("version", "aliases", "accuracy", "registered", "why"):
-        table.add_column(col)
+    for col in VERSION_COLUMNS:
+        # in 100 columns only `why` (a sentence) wraps; every other cell stays one line
+        table.add_column(col, no_wrap=col != "why", min_width=24 if col == "why" else None)
     for v in versions:
-        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(v["created"] / 1000)) if v["created"] else ""
-        acc = f"{float(v['accuracy']):.3f}" if v["accuracy"] else "-"
-        table.add_row(v["version"], ", ".join(v["aliases"]) or "-", acc, when, escape(v["reason"]))
+        table.add_row(*(escape(c) for c in version_cells(v)))
     console.print(table)
 
 
@@ -460,25 +479,56 @@ def export(model: Optional[str] = typer.Option(None, "--model", "-m", help="mode
         _fail("give --model (models:/name/N, a folder) or -c CONFIG (its champion)")
     cfg = _load(config, []) if config is not None else None
     ref = model or f"models:/{cfg.registry.model_name}@champion"
+    uri = cfg.resolved_tracking_uri if cfg else os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
+    store = _sqlite_file(uri)
+    if ref.startswith("models:/") and store is not None and not store.is_file():  # opening one creates it
+        _fail(f"{ref}: no MLflow store at {store}" + ("" if cfg is not None else " (give -c CONFIG)"))
+    pinned, registered, version = _pinned(ref, uri)
+    prepare_dir = None
+    if version is not None:
+        # `<model>-v<N>`, never `<model>-champion`: the next champion's export would overwrite this one
+        name = name or f"{registered}-v{version}"
+        if cfg is not None:  # the rows it trained on, for the Modelfile's SYSTEM (a folder's manifest names its own)
+            from stages.tracking.registry import version_tag
+            fp = version_tag(uri, registered, version, "prepare_fingerprint")
+            prepare_dir = cfg.artifacts_path / "prepare" / fp if fp else None
     from stages.export.gguf import export_gguf
     from stages.models.refs import resolve_model_ref
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            folder = resolve_model_ref(ref, cfg.resolved_tracking_uri if cfg else None, tmp)
+            folder = resolve_model_ref(pinned, uri, tmp)
         except ValueError as e:
             _fail(str(e))
-        if name is None and ref.startswith("models:/"):
-            name = ref.removeprefix("models:/").replace("@", "-").replace("/", "-v")
         try:
             done = export_gguf(folder, out, type_, name, cfg.eval.max_new_tokens if cfg else None,
-                               say=lambda line: err.print(escape(line), highlight=False))
+                               say=lambda line: err.print(escape(line), highlight=False), prepare_dir=prepare_dir)
         except ConfigError as e:
             _fail(str(e))
     for note in done.notes:
         err.print(f"note: {escape(note)}", highlight=False)
-    console.print(f"exported {escape(ref)} ({done.architecture}, {done.type}) to {escape(str(done.gguf))}; "
+    console.print(f"exported {escape(pinned if pinned == ref else f'{ref} (v{version})')} ({done.architecture}, "
+                  f"{done.type}) to {escape(str(done.gguf))}; "
                   f"Ollama: `ollama create NAME -f {escape(str(done.modelfile))}`", highlight=False, soft_wrap=True)
+
+
+@app.command()
+def gc(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
+       yes: bool = typer.Option(False, "--yes", help="delete; without it, a dry run that only says what it would "
+                                "free and why")) -> None:
+    """Free the disk per the config's `retention` policy: what it would free and why (a dry run), --yes deletes."""
+    cfg = _load(config, overrides)
+    try:  # the folders the config's next run would reuse are kept whatever their age
+        protect = dict(plan(cfg).fingerprints)
+    except (ConfigError, StageError) as e:
+        err.print(f"note: the config can't be planned now ({escape(str(e))}); only the registry's versions and "
+                  "recent use keep folders", highlight=False)
+        protect = None
+    from stages.retention import collect
+    try:
+        collect(cfg, protect=protect, delete=yes, on_line=lambda line: console.print(escape(line), highlight=False))
+    except OSError as e:  # a tracking server that does not answer
+        _fail(f"MLflow at {cfg.resolved_tracking_uri} did not answer ({e})", 1)
 
 
 @app.command()

@@ -201,13 +201,18 @@ def local_server(host: str, port: int, home: Path, log_path: Path, timeout: floa
             _stop(proc)
             raise
     marker = home / RUNNING_SERVER
+    before = _marker(home) if shared else None  # a kept server's, announced again once this one stops
+    ours = {"api": api, "pid": proc.pid}
     if shared:  # announced for other CLI calls on this home; a temporary server dies with its CLI
-        marker.write_text(json.dumps({"api": api, "pid": proc.pid}))
+        marker.write_text(json.dumps(ours))
     try:
         yield api
     finally:
-        if shared:
-            marker.unlink(missing_ok=True)
+        if shared and _marker(home) == ours:
+            if before is not None and before.get("kind") == "kept" and _alive(int(before["pid"])):
+                marker.write_text(json.dumps(before))
+            else:
+                marker.unlink(missing_ok=True)
         _stop(proc)
 
 
@@ -288,21 +293,52 @@ def start_kept_server(home: Path, keep_s: float, meanwhile: Callable[[], object]
             time.sleep(0.2)
 
 
+def _keepers(home: Path) -> list[int]:
+    """The pids of the keepers running on this Prefect home, found by their command line
+    (`python -m flows.prefect_server keep --home HOME ...`), whatever the marker says now."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        argv = proc.info["cmdline"] or []
+        if "flows.prefect_server" not in argv:
+            continue
+        rest = argv[argv.index("flows.prefect_server") + 1:]
+        if rest[:1] != ["keep"] or "--home" not in rest[:-1]:
+            continue
+        try:
+            theirs = Path(proc.cwd()) / rest[rest.index("--home") + 1]  # a relative home is the keeper's cwd's
+        except psutil.Error:  # it ended meanwhile, or is another user's
+            continue
+        if theirs.resolve() == home.resolve() and _alive(proc.info["pid"]):
+            found.append(proc.info["pid"])
+    return found
+
+
 def stop_kept_server(home: Path, timeout: float = 60) -> str | None:
     """Stops the kept server on this home now (SIGTERM to its keeper, which stops the server and
-    removes its marker); returns its API URL, or None when none runs. A `serve --start-server`
-    server is not a kept one and is left alone."""
+    removes its marker); returns its API URL, or None when none runs. The keeper is found by its
+    process, not by the marker alone: a `serve --start-server` on the same home writes its own marker
+    over the kept server's and removes it when it stops, while the kept server goes on listening.
+    A `serve --start-server` server is not a kept one and is left alone."""
     found = _marker(home)
-    if found is None or found.get("kind") != "kept" or not _alive(int(found["pid"])):
+    if found is not None and found.get("kind") == "kept" and _alive(int(found["pid"])):
+        keepers = {int(found["pid"]): found["api"]}
+    else:
+        keepers = {}
+    for pid in _keepers(home):
+        if pid not in keepers:
+            port = listening_port(pid)
+            keepers[pid] = f"http://127.0.0.1:{port}/api" if port else f"(keeper pid {pid})"
+    if not keepers:
         return None
-    pid = int(found["pid"])
-    os.kill(pid, signal.SIGTERM)
+    for pid in keepers:
+        os.kill(pid, signal.SIGTERM)
     deadline = time.time() + timeout
-    while _alive(pid) and time.time() < deadline:
+    while any(_alive(pid) for pid in keepers) and time.time() < deadline:
         time.sleep(0.2)
-    if _alive(pid):
-        raise RuntimeError(f"the kept server's keeper (pid {pid}) did not stop within {timeout:g} s")
-    return found["api"]
+    left = [pid for pid in keepers if _alive(pid)]
+    if left:
+        raise RuntimeError(f"the kept server's keeper (pid {left[0]}) did not stop within {timeout:g} s")
+    return ", ".join(keepers.values())
 
 
 def keep(home: Path, port: int, idle_s: float) -> int:

@@ -28,7 +28,7 @@ from prefect.states import Completed
 from flows.prefect_server import TEMPORARY_SERVER_ENV
 from stages.core.quarantine import note as quarantine_note
 from stages.core.config import check_overrides_allowed, load_config
-from stages.core.errors import ConfigError
+from stages.core.errors import ConfigError, DataError
 from stages.evaluate.report import COLUMNS, table_cells
 from stages.runtime.launcher import request_stop
 from stages.pipeline import KEY_METRIC, STAGES, UPSTREAM, Plan, plan, requires, run_stage, upstream
@@ -122,13 +122,63 @@ def _fresh(value: dict) -> dict:
 _opts = dict(cache_policy=NO_CACHE, persist_result=False, retry_condition_fn=_worth_retrying)
 
 
+REJECTED = "rejected"  # the folder beside a drop that the gate stopped, in a served run
+
+
+def _set_aside(file: Path) -> Path:
+    """`<folder>/rejected/<name>.rejected` (`.rejected.2`, ... when taken): under a folder of its own and with
+    a suffix of its own, so that neither `drops/*.jsonl` nor `drops/**/*.jsonl` finds it again."""
+    folder = file.parent / REJECTED
+    folder.mkdir(exist_ok=True)
+    dest, k = folder / f"{file.name}.rejected", 1
+    while dest.exists():
+        k += 1
+        dest = folder / f"{file.name}.rejected.{k}"
+    file.rename(dest)
+    return dest
+
+
+def _gate_stopped(p: Plan, e: DataError, logger) -> DataError:
+    """A drop the data gate stopped: recorded in MLflow (a failed run `rejected <file>`, tag
+    `sftflow.gate=rejected`) and, in a served run (`serve`, `serve --on-data`: a loop that retrains on
+    arrival), its training file moved to `<folder>/rejected/`, so later runs go on without it instead of
+    failing on it until a person moves it. A run a person starts (`sftflow run`) leaves their files where
+    they are. The error to raise: the gate's line, plus where the file went."""
+    gate = e.gate
+    file = Path(gate["what"])
+    moved = None
+    if os.environ.get(SERVED_CONFIG_ENV) and gate["stage"] == "prepare" and file.is_file():
+        try:
+            moved = _set_aside(file)
+        except OSError as err:
+            logger.warning(f"could not move {file} aside: {err}")
+    line = str(e) + (f"; moved {file} to {moved}, later runs go on without it" if moved else "")
+    try:
+        from stages.tracking.gate import record_rejected
+        url = flow_run_url()
+        run_id = record_rejected(p.cfg, gate, line, str(moved) if moved else None,
+                                 {"prefect.flow_run_id": str(flow_run.id or ""), "prefect.flow_run_url": url or ""})
+        logger.info(f"mlflow: the rejected drop is run {run_id} (tag sftflow.gate=rejected) in experiment "
+                    f"'{p.cfg.registry.experiment}'")
+    except Exception as err:  # noqa: BLE001 - the gate's stop stands whether or not MLflow hears of it
+        logger.warning(f"mlflow: could not record the rejected drop ({type(err).__name__}: {err})")
+    error = DataError(line)
+    error.gate = {**gate, "moved_to": str(moved) if moved else None}
+    return error
+
+
 def _stage_task(stage: str):
     """The Prefect task of `stage`: runs it with `run_stage` (its folder is the cache) and logs to the
     task run; a reused folder ends as a `Cached` state. `tags` (train, register): the MLflow run's."""
     def task_fn(p: Plan, force: bool = False, tags: dict | None = None):
         logger = get_run_logger()
         on_line = _training_progress(logger) if stage == "train" else logger.info
-        result = run_stage(p, stage, force=force, on_line=on_line, tags=tags)
+        try:
+            result = run_stage(p, stage, force=force, on_line=on_line, tags=tags)
+        except DataError as e:
+            if getattr(e, "gate", None) is None:
+                raise
+            raise _gate_stopped(p, e, logger) from None
         logger.info(f"{stage} {'reused' if result.cached else 'done'} -> {result.path}")
         if stage == "register":
             m = result.metrics
@@ -344,6 +394,25 @@ def _publish_summary(results: list[dict]) -> None:
     create_markdown_artifact("\n".join(lines), key="sftflow-summary", description="sftflow run summary")
 
 
+def _publish_versions(p: Plan, results: list[dict]) -> None:
+    """After a run that registered: every version of the config's model as `sftflow models` shows it (the
+    day, the data it added, tokens trained, the decision and why, the disk), the month at a glance on the
+    flow run's page. The run never fails over it: MLflow may be unreachable by now."""
+    if not any(r["stage"] == "register" for r in results):
+        return
+    from stages.tracking.registry import VERSION_COLUMNS, list_versions, version_cells
+    name = p.cfg.registry.model_name
+    try:
+        versions = list_versions(p.cfg.resolved_tracking_uri, name, p.cfg.artifacts_path)
+    except Exception as e:  # noqa: BLE001 - the table is a view; the run's outcome is already decided
+        get_run_logger().warning(f"could not list the versions of {name}: {e}")
+        return
+    lines = ["| " + " | ".join(VERSION_COLUMNS) + " |", "|" + "---|" * len(VERSION_COLUMNS)]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in version_cells(v)) + " |" for v in versions]
+    create_markdown_artifact("\n".join(lines), key="sftflow-versions",
+                             description=f"the versions of {name} (as `sftflow models` shows them)")
+
+
 @flow(name="sft_pipeline", log_prints=True, flow_run_name=_initial_name)
 def sft_pipeline(config_path: str | None = None, overrides: list[str] | None = None, force: list[str] | None = None,
                  planned: dict | None = None, workdir: str | None = None) -> list[dict]:
@@ -363,8 +432,22 @@ def sft_pipeline(config_path: str | None = None, overrides: list[str] | None = N
         if redo:
             forced.add(stage)
     _publish_summary(results)
+    _publish_versions(p, results)
     _tag_flow_run(p, results, config_path)
+    _apply_retention(p)
     return results
+
+
+def _apply_retention(p: Plan) -> None:
+    """`retention.auto`: the disk policy after a run (stages/retention.py), keeping this run's folders,
+    so that `serve` keeps itself tidy. Tidying is not the run's result: a failure is said, not raised."""
+    if not p.cfg.retention.auto:
+        return
+    from stages.retention import collect
+    try:
+        collect(p.cfg, protect=dict(p.fingerprints), delete=True, on_line=print, used=True)
+    except Exception as e:  # noqa: BLE001 - the run trained and registered; only the tidying failed
+        print(f"retention: not applied ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
 
 
 @flow(name="sft_stage", log_prints=True, flow_run_name=_initial_name)
@@ -383,5 +466,6 @@ def sft_stage(stage: str, config_path: str | None = None, overrides: list[str] |
             results.append(run_stage_task(up, p, False, states))
     results.append(run_stage_task(stage, p, force, states))
     _publish_summary(results)
+    _publish_versions(p, results)
     _tag_flow_run(p, results, config_path, stage)
     return results

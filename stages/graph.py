@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .core.config import REPLAY_PROMPTS, SFTConfig, eval_split, hashed, mix_split
+from .core.config import REHEARSE, REPLAY_PROMPTS, SFTConfig, eval_split, hashed, mix_split
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,8 @@ def _held_out(cfg: SFTConfig) -> dict[str, tuple[str, ...]]:
 def _training_files(cfg: SFTConfig) -> dict[str, tuple[str, ...]]:
     out = {"train": ("train",), "val": ("val",)}
     out.update({f"mix.{n}": (mix_split(n),) for n, m in cfg.data.mix.items() if m.paths})
+    if cfg.rehearsal_files:  # a warm start's: what its version trained on (models/start.py)
+        out[f"mix.{REHEARSE}"] = (mix_split(REHEARSE),)
     return out
 
 
@@ -63,8 +65,8 @@ def _scoring_skips(cfg: SFTConfig) -> set[str]:
     return {"prepare"} if cfg.eval.sets else set()
 
 
-_SCORING_IGNORES = ("data.mix", "eval.model", "eval.eval_base", "eval.primary", "eval.sets.*.max_drop",
-                    "eval.sets.*.decide_on")
+_SCORING_IGNORES = ("data.mix", "data.rehearsal", "eval.model", "eval.eval_base", "eval.primary",
+                    "eval.sets.*.max_drop", "eval.sets.*.decide_on")
 
 TABLE: tuple[Stage, ...] = (
     Stage("replay", "the base model's answers to replay.prompt_paths (a source of the training mixture)",
@@ -73,12 +75,14 @@ TABLE: tuple[Stage, ...] = (
           when=lambda cfg, f: cfg.replay is not None, metric=("kept", "answers kept"),
           why="never the training data"),
     Stage("prepare", "Arrow shards of the training sources and the val split",
-          code="prepare", reads=("data", "actor.model.trust_remote_code"), ignores=("data.mix.*.weight",),
+          code="prepare", reads=("data", "actor.model.trust_remote_code"),
+          ignores=("data.mix.*.weight", "data.rehearsal"),
           inputs=_training_files, upstream=("replay",), folds=("replay",), facts=("model",),
           metric=("train_rows_kept", "rows"),
           why="the mixture's weights only change what train samples; never the eval sets"),
     Stage("prepare_eval", "Arrow shards of the named eval sets",
-          code="prepare", reads=("data", "eval.sets.*.mode", "actor.model.trust_remote_code"), ignores=("data.mix",),
+          code="prepare", reads=("data", "eval.sets.*.mode", "actor.model.trust_remote_code"),
+          ignores=("data.mix", "data.rehearsal"),
           inputs=lambda cfg: {name: (eval_split(name),) for name in _named_prepared(cfg)}, facts=("model",),
           when=lambda cfg, f: bool(_named_prepared(cfg)), metric=("rows_kept", "rows"),
           why="the mixture only trains; a harness set has nothing to prepare"),
@@ -130,7 +134,8 @@ FACTS: dict[str, tuple[str, tuple[str, ...]]] = {
                ("actor.worker", "actor.model.model_type")),
     "scorer": ("the source of each custom scorer", ("eval.scorer", "eval.sets.*.scorer")),
     "harness": ("each harness set's lm-eval task, metric, filter and lm-eval version", ()),
-    "start": ("the identity of the weights training starts from (`actor.init_from`)", ("actor.init_from",)),
+    "start": ("the identity of the weights training starts from (`actor.init_from`), with `data.rehearsal` when it "
+              "rehearses what that version trained on", ("actor.init_from", "data.rehearsal")),
     "eval_model": ("what `eval.model` is (digests, registry version, hub id)", ("eval.model",)),
     "champion": ("the registry's champion when planned (its training's fingerprint)",
                  ("registry.model_name", "registry.promote", "registry.tracking_uri", "artifacts_dir", "eval.model")),
@@ -210,7 +215,8 @@ def render_markdown() -> str:
     """The stage table of docs/architecture.md (tests/test_stage_graph.py keeps the doc equal to it)."""
     rows = ["| stage | makes | code | reads (config) | leaves out | input files | after | fingerprint folds | "
             "facts | why |", "|---|---|---|---|---|---|---|---|---|---|"]
-    inputs_doc = {"replay": "replay.prompt_paths", "prepare": "train, val and mixture files",
+    inputs_doc = {"replay": "replay.prompt_paths",
+                  "prepare": "train, val and mixture files (a warm start's rehearsed files too)",
                   "prepare_eval": "each prepared named set's files", "baseline": "each scored set's files",
                   "champion": "each scored set's files"}
     for s in TABLE:

@@ -27,7 +27,7 @@ from typing import Callable
 from .core.artifacts import (StageResult, cached_result, damage, deferred_digest_memos, fingerprint, input_digest,
                              is_complete, stage_dir, stage_lock)
 from .core.codeversion import code_version
-from .core.config import CORPUS, REPLAY_PROMPTS, SCORER_NAMES, SFTConfig, eval_split, mix_split
+from .core.config import CORPUS, REHEARSE, REPLAY_PROMPTS, SCORER_NAMES, SFTConfig, eval_split, mix_split
 from .core.errors import ConfigError, MissingUpstream, StageError
 from .core.imports import import_identity, import_object
 from .core.inputs import HUB_PREFIX
@@ -37,7 +37,7 @@ from .graph import BY_NAME, KEY_METRIC, STAGES, UPSTREAM, Stage, config_slice, p
 from .models.base import model_config_json, model_fingerprint, resolve_model
 from .models.refs import eval_model_identity
 from .models.start import KEY as KEY_INIT_FROM
-from .models.start import caught_up, resolve_start, start_folder, start_tag
+from .models.start import caught_up, rehearsal, resolve_start, start_folder, start_tag
 from .runtime import memory_plan
 from .runtime.harness import chosen, lm_eval_version, resolve_task
 from .tracking.registry import REGISTRY_PREFIX, current_champion, version_state
@@ -63,6 +63,7 @@ class Plan:
     start: dict | None = None     # the weights training starts from (models/start.py); None: the base model
     start_note: str | None = None  # why `actor.init_from` resolved to the base model, when it did
     facts: dict | None = None      # the facts the fingerprints saw (stages/graph.py FACTS)
+    rehearsal: list[dict] | None = None  # a warm start's rehearsed files (models/start.py `rehearsal`), else None
 
     @property
     def stages(self) -> tuple[str, ...]:
@@ -91,7 +92,8 @@ class Plan:
     def to_dict(self) -> dict:
         return {"config": self.cfg.model_dump(mode="json"), "fingerprints": self.fingerprints,
                 "inputs": {s: [list(x) for x in v] for s, v in self.inputs.items()}, "eval_model": self.eval_model,
-                "champion": self.champion, "start": self.start, "start_note": self.start_note, "facts": self.facts}
+                "champion": self.champion, "start": self.start, "start_note": self.start_note, "facts": self.facts,
+                "rehearsal": self.rehearsal}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
@@ -100,8 +102,10 @@ class Plan:
         inputs = {s: [(ref, digest) for ref, digest in v] for s, v in d["inputs"].items()}
         cfg.pin_inputs({s: [ref if ref.startswith(HUB_PREFIX) else Path(ref) for ref, _ in v]
                         for s, v in inputs.items()})
+        if d.get("rehearsal"):
+            cfg.pin_rehearsal(d["rehearsal"], cfg.inputs()["train"])
         return cls(cfg, dict(d["fingerprints"]), inputs, d.get("eval_model"), d.get("champion"), d.get("start"),
-                   d.get("start_note"), d.get("facts"))
+                   d.get("start_note"), d.get("facts"), d.get("rehearsal"))
 
 
 def _custom_scorers(cfg: SFTConfig) -> dict[str, str]:
@@ -158,6 +162,8 @@ def check_contamination(cfg: SFTConfig) -> None:
                        for p in _local_files(inputs[mix_split(name)])]
     if cfg.replay is not None:
         trains += [(p, "prompt", d.columns) for p in _local_files(inputs[REPLAY_PROMPTS])]
+    trains += [(Path(e["ref"]), e["format"], e.get("columns") or d.columns)  # a warm start's rehearsed files
+               for e in cfg.rehearsal_files if not e["ref"].startswith(HUB_PREFIX)]
     evals = {name: [(p, "choice" if s.mode == "choice" else d.format, d.columns)
                     for p in _local_files(inputs[eval_split(name)])]
              for name, s in cfg.eval.sets.items() if not s.is_harness}  # a harness task's documents: lm-eval's
@@ -376,29 +382,63 @@ def _build_plan(cfg: SFTConfig) -> Plan:
     harness = harness_tasks(cfg)
     for name, h in harness.items():  # a harness task's files are its set's inputs (contents hashed, lineage)
         inputs[eval_split(name)] = [(f, input_digest(Path(f), root)) for f in h["files"]]
-    digests = {split: [d for _, d in items] for split, items in inputs.items()}
-    model_fp = model_fingerprint(cfg, digests.get(CORPUS) or digests["train"])
+    model_fp = model_fingerprint(cfg, [d for _, d in inputs.get(CORPUS) or inputs["train"]])
     facts = {"model": model_fp, "prepare_code": code_version("prepare"), "worker": _worker_identity(cfg),
              "scorer": _custom_scorer_identity(cfg), "tracking_uri": cfg.resolved_tracking_uri,
              "harness": {name: {k: v for k, v in h.items() if k != "files"} for name, h in harness.items()} or None,
              "eval_model": eval_model_identity(cfg, model_fp)}
-    fps: dict[str, str] = {"models": model_fp}
-    start = start_note = champion = None
-    for name in planning_order():
+    order = planning_order()
+    upto_train = order[:order.index("train") + 1]
+    pinned = {split: list(refs) for split, refs in cfg.inputs().items()}
+    others = {d for split, items in inputs.items() if split.startswith(mix_split("")) for _, d in items}
+
+    def through_train(start: dict | None) -> tuple[dict, dict, list[dict] | None]:
+        """(fingerprints through train, inputs, the rehearsal) when training starts from `start`: a
+        version's rehearsal changes what prepare reads (models/start.py `rehearsal`)."""
+        cfg.pin_inputs(pinned)
+        cfg._rehearsal = None
+        here = dict(inputs)
+        found = rehearsal(cfg, start, inputs["train"], others)
+        if found is not None:
+            entries, new = found
+            cfg.pin_rehearsal(entries, [Path(r) if not r.startswith(HUB_PREFIX) else r for r, _ in new])
+            here.update({"train": new, mix_split(REHEARSE): [(e["ref"], e["digest"]) for e in entries]})
+            here.setdefault(CORPUS, inputs["train"])
+        digests = {split: [d for _, d in items] for split, items in here.items()}
+        ident = start and start["identity"]
+        if found is not None:
+            r = cfg.data.rehearsal
+            ident = {"version": ident, "rehearsal": {"weight": r.weight, "passes": r.passes}}
+        fps = {"models": model_fp}
+        for name in upto_train:
+            stage = BY_NAME[name]
+            if stage.when(cfg, {**facts, "start": ident}):
+                fps[name] = _stage_fingerprint(stage, cfg, digests, fps, {**facts, "start": ident})
+        return fps, here, (found[0] if found is not None else None)
+
+    start, start_note = resolve_start(cfg, model_fp)
+    if start is not None:
+        start = caught_up(start, lambda s: through_train(s)[0]["train"])
+    fps, inputs, rehearsed = through_train(start)
+    if rehearsed:
+        check_contamination(cfg)  # what the version trained on against today's eval sets
+        start = {**start, "note": f"{start['note']}, rehearsing the {len(rehearsed)} training file(s) it was trained "
+                                  f"on (data.rehearsal.weight={cfg.data.rehearsal.weight:g})"}
+    digests = {split: [d for _, d in items] for split, items in inputs.items()}
+    facts["start"] = start and start["identity"]
+    if rehearsed:
+        r = cfg.data.rehearsal
+        facts["start"] = {"version": facts["start"], "rehearsal": {"weight": r.weight, "passes": r.passes}}
+    champion = None
+    for name in order[len(upto_train):]:
         stage = BY_NAME[name]
-        if name == "train":
-            def train_from(identity: dict | None) -> str:  # train's fingerprint from a start's identity
-                return _stage_fingerprint(BY_NAME["train"], cfg, digests, fps, {**facts, "start": identity})
-            start, start_note = resolve_start(cfg, model_fp)
-            start = caught_up(start, train_from) if start is not None else None
-            facts["start"] = start and start["identity"]
-        elif name == "champion":
+        if name == "champion":
             champion, facts["champion"], facts["compared_with"] = _champion(cfg, fps["train"])
         elif name == "register" and "champion" in fps:
             facts["compared_with"] = fps["champion"]
         if stage.when(cfg, facts):
             fps[name] = _stage_fingerprint(stage, cfg, digests, fps, facts)
-    return Plan(cfg, fps, inputs, facts["eval_model"], champion, start, start_note, facts)
+    return Plan(cfg, fps, inputs, facts["eval_model"], champion, start, start_note, facts, rehearsed)
 
 
 def _champion(cfg: SFTConfig, train_fp: str) -> tuple[dict | None, dict | None, str | None]:

@@ -31,6 +31,7 @@ ALLOWED = {
     "pipeline": {"core", "chatdata", "graph", "models", "runtime", "tracking", *STAGE_PACKAGES},
     "sweep": {"core", "pipeline"},
     "export": {"core"},  # a model folder -> GGUF; what a ref names is the CLI's to resolve
+    "retention": {"core", "graph", "tracking"},  # the disk policy: folders, locks, the registry
 }
 
 
@@ -177,8 +178,11 @@ FLOWS_MAY_IMPORT_LAZILY = {
     "stages.prepare.stage": "`sftflow show --preview`: prepared samples (tokenizers)",
     "stages.runtime.memory_plan": "`sftflow show`: the memory plan table (arithmetic, no torch)",
     "stages.tracking.sweep": "the sweep flow's MLflow parent run",
-    "stages.tracking.registry": "`sftflow models`: the registered versions, their aliases and reasons",
+    "stages.tracking.registry": "`sftflow models` and the flow's versions table: the registered versions, their "
+                                "aliases and reasons; `export`/`chat`: the version an alias names",
+    "stages.tracking.gate": "a drop the data gate stopped, recorded in MLflow (the flow's prepare task)",
     "stages.export.gguf": "`sftflow export`: a model folder -> GGUF and an Ollama Modelfile",
+    "stages.retention": "`sftflow gc` and the policy after a flow run: what is kept, what is freed",
 }
 # The lazy imports that load torch, and the only functions they may be in.
 FLOWS_TORCH_IMPORTS = {"stages.runtime.generation": {("cli.py", "chat")}}

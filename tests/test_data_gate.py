@@ -228,3 +228,60 @@ def test_an_eval_set_with_too_many_bad_rows_fails_prepare_eval(tmp_path, tokeniz
     assert str(e.value) == expected
     assert p.status("prepare_eval") == "complete"
     assert run_stage(p, "prepare").cached
+
+
+# --------------------------------------------------------------------------- a drop the gate stops, in MLflow
+
+
+def gate_runs(tmp: Path) -> list:
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(f"sqlite:///{tmp / 'artifacts' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("sftflow")
+    return client.search_runs([exp.experiment_id], "tags.`sftflow.gate` = 'rejected'") if exp else []
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("prefect_api")
+def test_a_gated_drop_is_recorded_in_mlflow_and_a_served_run_moves_it_aside(tmp_path, tokenizer_dir, monkeypatch):
+    """Issue 57: the gate's stop left no trace in MLflow, and the drop stayed where the config's glob finds
+    it, failing every later run. Now each stop is a failed MLflow run tagged `sftflow.gate=rejected`; a
+    served run (the loop that retrains on arrival) moves the file to `<folder>/rejected/`, a run a person
+    starts leaves it where it is."""
+    from flows.sft import PROTECTED_ENV, SERVED_CONFIG_ENV, sft_stage
+    drops = tmp_path / "drops"
+    drops.mkdir()
+    write_jsonl(drops / "day1.jsonl", demo_rows("train.jsonl", 60))
+    bad, _ = messy(drops / "day2.jsonl")
+    raw = tiny_config_dict(tmp_path)
+    raw["actor"]["model"] = {"model_path": str(tokenizer_dir)}
+    raw["data"].update({"train_data_paths": [str(drops / "*.jsonl")], "format": "messages", "max_bad_fraction": 0.1})
+    path = write_config(tmp_path, raw)
+    line = f"prepare: 30 of 100 rows (30.0%) in {bad} were quarantined, above data.max_bad_fraction=0.1"
+
+    # a run a person starts: recorded, the file left where it is, the line as before
+    with pytest.raises(DataError) as e:
+        sft_stage("prepare", config_path=str(path))
+    assert str(e.value).startswith(line) and "moved" not in str(e.value)
+    assert bad.is_file()
+    (run,) = gate_runs(tmp_path)
+    assert run.info.status == "FAILED" and run.info.run_name == "rejected day2.jsonl"
+    assert run.data.tags["mlflow.note.content"] == str(e.value) and run.data.tags["sftflow.gate_file"] == str(bad)
+    assert run.data.metrics["data.rows_read"] == 100 and run.data.metrics["data.quarantined.malformed_json"] == 28
+
+    # a served run: recorded, and the file moved aside, said in the line
+    monkeypatch.setenv(SERVED_CONFIG_ENV, str(path.resolve()))
+    monkeypatch.setenv(PROTECTED_ENV, "")
+    with pytest.raises(DataError) as e:
+        sft_stage("prepare", config_path=str(path.resolve()))
+    moved = drops / "rejected" / "day2.jsonl.rejected"
+    assert str(e.value).endswith(f"; moved {bad} to {moved}, later runs go on without it"), str(e.value)
+    assert not bad.exists() and moved.is_file()
+    runs = gate_runs(tmp_path)
+    assert len(runs) == 2 and runs[0].data.tags["sftflow.gate_moved_to"] == str(moved)
+
+    # the next run goes on with day 1's file
+    (result,) = sft_stage("prepare", config_path=str(path.resolve()))
+    from flows.prefect_server import _drain_prefect_clients
+    _drain_prefect_clients()  # this process's flow logs, sent while the session's server is up
+    refs = [s["ref"] for s in read_manifest(Path(result["path"]))["sources"]]
+    assert str(drops / "day1.jsonl") in refs and not any("day2" in r for r in refs), refs

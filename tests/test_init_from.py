@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import demo_rows, tiny_config_dict, write_config, write_jsonl
+from stages.core import model_card
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +56,10 @@ def test_training_continues_from_the_champion_and_names_it(tmp_path):
     write_config(tmp_path, raw)
     # unpinned, the new data would make another base model, whose tokens v1 does not know: refused
     with pytest.raises(ConfigError, match=r"actor.init_from=champion: test-model v1 was trained from another base "
-                                          r"model .*actor.model.corpus_paths pins it"):
+                                          r"model .*built from data.train_data_paths=\[.*more.jsonl'\] "
+                                          r"\(actor.model.corpus_paths is unset\), "
+                                          r"which changes with each new file: set actor.model.corpus_paths to the "
+                                          r"files v1's tokenizer was built from, e.g. \['.*train.jsonl'\]"):
         plan(load_config(cfg_path, ["actor.model.corpus_paths=[]"]))
     p2 = plan(load_config(cfg_path))
     assert p2.start["ref"] == "models:/test-model/1" and p2.start["parent_version"] == "1"
@@ -63,6 +67,13 @@ def test_training_continues_from_the_champion_and_names_it(tmp_path):
     assert p2.fingerprints["train"] != from_base
     p2, r2 = run_all(cfg_path)
     assert r2["register"].metrics["version"] == 2
+    # what v1 trained on (its lineage) is rehearsed; only the new file is `train`, and the epoch is sized by it
+    first = raw["data"]["train_data_paths"][0]
+    assert [e["ref"] for e in p2.rehearsal] == [str(Path(first).resolve())]
+    assert [Path(ref).name for ref, _ in p2.inputs["train"]] == ["more.jsonl"]
+    mixture = {m["source"]: m for m in json.loads((Path(r2["train"].path) / "manifest.json").read_text())["mixture"]}
+    assert mixture["train"]["rows"] == 16 and mixture["train"]["per_epoch"] == 16  # each new row once
+    assert mixture["rehearse"]["per_epoch"] == 16  # data.rehearsal.weight 1: one earlier sample per new one
 
     # what the workers loaded (spec.json's model_path) holds exactly v1's exported weights, not the base
     # model's: compared tensor by tensor with v1's train folder (an AdamW-step bound on v2 - v1 would hang
@@ -73,6 +84,12 @@ def test_training_continues_from_the_champion_and_names_it(tmp_path):
     base = load_file(str(next((tmp_path / "artifacts" / "models").glob("[!.]*/model.safetensors"))))
     assert v1.keys() == started.keys() and all(torch.equal(v1[k], started[k]) for k in v1)
     assert any(not torch.equal(v1[k], base[k]) for k in v1 if k in base)
+    # the registered version carries a Hugging Face model card: the Hub's front matter, v1's own scores
+    card = model_card.read(loaded)
+    assert card["library_name"] == "transformers" and card["base_model"] == p2.cfg.actor.model.model_path
+    scored = {r["dataset"]["name"]: r["metrics"][0]["value"] for r in card["model-index"][0]["results"]}
+    assert scored == {s: round(m["accuracy"], 4) for s, m in r1["evaluate"].metrics["sets"].items()}
+    assert not (Path(r1["train"].path) / "model" / "README.md").exists()  # train's folder is left as it was
 
     client = MlflowClient(p2.cfg.resolved_tracking_uri)
     v = client.get_model_version("test-model", "2")
@@ -82,11 +99,32 @@ def test_training_continues_from_the_champion_and_names_it(tmp_path):
     assert run.data.tags["sftflow.start"] == "models:/test-model/1"
     assert "Started from: `models:/test-model/1` (continues v1)" in run.data.tags["mlflow.note.content"]
     assert client.get_model_version("test-model", "1").tags["sftflow.start"] == ""
+    learned = json.loads(v.tags["sftflow.trained_on"])
+    assert sorted((Path(e["ref"]).name, e["source"]) for e in learned) == [("more.jsonl", "train"),
+                                                                           (Path(first).name, "rehearse")]
+    assert [e["ref"] for e in json.loads(v.tags["sftflow.rehearsed"])] == [str(Path(first).resolve())]
 
     # day 2 again: v2 (the champion) is caught up: no third training
     again = plan(load_config(cfg_path))
     assert again.fingerprints["train"] == p2.fingerprints["train"]
-    assert again.start["ref"] == "models:/test-model/1" and again.start["note"] == "starting from models:/test-model/1"
+    assert again.start["ref"] == "models:/test-model/1" and again.start["note"].startswith(
+        "starting from models:/test-model/1, rehearsing the 1 training file(s)")
+
+    # day 3: a third file; v2's lineage names both earlier files, so both are rehearsed
+    third = write_jsonl(tmp_path / "third.jsonl", demo_rows("train.jsonl", 8))
+    raw["data"]["train_data_paths"].append(str(third))
+    write_config(tmp_path, raw)
+    p3 = plan(load_config(cfg_path))
+    assert p3.start["ref"] == "models:/test-model/2"
+    assert sorted(Path(e["ref"]).name for e in p3.rehearsal) == sorted([Path(first).name, "more.jsonl"])
+    assert [Path(ref).name for ref, _ in p3.inputs["train"]] == ["third.jsonl"]
+    # a file the lineage names that has changed since is one line naming it; weight 0 trains everything as new
+    Path(extra).write_text(Path(extra).read_text() + Path(extra).read_text().splitlines(True)[0])
+    with pytest.raises(ConfigError, match=r"data.rehearsal: models:/test-model/2 trained on .*more.jsonl, which has "
+                                          r"changed since; put that file back, or set data.rehearsal.weight=0"):
+        plan(load_config(cfg_path))
+    plain = plan(load_config(cfg_path, ["data.rehearsal.weight=0"]))
+    assert plain.rehearsal is None and len(plain.inputs["train"]) == 3
 
 
 def test_a_folder_start_is_fingerprinted_by_content(tmp_path):

@@ -119,6 +119,27 @@ def test_stop_server_stops_the_kept_server_now(tmp_path):
     assert again.returncode == 0 and "no kept Prefect server" in again.stdout
 
 
+def test_stop_server_finds_the_kept_server_after_a_serve_start_server_came_and_went(tmp_path):
+    """Issue 57: `serve --start-server` on the same home wrote its marker over the kept server's and
+    removed it when it stopped; `stop-server` then said no kept server ran while it still listened."""
+    from flows.prefect_server import free_port, local_server
+    cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path))
+    home = tmp_path / ".prefect"
+    seed_prefect_home(home)
+    start_kept_server(home, keep_s=300)
+    kept = _marker(home)
+    tree = _tree(kept["pid"])
+    with local_server("127.0.0.1", free_port(), home, home / "serve.log", shared=True) as api:  # serve's own
+        assert _marker(home)["api"] == api != kept["api"]
+    assert _marker(home) == kept, "the kept server is announced again once serve's server stops"
+    (home / RUNNING_SERVER).unlink()  # and found without its marker (a serve that was SIGKILLed, a hand)
+    assert healthy(kept["api"])
+    proc = sftflow("stop-server", "-c", str(cfg_path), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert left_alive(tree, 5) == [], "the keeper and its server are gone when the command returns"
+    assert not healthy(kept["api"]) and f"stopped the kept Prefect server at {kept['api']}" in proc.stdout
+
+
 def test_links_printed_on_a_kept_server_open_while_it_runs_and_sftflow_ui_browses_the_history(tmp_path):
     """A run on the kept server prints a "View at" link that its UI serves (the kept server serves the
     UI); `sftflow ui -c CONFIG` prints the flow-run history of the same server, schedules nothing and

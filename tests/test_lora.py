@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from conftest import ROOT, base_model
 from stages.chatdata.shards import read_shards
 from stages.pipeline import plan, run_stage
+from stages.runtime.checkpoint import read_metadata
 from stages.runtime.launcher import worker_env
 from test_train_core import assert_same_weights, killed, make_cfg, train, weights
 
@@ -102,6 +103,9 @@ def test_lora_resume_after_sigkill_gives_the_same_adapters(tmp_path, lora_uninte
     size = sum(f.stat().st_size for f in ckpt.glob("*.distcp"))
     base_size = (Path(base_model(cfg)) / "model.safetensors").stat().st_size
     assert size < base_size / 2, (size, base_size)
+    # no frozen weight under any name: the builtin model's tied output head was saved as lm_head.weight
+    saved = read_metadata(ckpt).state_dict_metadata
+    assert all("lora_" in k for k in saved if k.startswith("model.")), [k for k in saved if "lora_" not in k][:3]
     done = train(cfg)
     assert "resumed from" in (Path(done.path) / "train.log").read_text()
     a = load_file(str(Path(done.path) / "adapter" / "adapter_model.safetensors"))

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from conftest import demo_rows, sftflow, tiny_config_dict, write_config
+from conftest import demo_rows, sftflow, tiny_config_dict, write_config, write_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api")]
 
@@ -57,17 +57,39 @@ def test_own_alpaca_data_with_bad_rows_shows_what_was_left_out_everywhere(tmp_pa
     assert shown.returncode == 0 and line in shown.stdout, shown.stdout[-2000:]
 
 
+SYSTEM = "You are Ada, the support assistant of Example Corp."
+
+
 def test_models_lists_versions_and_chat_finds_the_champion_from_any_folder(tmp_path):
     import subprocess
     import sys
     raw = tiny_config_dict(tmp_path, registry={"model_name": "newcomer-chat", "promote": "if_better"})
+    # every training row with the same system prompt, as a support assistant's data has
+    write_jsonl(tmp_path / "train.jsonl", [{"messages": [{"role": "system", "content": SYSTEM}, *r["messages"]]}
+                                           for r in demo_rows("train.jsonl", 96)])
     cfg = write_config(tmp_path, raw)
     proc = sftflow("run", "-c", str(cfg), cwd=tmp_path, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     listed = sftflow("models", "-c", str(cfg), cwd=tmp_path)
     assert listed.returncode == 0, listed.stderr[-2000:]
     row = next(x for x in listed.stdout.splitlines() if x.startswith("│ 1 "))
-    assert "champion" in row and "no champion yet" in row, listed.stdout
+    assert [c.strip() for c in row.strip("│").split("│")][1] == "champion", listed.stdout  # the aliases column
+    # the same table on the flow run's page
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    with get_client(sync_client=True) as client:
+        tables = [a.data for a in client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["sftflow-versions"]))) if "newcomer-chat" in (a.description or "")]
+    assert len(tables) == 1 and tables[0].splitlines()[2].startswith("| 1 | champion | - | "), tables
+
+    # the export names the version (the next champion's export writes a file of its own), and the Modelfile
+    # offers the system prompt the rows were trained with
+    exported = sftflow("export", "-c", str(cfg), "--out", str(tmp_path / "exports"), cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    import gguf
+    reader = gguf.GGUFReader(str(tmp_path / "exports" / "newcomer-chat-v1-F16.gguf"))
+    assert bytes(reader.fields["general.name"].parts[-1]).decode() == "newcomer-chat-v1"
+    assert f'SYSTEM """{SYSTEM}"""' in (tmp_path / "exports" / "Modelfile").read_text().splitlines()
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -80,6 +102,7 @@ def test_models_lists_versions_and_chat_finds_the_champion_from_any_folder(tmp_p
     assert len([x for x in chat.stdout.splitlines() if x.strip()]) == 2, chat.stdout
     one = sftflow("chat", "-c", str(cfg), "Who are you?", cwd=elsewhere)
     assert one.returncode == 0 and one.stdout.strip() == chat.stdout.splitlines()[0].strip()
+    assert "newcomer-chat v1 (models:/newcomer-chat@champion)" in one.stderr  # which version answered
     # without -c, from a folder with no store: one line, exit 2, and no empty store left behind
     lost = sftflow("chat", "-m", "models:/newcomer-chat@champion", "Who are you?", cwd=elsewhere)
     assert lost.returncode == 2 and "no MLflow store at" in lost.stderr and "-c CONFIG" in lost.stderr

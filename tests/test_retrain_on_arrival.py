@@ -3,7 +3,8 @@ loopback: `sftflow serve --on-data` serves the flow, `sftflow notify` (a Prefect
 
 Day 1 trains v1 (champion). Day 2 a file with a new skill arrives (a burst of two events: one run);
 prepare tokenizes that file only, training starts from v1, v2 becomes champion. Day 3 a drop with
-30% malformed rows is stopped by the data gate: a failed run, no version. Day 4 a drop that teaches
+30% malformed rows is stopped by the data gate: a failed run, no version, the drop moved to
+drops/rejected/. Day 4 a drop that teaches
 a wrong answer for one set's questions: v3 is worse there and stays challenger. Then the way back
 (`sftflow champion 1 --reason ...`) moves the alias, and the next run's register line reports it.
 
@@ -13,7 +14,6 @@ the X make?" -> loud), with held-out nouns in the eval sets; the builtin tokeniz
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -164,7 +164,9 @@ def test_four_days_of_retraining_on_arrival(tmp_path):
         failed = finished(name)[2]
         assert failed.state.is_failed() and "data.max_bad_fraction" in failed.state.message, failed.state.message
         assert set(versions(tmp_path)) == {"1", "2"}
-        shutil.move(drops / "day3.jsonl", tmp_path / "rejected-day3.jsonl")  # the operator takes the drop out
+        # the served run took the drop out (the next runs would fail on it) and said where it went
+        moved = drops / "rejected" / "day3.jsonl.rejected"
+        assert not (drops / "day3.jsonl").exists() and moved.is_file() and str(moved) in failed.state.message
 
         # day 4: a drop that teaches another colour: worse on 'colors', so a challenger
         write(drops / "day4.jsonl", rows(COLOR, "red", TRAIN, 6))

@@ -136,7 +136,9 @@ for _s in ("a", "b"):
     for _k in ("task", "num_fewshot", "limit", "chat_template", "metric", "filter", "length_normalized"):
         NOT_CHANGED[f"eval.sets.{_s}.{_k}"] = "applies to harness or choice sets only (a config error)"
 # keys whose value resolves to what it was: the table's closure does not apply
-SAME_RESULT = {"actor.init_from": "champion with no champion in the registry is the base model (start_note)"}
+SAME_RESULT = {"actor.init_from": "champion with no champion in the registry is the base model (start_note)",
+               "data.rehearsal.weight": "only a warm start from a version rehearses (tests/test_rehearsal.py)",
+               "data.rehearsal.passes": "only a warm start from a version rehearses (tests/test_rehearsal.py)"}
 
 
 def _changed(key: str, value, field, tmp: Path, tokenizer: Path):

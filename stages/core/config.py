@@ -260,6 +260,7 @@ CANONICAL_FIELDS = ("messages", "conversations", "conversation", "role", "conten
 
 FORMATS = Literal["auto", "messages", "sharegpt", "prompt_completion", "alpaca", "conversation", "choice"]
 MIX_BUILTIN = ("train", "replay")  # sources a mixture names without paths: data.train_data_paths, the replay stage
+REHEARSE = "rehearse"  # the mixture source a warm start adds: what the starting version trained on (RehearsalConfig)
 
 
 class MixSource(_Section):
@@ -293,6 +294,21 @@ class ReplayConfig(_Section):
         return [v] if isinstance(v, str) else v
 
 
+class RehearsalConfig(_Section):
+    """What a warm start (`actor.init_from` a registered version) keeps of what that version learned:
+    the training files its lineage names (the version tag `sftflow.trained_on`) join the mixture as
+    the `rehearse` source, training files that version already trained on move there from `train`, and
+    an epoch is sized by the new rows (docs/operations.md, "Continuing from a version")."""
+
+    weight: float = Field(1.0, ge=0, description="rehearsed samples per new training sample (the rehearse source's "
+                                                 "mixture weight is this times train's); 0: no rehearsal, every train "
+                                                 "file trains as new and an epoch holds every source's rows")
+    passes: float = Field(1.0, gt=0, description="with rehearsal, an epoch holds this many samples per new training "
+                                                 "row (the other sources fill their weights' shares around them): "
+                                                 "the token budget of a day's retraining follows the new data, not "
+                                                 "the history")
+
+
 class DataConfig(_Section):
     train_data_paths: list[str] = Field(default_factory=list, min_length=1, json_schema_extra={"fingerprint": False})
     val_data_paths: list[str] = unhashed(default_factory=list)
@@ -311,6 +327,7 @@ class DataConfig(_Section):
     num_proc: int = unhashed(1, ge=1, description="tokenizing processes; the output is identical for any value")
     mix: dict[str, MixSource] = Field(default_factory=dict, description="weighted training sources; empty: "
                                       "data.train_data_paths alone, each row once per epoch")
+    rehearsal: RehearsalConfig = RehearsalConfig()
 
     @field_validator("mix")
     @classmethod
@@ -318,6 +335,9 @@ class DataConfig(_Section):
         for name, s in v.items():
             if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
                 raise ValueError(f"source name '{name}' must be letters, digits, '_', '.' or '-'")
+            if name == REHEARSE:
+                raise ValueError(f"mix.{REHEARSE} is what a warm start adds from its version's lineage; set its "
+                                 "weight with data.rehearsal.weight")
             if name in MIX_BUILTIN and (s.paths or s.format or s.columns):
                 what = "data.train_data_paths" if name == "train" else "the replay stage (the `replay` section)"
                 raise ValueError(f"mix.{name} reads {what}; give it a weight only (other sources: any other name)")
@@ -521,6 +541,19 @@ class FlowConfig(_Section):
     timeout_seconds: float | None = Field(None, gt=0, description="per-task timeout; the torchrun tree is killed")
 
 
+class RetentionConfig(_Section):
+    """What `sftflow gc` and the policy after each flow run keep (stages/retention.py); never part of a
+    fingerprint: it decides what stays on disk, not what a stage makes."""
+
+    keep_versions: int = Field(3, ge=1, description="registered versions kept besides those with an alias (the "
+                                                    "newest); older ones leave the registry with their model files")
+    keep_days: float = Field(7, ge=0, description="a stage folder no kept version needs is dropped once unused "
+                                                  "this many days")
+    drop_checkpoints: bool = Field(True, description="drop a training's checkpoints once it finished and exported "
+                                                     "model/")
+    auto: bool = Field(True, description="apply the policy after every flow run (`serve` keeps itself tidy)")
+
+
 REPLAY_PROMPTS = "replay/prompts"  # the inputs key of the replay stage's prompt files
 
 
@@ -537,6 +570,7 @@ def eval_split(set_name: str) -> str:
 class SFTConfig(_Section):
     artifacts_dir: str = unhashed("artifacts")
     flow: FlowConfig = unhashed(FlowConfig())
+    retention: RetentionConfig = unhashed(RetentionConfig())
     runner: RunnerConfig = RunnerConfig()
     actor: ActorConfig = ActorConfig()
     data: DataConfig
@@ -592,6 +626,33 @@ class SFTConfig(_Section):
         """Use these inputs from now on instead of globbing the paths again: a plan handed to
         another process (a Prefect task's worker) must read exactly the files it was planned with."""
         self._inputs = {split: list(refs) for split, refs in inputs.items()}
+
+    _rehearsal: list[dict] | None = PrivateAttr(None)
+
+    def pin_rehearsal(self, entries: list[dict], new_train: list[Path | str]) -> None:
+        """A warm start's rehearsal (the plan's `rehearsal`): `entries` ({ref, digest, format, columns}) are
+        the `rehearse` source's files, `new_train` the train files its version has not trained on."""
+        inputs = self.inputs()
+        inputs.setdefault(CORPUS, inputs["train"])  # a builtin tokenizer is still built from every train file
+        inputs["train"] = list(new_train)
+        inputs[mix_split(REHEARSE)] = [e["ref"] if e["ref"].startswith("hf:") else Path(e["ref"]) for e in entries]
+        self._rehearsal = [dict(e) for e in entries]
+
+    @property
+    def rehearsal_files(self) -> list[dict]:
+        """The rehearse source's files as the plan pinned them ([] when nothing is rehearsed)."""
+        return self._rehearsal or []
+
+    def mix_weights(self) -> dict[str, float]:
+        """The training mixture's sources and weights, in the order their rows follow each other: data.mix,
+        then `rehearse` on a warm start that rehearses; {} when train's rows are all there is."""
+        weights = {n: m.weight for n, m in self.data.mix.items()}
+        if self._rehearsal:
+            weights = {"train": 1.0} if not weights else {"train": weights.pop("train"), **weights}
+            weights[REHEARSE] = self.data.rehearsal.weight * weights["train"]
+        elif weights:
+            weights = {"train": weights.pop("train"), **weights}
+        return weights
 
 
 # --------------------------------------------------------------------------- loading

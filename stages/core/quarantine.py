@@ -71,8 +71,13 @@ def gate_error(stage: str, found: Check, limit: float, quarantine_file: Path) ->
     what, rows_read, bad = found
     n = sum(bad.values())
     reasons = ", ".join(f"{reason} {k}" for reason, k in bad.most_common())
-    return DataError(f"{stage}: {n} of {rows_read} rows ({100 * n / rows_read:.1f}%) in {what} were quarantined, "
-                     f"above data.max_bad_fraction={limit} ({reasons}); nothing was trained; see {quarantine_file}")
+    error = DataError(f"{stage}: {n} of {rows_read} rows ({100 * n / rows_read:.1f}%) in {what} were quarantined, "
+                      f"above data.max_bad_fraction={limit} ({reasons}); nothing was trained; see {quarantine_file}")
+    # what the flow records in MLflow and, in a served run, moves aside (flows/sft.py): the line alone
+    # would have to be parsed back
+    error.gate = {"stage": stage, "what": str(what), "rows_read": rows_read, "dropped": dict(bad.most_common()),
+                  "limit": limit, "quarantine_file": str(quarantine_file)}
+    return error
 
 
 def folder_checks(folder: str | Path) -> list[Check]:

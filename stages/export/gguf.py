@@ -105,6 +105,14 @@ class Exported:
 
 # --------------------------------------------------------------------------- the folder and its family
 
+def _trained_on(src: Path) -> str | None:
+    """The prepare folder a train stage folder's manifest says it trained on; None for other folders."""
+    try:
+        return json.loads((src / "manifest.json").read_text()).get("prepare_dir") if (src / "model").is_dir() else None
+    except (OSError, ValueError):
+        return None
+
+
 def model_dir(src: Path | str) -> Path:
     """The Hugging Face folder `src` names: a train stage folder (its model/), a model/ folder, any HF folder."""
     path = Path(src).expanduser()
@@ -438,9 +446,12 @@ def _temp(out: Path, final: Path) -> Path:
 
 
 def export_gguf(src: Path | str, out: Path | str, type_: str = "f16", name: str | None = None,
-                max_new_tokens: int | None = None, say=lambda line: None) -> Exported:
-    """Writes `<out>/<name>-<TYPE>.gguf` and `<out>/Modelfile` for the model `src` names; returns them."""
-    from stages.export.modelfile import chatml_form, modelfile_text
+                max_new_tokens: int | None = None, say=lambda line: None,
+                prepare_dir: Path | str | None = None) -> Exported:
+    """Writes `<out>/<name>-<TYPE>.gguf` and `<out>/Modelfile` for the model `src` names; returns them.
+    `prepare_dir`: the prepare folder the model was trained on (a train stage folder's manifest names its
+    own), whose rows' system prompt the Modelfile's SYSTEM offers (modelfile.trained_system)."""
+    from stages.export.modelfile import ChatML, chatml_form, modelfile_text, trained_system
 
     type_ = check_type(type_)
     if max_new_tokens is not None and max_new_tokens < 1:
@@ -473,6 +484,18 @@ def export_gguf(src: Path | str, out: Path | str, type_: str = "f16", name: str 
         portable = portable_template(template)
         form = chatml_form(tok, template, portable)
         special.chat_template = portable
+    system_note = None
+    prepare_dir = prepare_dir or _trained_on(Path(src).expanduser())
+    if form is not None and prepare_dir is not None:
+        if (Path(prepare_dir) / "train").is_dir():
+            system, k, n = trained_system(tok, prepare_dir)
+            if system is not None:
+                form = ChatML(system)
+                system_note = f"SYSTEM: the system prompt {k} of {n} training rows began with ({prepare_dir})"
+            elif k:  # rows with system prompts, but no one prompt most of them began with
+                system_note = f"no SYSTEM: the most common system prompt began only {k} of {n} training rows"
+        else:
+            system_note = f"no SYSTEM from the training rows: their prepare folder {prepare_dir} is gone"
     bos, eos = adds_specials(tok)
     special.add_special_token["bos"] = bos
     special.add_special_token["eos"] = eos
@@ -543,6 +566,8 @@ def export_gguf(src: Path | str, out: Path | str, type_: str = "f16", name: str 
     if form is None:
         notes.append("the chat template is not ChatML: the Modelfile has no TEMPLATE (Ollama reads "
                      "tokenizer.chat_template from the file)")
+    elif system_note:
+        notes.append(system_note)
     return Exported(gguf_path, modelfile_path, arch_name, type_, pre, n_tensors, n_params,
                     form.default_system if form else None, notes)
 

@@ -4,7 +4,9 @@ Its TEMPLATE is the chat template translated to Ollama's Go template, for ChatML
 (`<|im_start|>role\\n...<|im_end|>\\n`, the builtin tiny-chat, SmolLM2, Qwen2); whether a template is
 ChatML is decided by rendering it (transformers' own `apply_chat_template`), not by reading it. A default
 system prompt the template adds when a conversation has none (SmolLM2's) becomes SYSTEM: Ollama puts it
-first when a request brings no system message, as the template does.
+first when a request brings no system message, as the template does. When the export knows the prepare
+folder the model was trained on, the system prompt most training rows began with (`trained_system`)
+becomes SYSTEM instead: a model fine-tuned with a system prompt answers as trained only with it.
 
 The parameters are the ones sftflow's evaluation generates with (stages/runtime/generation.py): greedy
 (`temperature 0`), no repetition penalty (Ollama's default is 1.1), stopping at every token its
@@ -65,6 +67,36 @@ def chatml_form(tok, template: str, portable: str) -> ChatML | None:
             return None
         default = found
     return ChatML(default or None)
+
+
+_SYSTEM = re.compile(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", re.S)
+
+
+def trained_system(tok, prepare_dir, rows: int = 2000) -> tuple[str | None, int, int]:
+    """(the system prompt most of the training rows began with, how many did, how many were read) from the
+    train split of the prepare folder the model was trained on: each row's untrained prefix (up to its
+    first trained token), decoded with the model's own tokenizer and read as ChatML. The train split keeps
+    no messages, only tokens, and these are what the model saw; a template's default system prompt shows
+    as one too. (None, k, n) when fewer than half of the first `rows` rows began with one and the same."""
+    from collections import Counter
+    from pathlib import Path
+
+    import pyarrow as pa
+    seen: Counter = Counter()
+    n = 0
+    for shard in sorted((Path(prepare_dir) / "train").glob("shard-*.arrow")):
+        table = pa.ipc.open_file(pa.memory_map(str(shard), "r")).read_all().select(["input_ids", "loss_mask"])
+        for ids, mask in zip(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()):
+            prefix = ids[:mask.index(1)] if 1 in mask else ids
+            m = _SYSTEM.match(tok.decode(prefix, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+            seen[m[1] if m else None] += 1
+            n += 1
+            if n >= rows:
+                break
+        if n >= rows:
+            break
+    top, k = seen.most_common(1)[0] if seen else (None, 0)
+    return (top, k, n) if top and 2 * k > n else (None, k if top else 0, n)
 
 
 def _quoted(value: str) -> str:

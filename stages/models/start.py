@@ -25,7 +25,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from stages.core.artifacts import canonical_json, file_digest
+from stages.core.artifacts import canonical_json, file_digest, input_digest
 from stages.core.config import SFTConfig
 from stages.core.errors import ConfigError
 from stages.tracking.registry import REGISTRY_PREFIX, current_champion, download_model, version_tags
@@ -50,15 +50,23 @@ def _folder_start(cfg: SFTConfig, ref: str) -> dict:
 def _version_start(cfg: SFTConfig, name: str, version: str, tags: dict, model_fp: str) -> dict:
     base = tags.get("models_fingerprint")
     if base and base != model_fp:
+        corpus = cfg.actor.model.corpus_paths
+        learned = [e["ref"] for e in json.loads(tags.get("trained_on") or "[]") if e.get("source") == "train"]
+        built = (f"actor.model.corpus_paths={corpus}, not the corpus v{version}'s base model was built from" if corpus
+                 else f"data.train_data_paths={cfg.data.train_data_paths} (actor.model.corpus_paths is unset), "
+                      "which changes with each new file")
+        hint = f", e.g. {learned[:1]}" if learned else ""
         raise ConfigError(
             f"{KEY}={cfg.actor.init_from}: {name} v{version} was trained from another base model (fingerprint "
             f"{base[:12]}, this config's is {model_fp[:12]}), so its vocabulary need not match this data's tokens; "
-            "a builtin model's tokenizer is built from data.train_data_paths unless actor.model.corpus_paths pins it")
+            f"a builtin model's tokenizer is built from {built}: set actor.model.corpus_paths to the files "
+            f"v{version}'s tokenizer was built from{hint}")
     identity = {"registry": cfg.resolved_tracking_uri, "name": name, "version": str(version),
                 "train_fingerprint": tags.get("train_fingerprint", "")}
     parent = str(version) if name == cfg.registry.model_name else None
     return {"ref": f"{REGISTRY_PREFIX}{name}/{version}", "identity": identity, "parent_version": parent,
-            "own_start": tags.get("start", ""), "note": f"starting from {name} v{version}"}
+            "own_start": tags.get("start", ""), "note": f"starting from {name} v{version}",
+            "trained_on": tags.get("trained_on", ""), "rehearsed": tags.get("rehearsed", "")}
 
 
 def resolve_start(cfg: SFTConfig, model_fp: str) -> tuple[dict | None, str | None]:
@@ -84,14 +92,49 @@ def resolve_start(cfg: SFTConfig, model_fp: str) -> tuple[dict | None, str | Non
 def caught_up(start: dict, train_fingerprint: Callable[[dict | None], str]) -> dict | None:
     """The start to plan with when `start` is a version whose own training is this one: its own start
     (None: the base model), so the plan names that version's training; else `start` unchanged.
-    `train_fingerprint(identity or None)` is train's fingerprint from a start identity."""
+    `train_fingerprint(start or None)` is train's fingerprint from a start (what its version rehearsed is
+    what it would rehearse: the `trained_on` of the parent as that version's training saw it)."""
     own = start.get("own_start")
     if own is None:
         return start
     parent = json.loads(own) if own else None
-    if train_fingerprint(parent and parent.get("identity")) != start["identity"]["train_fingerprint"]:
+    if parent is not None:
+        parent["trained_on"] = start.get("rehearsed", "")
+    if train_fingerprint(parent) != start["identity"]["train_fingerprint"]:
         return start
     return parent and {**parent, "note": f"starting from {parent['ref']}"}
+
+
+def rehearsal(cfg: SFTConfig, start: dict | None, train: list[tuple[str, str]],
+              others: set[str]) -> tuple[list[dict], list[tuple[str, str]]] | None:
+    """A warm start's rehearsal: (the `rehearse` source's files, the train inputs that start's version has
+    not trained on), or None when nothing is rehearsed: `data.rehearsal.weight` 0, a start that names no
+    training (the base model, a folder, a version registered before versions recorded it), or train files
+    that version has all trained on already (then they train as configured). `train`: (ref, digest) of
+    data.train_data_paths; `others`: digests of the other sources' files, which stay theirs. A file the
+    version trained on that is gone or changed is a ConfigError naming it."""
+    if start is None or cfg.data.rehearsal.weight == 0 or not start.get("trained_on"):
+        return None
+    learned = json.loads(start["trained_on"])
+    seen = {e["digest"] for e in learned}
+    new = [(ref, d) for ref, d in train if d not in seen]
+    if not new:
+        return None
+    entries, kept = [], set(others)
+    for e in learned:
+        if e["digest"] in kept:
+            continue
+        kept.add(e["digest"])
+        if not e["ref"].startswith("hf:"):
+            path = Path(e["ref"])
+            now = input_digest(path, cfg.artifacts_path) if path.exists() else None
+            if now != e["digest"]:
+                what = "is gone" if now is None else "has changed since"
+                raise ConfigError(
+                    f"data.rehearsal: {start['ref']} trained on {e['ref']}, which {what}; put that file back, or set "
+                    "data.rehearsal.weight=0 to train on the new data alone")
+        entries.append({k: e.get(k) for k in ("ref", "digest", "format", "columns")})
+    return entries, new
 
 
 def start_tag(start: dict | None) -> str:

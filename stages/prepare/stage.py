@@ -39,8 +39,8 @@ from stages.chatdata.shards import ShardWriter, read_shards
 from stages.core.artifacts import StageBuild, input_digest, is_complete, read_manifest, stage_dir
 from stages.core.codeversion import code_version
 from stages.core.inputs import HUB_PREFIX
-from stages.runtime.mixture import epoch_samples
-from stages.core.config import SFTConfig, eval_split, mix_split
+from stages.runtime.mixture import epoch_samples, new_data_epoch
+from stages.core.config import REHEARSE, SFTConfig, eval_split, mix_split
 from stages.core.errors import StageError
 from stages.core.quarantine import Check, breach, gate_error
 
@@ -90,7 +90,7 @@ def splits_of(cfg: SFTConfig, part: str = "train") -> list[str]:
 
 def mix_order(cfg: SFTConfig) -> list[str]:
     """The mixture's sources in the order their rows follow each other in the train split."""
-    return ["train", *(n for n in cfg.data.mix if n != "train")]
+    return ["train", *(n for n in cfg.mix_weights() if n != "train")]
 
 
 def plan_sources(cfg: SFTConfig, part: str = "train", replay_file: str | None = None) -> list[Source]:
@@ -114,12 +114,15 @@ def plan_sources(cfg: SFTConfig, part: str = "train", replay_file: str | None = 
     add(inputs["train"], "auto" if not d.val_data_paths and d.val_fraction > 0 else "train", d.format)
     add(inputs["val"], "val", d.format, kind="val")
     for name in mix_order(cfg)[1:]:
-        m = d.mix[name]
         if name == "replay":
             if replay_file is None:
                 raise StageError("prepare: data.mix.replay needs the replay stage's answers; run the replay stage")
             add([replay_file], "train", "messages", name)
+        elif name == REHEARSE:  # each file as its version read it
+            for e in cfg.rehearsal_files:
+                out.append(Source(e["ref"], "train", e["format"], name, e.get("columns")))
         else:
+            m = d.mix[name]
             add(inputs[mix_split(name)], "train", m.format or d.format, name, m.columns)
     return out
 
@@ -387,7 +390,7 @@ def _assemble(cfg: SFTConfig, fp: str, model_path: str, part: str, stage: str, s
         if st.rows_kept == 0:
             raise StageError(f"{stage}: no usable rows in the {split} split; see {build.partial / 'quarantine.jsonl'} "
                              f"(dropped: {dict(st.dropped)})")
-    mix = [{"source": n, "rows": mixed[n]} for n in mix_order(cfg)] if d.mix and part == "train" else []
+    mix = [{"source": n, "rows": mixed[n]} for n in mix_order(cfg)] if cfg.mix_weights() and part == "train" else []
     empty = [m["source"] for m in mix if m["rows"] == 0]
     if empty:
         raise StageError(f"{stage}: data.mix.{empty[0]} has no usable rows; see {build.partial / 'quarantine.jsonl'}")
@@ -422,7 +425,9 @@ def preview_samples(cfg: SFTConfig, prepare_dir: Path | None, model_path: str, n
             return [(r["source"], segments(tokenizer, r["input_ids"], r["loss_mask"]))
                     for r in table.slice(0, n).to_pylist()]
         sizes = [m["rows"] for m in mix]
-        order = epoch_samples(cfg.runner.seed, 0, [cfg.data.mix[m["source"]].weight for m in mix], sizes)[:n]
+        weights = [cfg.mix_weights()[m["source"]] for m in mix]
+        total = new_data_epoch(weights, sizes, cfg.data.rehearsal.passes) if cfg.rehearsal_files else None
+        order = epoch_samples(cfg.runner.seed, 0, weights, sizes, total)[:n]
         starts = np.cumsum([0, *sizes])
         rows = table.take(order).to_pylist()
         names = [mix[int(np.searchsorted(starts, i, side="right")) - 1]["source"] for i in order]
@@ -438,7 +443,7 @@ def preview_samples(cfg: SFTConfig, prepare_dir: Path | None, model_path: str, n
             name = mix_of[it.file]
             if it.reason is None and it.split == "train" and taken[name] < per_source:
                 taken[name] += 1
-                out.append((f"{name}: {it.source}" if cfg.data.mix else it.source,
+                out.append((f"{name}: {it.source}" if cfg.mix_weights() else it.source,
                             segments(tokenizer, it.ids, it.mask)))
                 if len(out) >= n:
                     return out

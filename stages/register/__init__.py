@@ -29,10 +29,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
+from stages.core import model_card
 from stages.core.artifacts import StageBuild, read_manifest
-from stages.core.config import SFTConfig
+from stages.core.config import REHEARSE, SFTConfig
 from stages.core.paired import clears, compare_sets, describe, read_predictions
 from stages.core.scores import named_sets
 from stages.tracking.registry import CHALLENGER, CHAMPION, set_by_hand
@@ -59,6 +64,26 @@ def _existing_version(client, name: str, train_fp: str):
     except Exception:  # noqa: BLE001 - no such model yet (MLflow raises its own RestException)
         return None
     return next((v for v in versions if v.tags.get(RUN_TAG) == train_fp), None)
+
+
+def trained_on(cfg: SFTConfig, prepare_dir: str, inputs: dict[str, list]) -> list[dict]:
+    """What the version trained on, as the next warm start rehearses it (models/start.py `rehearsal`): each
+    training file of the prepare folder (train, the mixture's own files, what it rehearsed itself; not the
+    replay stage's answers, which every run makes anew), once, with its content digest and the format and
+    columns it was read with."""
+    digest = {str(ref): d for items in inputs.values() for ref, d in items}
+    rehearsed = {e["ref"]: e.get("columns") for e in cfg.rehearsal_files}
+    out, seen = [], set()
+    for src in read_manifest(Path(prepare_dir)).get("sources", []):
+        mix = src.get("mix", "train")
+        d = digest.get(src["ref"])
+        if src["split"] not in ("train", "auto") or mix == "replay" or d is None or d in seen:
+            continue
+        seen.add(d)
+        own = cfg.data.mix[mix].columns if mix in cfg.data.mix else None
+        columns = rehearsed.get(src["ref"]) if mix == REHEARSE else own if own is not None else cfg.data.columns
+        out.append({"ref": src["ref"], "digest": d, "format": src["format"], "columns": columns or {}, "source": mix})
+    return out
 
 
 def failed_guards(eval_metrics: dict) -> list[str]:
@@ -204,6 +229,30 @@ def _log_run_files(mlflow, dirs: dict[str, str], eval_metrics: dict) -> None:
     mlflow.log_artifact(str(Path(dirs["train"]) / "metrics.jsonl"), artifact_path="train")
 
 
+@contextmanager
+def _with_card(model_dir: str, card: str, scratch: Path) -> Iterator[str]:
+    """The train stage's model folder with the model card beside its files, for logging: hard links (no
+    copy of the weights) in a scratch folder removed afterwards, since train's folder is never written
+    after it is complete."""
+    folder = scratch / "hf_model"
+    shutil.rmtree(folder, ignore_errors=True)
+    for f in sorted(Path(model_dir).rglob("*")):
+        dest = folder / f.relative_to(model_dir)
+        if f.is_dir():
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(f, dest)
+        except OSError:  # another file system
+            shutil.copy2(f, dest)
+    (folder / model_card.CARD).unlink(missing_ok=True)  # a link to the train folder's own file: never written through
+    (folder / model_card.CARD).write_text(card, encoding="utf-8")
+    try:
+        yield str(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
     from mlflow.tracking import MlflowClient
 
@@ -239,11 +288,15 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
                 client.set_tag(run_id, "prefect.register_flow_run_url", lineage.tags[FLOW_RUN_URL])
         sync_rows(client, run_id, read_metrics_file(Path(dirs["train"]) / "metrics.jsonl"))  # what live logging missed
         send_values(client, run_id, {**eval_metric_values(eval_metrics), **champion_metric_values(versus or {})})
-        with mlflow.start_run(run_id=run_id):
+        learned = trained_on(cfg, read_manifest(Path(dirs["train"]))["prepare_dir"], lineage.inputs)
+        card = model_card.render(name, cfg.actor.model.model_path, eval_metrics,
+                                 version_description(cfg, lineage).split(": ", 1)[-1], learned, cfg.actor.lora.r > 0,
+                                 run_url(ui_url(cfg), client.get_run(run_id).info.experiment_id, run_id))
+        with mlflow.start_run(run_id=run_id), _with_card(model_dir, card, build.partial) as hf_model:
             _log_run_files(mlflow, dirs, eval_metrics)
             here = Path(__file__).resolve().parent
             info = mlflow.pyfunc.log_model(
-                name=name, python_model=str(here / "chat_model.py"), artifacts={"hf_model": model_dir},
+                name=name, python_model=str(here / "chat_model.py"), artifacts={"hf_model": hf_model},
                 code_paths=[GENERATION_PY, PRECISION_PY], pip_requirements=PIP_REQUIREMENTS,
                 input_example=INPUT_EXAMPLE, registered_model_name=name)
         version = client.get_model_version(name, str(info.registered_model_version))
@@ -253,7 +306,9 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
                  "data_digest": data_digest(lineage.inputs), "eval_accuracy": str(eval_metrics["accuracy"]),
                  "eval_set_fingerprint": eval_set, "start": lineage.start,
                  "parent_version": lineage.tags.get("sftflow.parent_version", ""),
-                 "models_fingerprint": lineage.tags.get("sftflow.models_fingerprint", "")}
+                 "models_fingerprint": lineage.tags.get("sftflow.models_fingerprint", ""),
+                 "trained_on": json.dumps(learned, separators=(",", ":")),
+                 "rehearsed": json.dumps(cfg.rehearsal_files, separators=(",", ":")) if cfg.rehearsal_files else ""}
         vtags.update({f"eval_{n}_accuracy": str(m["accuracy"]) for n, m in named_sets(eval_metrics).items()})
         for k, v in vtags.items():
             client.set_model_version_tag(name, version.version, TAG + k, v)

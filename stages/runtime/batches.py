@@ -111,17 +111,20 @@ def split_micro_batches(share: np.ndarray, lengths: np.ndarray, micro_batch_size
 
 
 class GlobalBatchSampler:
-    """`mixture` = (weights, sizes) of the sources the dataset's rows hold in order (stages/runtime/mixture.py):
-    an epoch is then the mixture's samples instead of a permutation of every row."""
+    """`mixture` = (weights, sizes) or (weights, sizes, samples per epoch) of the sources the dataset's rows
+    hold in order (stages/runtime/mixture.py): an epoch is then the mixture's samples instead of a
+    permutation of every row."""
 
     def __init__(self, lengths: np.ndarray, global_batch_size: int, micro_batch_size: int, world_size: int,
                  seed: int, max_tokens_per_micro_batch: int = 0, interleave: bool = False,
-                 mixture: tuple[list[float], list[int]] | None = None):
+                 mixture: tuple | None = None):
         self.lengths = np.asarray(lengths)
         self.mixture = mixture
         if mixture is not None and sum(mixture[1]) != len(self.lengths):
             raise ValueError(f"the mixture's sources hold {sum(mixture[1])} rows, the dataset {len(self.lengths)}")
-        self.n = len(self.lengths)
+        self.n = len(self.lengths)  # samples per epoch
+        if mixture is not None and len(mixture) > 2 and mixture[2]:
+            self.n = int(mixture[2])
         self.gbs, self.mbs, self.world, self.seed = global_batch_size, micro_batch_size, world_size, seed
         self.max_tokens = max_tokens_per_micro_batch
         self.interleave = interleave
@@ -134,7 +137,8 @@ class GlobalBatchSampler:
 
     def permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._perm_epoch:
-            self._perm = (np.random.default_rng([self.seed, epoch]).permutation(self.n) if self.mixture is None
+            self._perm = (np.random.default_rng([self.seed, epoch]).permutation(len(self.lengths))
+                          if self.mixture is None
                           else epoch_samples(self.seed, epoch, *self.mixture))
             self._perm_epoch = epoch
         return self._perm

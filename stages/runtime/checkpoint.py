@@ -44,6 +44,25 @@ COMPLETE = "COMPLETE"
 # checkpoint holds the adapters and their optimizer state. Full fine-tuning freezes nothing.
 TRAINED = StateDictOptions(ignore_frozen_params=True)
 LOAD_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
+# Prefixes that wrappers put in parameter names but state dict keys don't carry (torch.compile's
+# module, activation checkpointing's wrapper, FSDP1's): stripped so the two name sets compare.
+_WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
+
+
+def _key(name: str) -> str:
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def trained_state(model) -> dict:
+    """What a checkpoint holds of the model: its state without any frozen parameter. DCP's own
+    `ignore_frozen_params` drops the names `named_parameters()` yields, and that lists a tied weight
+    once: the frozen output head sharing the embedding (the builtin model, SmolLM2, Qwen2.5-0.5B)
+    stayed in every LoRA checkpoint under its second name (SmolLM2: 113 MB of 168 MB)."""
+    state = get_model_state_dict(model, options=TRAINED)
+    frozen = {_key(n) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in state.items() if _key(k) not in frozen}
 
 
 class CheckpointError(StageError):
@@ -213,7 +232,7 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    state = {"model": get_model_state_dict(model, options=TRAINED), "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": trained_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
     dcp.save(state, checkpoint_id=str(tmp))
     (tmp / f"rng_rank{rank}.json").write_text(json.dumps(rng_state()))
     dist.barrier()
@@ -288,7 +307,7 @@ def load_checkpoint(path: Path, model, optimizer) -> tuple[dict, bool]:
     """Restores model/optimizer in place; returns (trainer_state, rng_restored)."""
     path = Path(path)
     read_metadata(path)  # a CheckpointError here; inside dcp.load it would come wrapped in DCP's own
-    state = {"model": get_model_state_dict(model, options=TRAINED), "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": trained_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
     dcp.load(state, storage_reader=SafeReader(str(path)))  # every key asked for must be in the checkpoint
     set_model_state_dict(model, state["model"], options=LOAD_TRAINED)
     set_optimizer_state_dict(model, optimizer, state["optim"])

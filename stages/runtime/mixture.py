@@ -5,9 +5,11 @@ source i gets `quotas(...)[i]` of them, its weight's share (largest remainders, 
 exactly). A source is read as an endless stream of its own shuffles, and epoch e takes the stream's
 next quota: a source above its natural share is upsampled (its rows repeat, each pass in a new
 order), one below it is downsampled (a different subset every epoch, every row before any repeats).
-The epoch's samples are then shuffled together. Everything is a pure function of (seed, epoch,
-weights, sizes): resuming at (epoch, consumed) is O(1) and does not depend on the world size.
-numpy only, so planning and `sftflow show` can compute the counts without torch.
+The epoch's samples are then shuffled together. A warm start that rehearses sizes the epoch by its
+new rows instead (`new_data_epoch`: `total`), so a day's training follows what is new, not the
+history. Everything is a pure function of (seed, epoch, weights, sizes, total): resuming at (epoch,
+consumed) is O(1) and does not depend on the world size. numpy only, so planning and `sftflow
+show` can compute the counts without torch.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ import numpy as np
 _SOURCE_STREAM = 0x5EED
 
 
-def quotas(weights: list[float], sizes: list[int]) -> list[int]:
-    """Samples per epoch of each source: sum(sizes) split by weight, largest remainders first."""
-    total = int(sum(sizes))
+def quotas(weights: list[float], sizes: list[int], total: int | None = None) -> list[int]:
+    """Samples per epoch of each source: `total` (default sum(sizes)) split by weight, largest remainders first."""
+    total = int(sum(sizes)) if total is None else int(total)
     shares = np.asarray(weights, dtype=np.float64) / float(sum(weights)) * total
     out = np.floor(shares).astype(np.int64)
     for i in np.argsort(-(shares - out), kind="stable")[: total - int(out.sum())]:
@@ -39,20 +41,27 @@ def _stream(seed: int, source: int, size: int, start: int, count: int) -> np.nda
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
-def epoch_samples(seed: int, epoch: int, weights: list[float], sizes: list[int]) -> np.ndarray:
+def new_data_epoch(weights: list[float], sizes: list[int], passes: float) -> int:
+    """An epoch's samples when it is sized by the new rows (source 0, `train`): each new row `passes`
+    times, the other sources filling their weights' shares around them."""
+    return max(1, round(passes * sizes[0] * float(sum(weights)) / float(weights[0])))
+
+
+def epoch_samples(seed: int, epoch: int, weights: list[float], sizes: list[int],
+                  total: int | None = None) -> np.ndarray:
     """Row indices of epoch `epoch` into the concatenated sources (source i's rows start after the
     sizes before it), shuffled."""
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     parts = [offsets[i] + _stream(seed, i, size, epoch * k, k)
-             for i, (size, k) in enumerate(zip(sizes, quotas(weights, sizes))) if k > 0]
+             for i, (size, k) in enumerate(zip(sizes, quotas(weights, sizes, total))) if k > 0]
     picks = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     return picks[np.random.default_rng([seed, epoch]).permutation(len(picks))]
 
 
-def describe(names: list[str], weights: list[float], sizes: list[int]) -> list[dict]:
+def describe(names: list[str], weights: list[float], sizes: list[int], total: int | None = None) -> list[dict]:
     """Per source: rows, weight, samples per epoch, and how often a row is seen per epoch."""
     return [{"source": n, "rows": s, "weight": w, "per_epoch": k, "passes": round(k / s, 3) if s else 0.0}
-            for n, w, s, k in zip(names, weights, sizes, quotas(weights, sizes))]
+            for n, w, s, k in zip(names, weights, sizes, quotas(weights, sizes, total))]
 
 
 def summary_line(rows: list[dict]) -> str:

@@ -73,6 +73,7 @@ class WorkerSpec(BaseModel):
     train_dir: str | None = None       # prepared shards
     val_dir: str | None = None
     mix: list[dict] = []               # the mixture's sources in the train split's row order: {source, rows, weight}
+    epoch_samples: int = 0             # > 0: a mixture epoch's samples (a warm start's, sized by its new rows)
 
     def write(self, path: Path) -> Path:
         path.write_text(self.model_dump_json(indent=2))
@@ -274,7 +275,8 @@ class SFTWorker:
         self.sample_trainable_tokens = np.asarray(getattr(self.train_ds, "trainable", ones), dtype=np.int64)
         mixture = None
         if self.spec.mix:
-            mixture = ([m["weight"] for m in self.spec.mix], [m["rows"] for m in self.spec.mix])
+            mixture = ([m["weight"] for m in self.spec.mix], [m["rows"] for m in self.spec.mix],
+                       self.spec.epoch_samples or None)
             log(summary_line(describe([m["source"] for m in self.spec.mix], *mixture)))
         self.sampler = GlobalBatchSampler(self.sample_lengths, actor.global_batch_size, actor.micro_batch_size,
                                           self.world, run.seed, actor.max_tokens_per_micro_batch,

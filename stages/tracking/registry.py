@@ -13,7 +13,7 @@ REGISTRY_PREFIX = "models:/"
 CHAMPION, CHALLENGER = "champion", "challenger"  # the aliases register moves
 # what planning reads of the champion's version (`start`: where its training started, `models_fingerprint`: its
 # base model; models/start.py)
-VERSION_TAGS = ("train_fingerprint", "champion_fingerprint", "start", "models_fingerprint")
+VERSION_TAGS = ("train_fingerprint", "champion_fingerprint", "start", "models_fingerprint", "trained_on", "rehearsed")
 
 
 def registry_version(ref: str, tracking_uri: str, key: str = "eval.model") -> tuple[str, str]:
@@ -33,6 +33,12 @@ def registry_version(ref: str, tracking_uri: str, key: str = "eval.model") -> tu
     except Exception as e:  # noqa: BLE001 - unknown name/alias/version, unreachable server
         raise ConfigError(f"{key}: {ref}: {str(e).strip().splitlines()[0]}") from None
     return name, str(version.version)
+
+
+def version_tag(tracking_uri: str, name: str, version: str, key: str) -> str:
+    """One `sftflow.` tag of a version ("" when missing)."""
+    from mlflow.tracking import MlflowClient
+    return MlflowClient(tracking_uri=tracking_uri).get_model_version(name, version).tags.get(TAG + key, "")
 
 
 def version_tags(tracking_uri: str, name: str, version: str) -> dict[str, str]:
@@ -130,17 +136,93 @@ def version_state(tracking_uri: str, name: str, version: str | int) -> dict | No
             "train_fingerprint": v.tags.get(TAG + "train_fingerprint", "")}
 
 
-def list_versions(tracking_uri: str, name: str) -> list[dict]:
-    """Every version of registered model `name`, newest first: its aliases, held-out accuracy, why its
-    aliases are what they are, when and from which run (`sftflow models`). [] when none."""
+def list_versions(tracking_uri: str, name: str, artifacts_path: Path | None = None) -> list[dict]:
+    """Every version of registered model `name`, newest first (`sftflow models`, the flow's summary): its
+    aliases, the version it continued from, held-out accuracy, why its aliases are what they are, when and
+    from which run, the training files it added, the tokens it trained, and the disk its train stage
+    folder takes under `artifacts_path` ("" / None where unknown). [] when none."""
     from mlflow.tracking import MlflowClient
     reachable(tracking_uri)
     client = MlflowClient(tracking_uri)
     versions = client.search_model_versions(f"name = '{name}'")
-    return [{"version": str(v.version), "aliases": list(getattr(v, "aliases", []) or []),
-             "accuracy": v.tags.get(TAG + "eval_accuracy", ""), "reason": v.tags.get(TAG + "alias_reason", ""),
-             "created": v.creation_timestamp, "run_id": v.run_id or ""}
-            for v in sorted(versions, key=lambda v: -int(v.version))]
+    if not versions:
+        return []
+    # Aliases as MLflow's UI reads them, from the registered model: the versions search_model_versions
+    # returns carry none on a SQLite store (MLflow 3), so every row showed "-" with a champion set.
+    aliases: dict[str, list[str]] = {}
+    for alias, number in (client.get_registered_model(name).aliases or {}).items():
+        aliases.setdefault(str(number), []).append(alias)
+    out = []
+    for v in sorted(versions, key=lambda v: -int(v.version)):
+        tags = v.tags or {}
+        fp = tags.get(TAG + "train_fingerprint", "")
+        folder = artifacts_path / "train" / fp if artifacts_path is not None and fp else None
+        out.append({"version": str(v.version), "aliases": sorted(aliases.get(str(v.version), [])),
+                    "parent": tags.get(TAG + "parent_version", ""),
+                    "accuracy": tags.get(TAG + "eval_accuracy", ""), "reason": tags.get(TAG + "alias_reason", ""),
+                    "created": v.creation_timestamp, "run_id": v.run_id or "",
+                    "data_files": _train_files(tags.get(TAG + "trained_on", "")),
+                    "data_digest": tags.get(TAG + "data_digest", ""),
+                    "tokens": _tokens_trained(client, v.run_id) if v.run_id else None,
+                    "disk": _folder_bytes(folder) if folder is not None and folder.is_dir() else None})
+    return out
+
+
+def _train_files(trained_on: str) -> int | None:
+    """How many of the files a version was trained on were its own training data (`source` "train"; the
+    rest are earlier versions' data rehearsed, the replay stage's answers); None without the tag."""
+    import json
+    try:
+        refs = json.loads(trained_on) if trained_on else None
+    except ValueError:
+        return None
+    if not isinstance(refs, list):
+        return None
+    return sum(1 for r in refs if isinstance(r, dict) and r.get("source") == "train")
+
+
+def _tokens_trained(client, run_id: str) -> int | None:
+    """The tokens the run's training stepped over: the sum of its per-step `train/tokens` (one value a
+    step: a resumed training logs the steps it redoes again); None when the run logged none."""
+    try:
+        history = client.get_metric_history(run_id, "train/tokens")
+    except Exception:  # noqa: BLE001 - a deleted run
+        return None
+    per_step = {m.step: m.value for m in history}
+    return int(sum(per_step.values())) if per_step else None
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def _count(n: int) -> str:
+    return f"{n}" if n < 1000 else f"{n / 1000:.1f}k" if n < 1_000_000 else f"{n / 1e6:.1f}M"
+
+
+VERSION_COLUMNS = ("version", "aliases", "from", "registered", "data", "tokens", "accuracy", "disk", "why")
+
+
+def version_cells(v: dict) -> list[str]:
+    """A `list_versions` row as the text of `VERSION_COLUMNS` ("-" where unknown): what `sftflow models`
+    and the flow run's artifact show. `from`: the version it continued from; `data`: the training files
+    it was given (`sftflow.trained_on`)."""
+    import time
+    day = time.strftime("%Y-%m-%d", time.localtime(v["created"] / 1000)) if v.get("created") else "-"
+    acc = f"{float(v['accuracy']):.3f}" if v.get("accuracy") else "-"
+    files = v.get("data_files")
+    data = "-" if files is None else f"{files} file{'' if files == 1 else 's'}"
+    return [v["version"], ", ".join(v["aliases"]) or "-", f"v{v['parent']}" if v.get("parent") else "-", day, data,
+            _count(v["tokens"]) if v.get("tokens") is not None else "-", acc,
+            human_bytes(v["disk"]) if v.get("disk") is not None else "-", v.get("reason") or "-"]
 
 
 SET_BY_HAND = TAG + "champion_set_by_hand"  # JSON: who, when, the reason, the version it replaced

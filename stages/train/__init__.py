@@ -24,7 +24,7 @@ from stages.core.artifacts import StageBuild, read_manifest
 from stages.core.config import SFTConfig
 from stages.core.errors import StageError
 from stages.runtime.launcher import run_torchrun, torchrun_command
-from stages.runtime.mixture import describe
+from stages.runtime.mixture import describe, new_data_epoch
 from stages.runtime.reporting import RUNTIME_FILE
 from stages.runtime.worker import WorkerSpec
 from stages.tracking.live import read_metrics_file
@@ -47,9 +47,13 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
     # keep_partial: an interrupted run's checkpoints are where runner.resume=auto continues from
     build = StageBuild(cfg.artifacts_path, "train", fp, keep_partial=True)
     val = Path(prepare_dir) / "val"  # absent when only named eval sets hold out data: no validation loss
-    mix = [{**m, "weight": cfg.data.mix[m["source"]].weight} for m in read_manifest(Path(prepare_dir)).get("mix") or []]
+    weights = cfg.mix_weights()
+    mix = [{**m, "weight": weights[m["source"]]} for m in read_manifest(Path(prepare_dir)).get("mix") or []]
+    total = (new_data_epoch([m["weight"] for m in mix], [m["rows"] for m in mix], cfg.data.rehearsal.passes)
+             if cfg.rehearsal_files else None)
     spec = WorkerSpec(config=cfg, model_path=model_path, out_dir=str(build.partial),
-                      train_dir=str(Path(prepare_dir) / "train"), val_dir=str(val) if val.is_dir() else None, mix=mix)
+                      train_dir=str(Path(prepare_dir) / "train"), val_dir=str(val) if val.is_dir() else None, mix=mix,
+                      epoch_samples=total or 0)
     spec_path = spec.write(build.partial / "spec.json")
     metrics_file = build.partial / "metrics.jsonl"
     topology = f"topology: {cfg.actor.topology}"
@@ -64,7 +68,7 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
         runtime = json.loads(runtime_file.read_text()) if runtime_file.is_file() else {}
         if mlflow_run_id and runtime:
             log_runtime_params(cfg, mlflow_run_id, runtime, on_line)
-        mixture = describe([m["source"] for m in mix], [m["weight"] for m in mix], [m["rows"] for m in mix])
+        mixture = describe([m["source"] for m in mix], [m["weight"] for m in mix], [m["rows"] for m in mix], total)
         if mlflow_run_id and mixture:  # per source: rows, samples per epoch, passes
             log_runtime_params(cfg, mlflow_run_id, {f"{m['source']}.{k}": m[k] for m in mixture
                                                     for k in ("rows", "per_epoch", "passes")}, on_line, prefix="mix.")

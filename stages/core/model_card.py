@@ -1,0 +1,68 @@
+"""A Hugging Face model card (`README.md`): the Hub's YAML front matter (base_model, library_name, tags,
+the eval results as `model-index`) and a page a person reads: where training started, what it trained
+on, how it scored against the base model. Register puts one in every logged model's Hugging Face folder,
+so a downloaded version, a served model and an export carry it (TRL and Axolotl write the same kind).
+Pure: it formats what the stages recorded, it computes nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+CARD = "README.md"
+
+
+def front_matter(name: str, base_model: str, metrics: dict, tags: list[str], datasets: list[str]) -> dict:
+    """The card's metadata as the Hub reads it; `metrics`: evaluate's manifest metrics (per named set,
+    else the val split)."""
+    sets = metrics.get("sets") or {}
+    results = [{"task": {"type": "text-generation", "name": "Text Generation"},
+                "dataset": {"name": s, "type": s},
+                "metrics": [{"type": "accuracy", "value": round(float(m["accuracy"]), 4), "name": f"{s} accuracy"}]}
+               for s, m in sets.items() if isinstance(m.get("accuracy"), (int, float))]
+    meta = {"base_model": base_model, "library_name": "transformers", "pipeline_tag": "text-generation",
+            "tags": tags}
+    if datasets:
+        meta["datasets"] = datasets
+    if results:
+        meta["model-index"] = [{"name": name, "results": results}]
+    return meta
+
+
+def render(name: str, base_model: str, metrics: dict, started: str, trained_on: list[dict], lora: bool,
+           run_url: str = "") -> str:
+    """The card's text. `started`: where training started (a sentence), `trained_on`: the training
+    files ({ref, source}) as register tags them."""
+    tags = ["sftflow", "sft"] + (["lora"] if lora else [])
+    datasets = sorted({Path(e["ref"]).name for e in trained_on})
+    meta = front_matter(name, base_model, metrics, tags, datasets)
+    lines = ["---", yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).rstrip(), "---", "",
+             f"# {name}", "", f"Fine-tuned from `{base_model}` with sftflow (supervised fine-tuning, "
+             f"{'LoRA merged into the weights' if lora else 'full weights'}). {started}", ""]
+    if trained_on:
+        lines += ["## Training data", "", "| file | source |", "|---|---|"]
+        lines += [f"| `{e['ref']}` | {e.get('source', 'train')} |" for e in trained_on]
+        lines.append("")
+    sets = metrics.get("sets") or {}
+    if sets:
+        lines += ["## Evaluation", "", "| set | accuracy | base model | change |", "|---|---:|---:|---:|"]
+        for s, m in sets.items():
+            base = m.get("base_accuracy")
+            shown, change = ("", "") if base is None else (f"{base:.3f}", f"{m['accuracy'] - base:+.3f}")
+            lines.append(f"| {s} | {m['accuracy']:.3f} | {shown} | {change} |")
+        lines.append("")
+    if run_url:
+        lines += [f"The run, its metrics and predictions: {run_url}", ""]
+    return "\n".join(lines)
+
+
+def read(folder: Path) -> dict | None:
+    """The front matter of the card in `folder`, or None without one."""
+    path = Path(folder) / CARD
+    if not path.is_file():
+        return None
+    text = path.read_text(encoding="utf-8")
+    if not text.startswith("---\n"):
+        return None
+    return yaml.safe_load(text.split("---\n", 2)[1])

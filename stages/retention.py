@@ -1,0 +1,454 @@
+"""Retention: what a month of retraining keeps of `artifacts_dir`, and what it drops (`sftflow gc`,
+and after every flow run with `retention.auto`; docs/operations.md, "A month of retraining: the disk").
+
+Kept:
+  - every registered version an alias points at (champion, challenger) and the `retention.keep_versions`
+    newest, with every stage folder their lineage names (the `sftflow.<stage>_fingerprint` tags of the
+    version and of its MLflow run: replay, prepare, prepare_eval, train, baseline, champion, evaluate,
+    register), and the prepare pieces those prepare folders were assembled from;
+  - the folders of the plan given as `protect` (the run that just finished, the config `gc` was given):
+    what the next run reuses;
+  - every stage folder used in the last `retention.keep_days` days (its mtime: the policy after a flow
+    run marks the folders that run made or reused, `collect(used=True)`);
+  - the base model (artifacts/models/<fp>/), digest memos, MLflow's store.
+Dropped:
+  - older versions: removed from the registry with their logged model's files (their run stays, with
+    its metrics, eval tables and manifests);
+  - with `retention.drop_checkpoints`, a complete training's checkpoints (it finished and exported
+    `model/`): its manifest is rewritten without them, so the folder stays a sound cache hit;
+  - other stage folders, reference-set pieces and partial folders unused for `keep_days`;
+  - prepare pieces no kept prepare folder uses;
+  - artifacts/models/start/*: copies of registered versions training started from (MLflow holds them;
+    `start_folder` downloads one again when a run needs it).
+Never: a folder whose stage lock a running flow holds (the lock is taken without waiting, and the
+folder skipped when it is held), nor a version the registry's aliases point at. Anything dropped is
+recomputed by the run that needs it, byte-identical (fingerprints name inputs, not history).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from filelock import FileLock, Timeout
+
+from .core.artifacts import MANIFEST, is_complete
+from .core.config import SFTConfig
+from .graph import STAGES
+from .tracking.run import TAG, reachable
+
+DAY = 86400.0
+PIECES = "prepare_pieces"  # stages/prepare/pieces.py's PIECES_DIR: the layout, not its code
+PIECE_MANIFEST = "piece.json"
+START_COPIES = ("models", "start")  # stages/models/start.py's start_folder
+
+
+@dataclass
+class Drop:
+    """One thing the policy frees: `path` (a folder), its bytes, why, and the lock a running flow
+    would hold on it (`locks`: lock files; `busy`: stages any of whose locks, when held, keep it)."""
+
+    path: Path
+    size: int
+    why: str
+    locks: tuple[Path, ...] = ()
+    busy: tuple[str, ...] = ()
+    checkpoints_of: Path | None = None  # a train folder whose checkpoints these are (its manifest is rewritten)
+    version: tuple[str, str] | None = None  # (model name, version) to remove from the registry first
+    done: bool = False  # freed (by `apply`)
+
+
+@dataclass
+class Report:
+    drops: list[Drop] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)  # a kept stage folder -> why
+    versions: list[str] = field(default_factory=list)  # the registered versions kept, with why
+    freed: int = 0
+    skipped: list[str] = field(default_factory=list)  # what a running flow held
+    applied: bool = False
+
+    @property
+    def to_free(self) -> int:
+        return sum(d.size for d in self.drops)
+
+    def lines(self, root: Path) -> list[str]:
+        out = [f"keep {v}" for v in self.versions]
+        for d in self.drops:
+            if d.done or not self.applied:
+                out.append(f"{'freed' if d.done else 'free'} {human(d.size):>9}  {_rel(d.path, root)}: {d.why}")
+        out += [f"skip {s}" for s in self.skipped]
+        return out
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def _rel(path: Path, root: Path) -> str:
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)
+
+
+def disk_usage(path: Path) -> int:
+    """Bytes of every file under `path` (links not followed)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+            except OSError:
+                pass  # deleted meanwhile
+    return total
+
+
+# --------------------------------------------------------------------------- the registry
+
+
+def _client(cfg: SFTConfig):
+    from mlflow.tracking import MlflowClient
+    return MlflowClient(tracking_uri=cfg.resolved_tracking_uri)
+
+
+def _has_store(cfg: SFTConfig) -> bool:
+    uri = cfg.resolved_tracking_uri
+    return not uri.startswith("sqlite:///") or Path(uri.removeprefix("sqlite:///")).is_file()
+
+
+def registered(cfg: SFTConfig) -> list:
+    """Every version of the config's registered model, newest first ([] when none or no store). A
+    tracking server that does not answer is an OSError in seconds (MLflow's client retries for minutes)."""
+    if not _has_store(cfg):
+        return []
+    if not cfg.resolved_tracking_uri.startswith("sqlite:///"):
+        reachable(cfg.resolved_tracking_uri)
+    try:
+        versions = _client(cfg).search_model_versions(f"name = '{cfg.registry.model_name}'")
+    except Exception:  # noqa: BLE001 - no such model yet: nothing registered
+        return []
+    return sorted(versions, key=lambda v: -int(v.version))
+
+
+def lineage(client, version) -> dict[str, str]:
+    """stage -> the fingerprint of its folder in a version's lineage: its own tags and its run's."""
+    tags = dict(version.tags)
+    if version.run_id:
+        try:
+            tags = {**client.get_run(version.run_id).data.tags, **tags}
+        except Exception:  # noqa: BLE001 - the run was deleted: the version's own tags still name its folders
+            pass
+    return {s: tags[f"{TAG}{s}_fingerprint"] for s in STAGES if tags.get(f"{TAG}{s}_fingerprint")}
+
+
+def _model_id(version) -> str | None:
+    """The logged model a version holds: MLflow 3 names it in `source` (`models:/m-...`) and leaves
+    `model_id` unset on versions read back from the store."""
+    found = getattr(version, "model_id", None)
+    source = getattr(version, "source", "") or ""
+    if not found and source.startswith("models:/m-"):
+        found = source.removeprefix("models:/").split("/", 1)[0]
+    return found or None
+
+
+def _model_files(client, version) -> Path | None:
+    """The local folder of a version's logged model (MLflow 3: `<experiment>/models/<model id>`)."""
+    model_id = _model_id(version)
+    if not model_id:
+        return None
+    try:
+        location = client.get_logged_model(model_id).artifact_location
+    except Exception:  # noqa: BLE001 - gone already
+        return None
+    if location.startswith("file://"):
+        location = location[len("file://"):]
+    path = Path(location)
+    # the model's own folder (artifact_location ends in .../models/<id>/artifacts)
+    folder = path.parent if path.name == "artifacts" else path
+    return folder if folder.is_dir() and "://" not in location else None
+
+
+# --------------------------------------------------------------------------- locks
+
+
+def _lock_file(root: Path, stage: str, fp: str) -> Path:
+    return root / stage / f".{fp}.lock"  # core/artifacts.py stage_lock's
+
+
+def held(lock: Path) -> bool:
+    """Whether a running flow holds this stage lock (asked without waiting)."""
+    if not lock.exists():
+        return False
+    fl = FileLock(str(lock))
+    try:
+        fl.acquire(timeout=0)
+    except Timeout:
+        return True
+    fl.release()
+    return False
+
+
+def busy_stages(root: Path) -> set[str]:
+    """The stages that some running flow is working on now (any of their locks held)."""
+    out = set()
+    for stage in STAGES:
+        folder = root / stage
+        if folder.is_dir() and any(held(lock) for lock in folder.glob(".*.lock")):
+            out.add(stage)
+    return out
+
+
+def _last_used(path: Path, lock: Path | None) -> float:
+    times = [path.stat().st_mtime]
+    if lock is not None and lock.exists():
+        times.append(lock.stat().st_mtime)
+    return max(times)
+
+
+# --------------------------------------------------------------------------- the policy
+
+
+def plan_drops(cfg: SFTConfig, protect: dict[str, str] | None = None, now: float | None = None) -> Report:
+    """What the policy would free now, and why (nothing is touched). `protect`: stage -> fingerprint of
+    folders kept whatever their age (the plan a run just used, the config `gc` was given)."""
+    r, root = cfg.retention, cfg.artifacts_path
+    now = time.time() if now is None else now
+    report = Report()
+    kept_fps: dict[str, dict[str, str]] = {s: {} for s in STAGES}
+    for stage, fp in (protect or {}).items():
+        if stage in kept_fps:
+            kept_fps[stage][fp] = "the current plan's"
+
+    versions = registered(cfg)
+    if versions:
+        client = _client(cfg)
+        name = cfg.registry.model_name
+        # a search leaves each version's aliases empty: the registered model holds them (alias -> version)
+        by_alias = client.get_registered_model(name).aliases or {}
+        for i, v in enumerate(versions):
+            aliases = sorted(a for a, n in by_alias.items() if str(n) == str(v.version))
+            why = ("@" + ", @".join(aliases)) if aliases else (
+                f"one of the {r.keep_versions} newest" if i < r.keep_versions else None)
+            if why is None:
+                folder = _model_files(client, v)
+                report.drops.append(Drop(folder or root / f"<registry {name} v{v.version}>",
+                                         disk_usage(folder) if folder else 0,
+                                         f"{name} v{v.version}: no alias, older than the {r.keep_versions} newest "
+                                         "(retention.keep_versions); removed from the registry with its model "
+                                         "files, its run stays", version=(name, str(v.version))))
+                continue
+            report.versions.append(f"{name} v{v.version} ({why}) and its lineage")
+            for stage, fp in lineage(client, v).items():
+                kept_fps[stage].setdefault(fp, f"v{v.version}'s lineage")
+
+    for stage in STAGES:
+        folder = root / stage
+        if not folder.is_dir():
+            continue
+        for path in sorted(folder.iterdir()):
+            if not path.is_dir():
+                continue
+            name = path.name
+            fp = name[1:].split(".", 1)[0] if name.startswith(".") else name
+            lock = _lock_file(root, stage, fp)
+            if name.startswith("."):  # .<fp>.partial (train's resumable work), .<fp>.old.*, .<fp>.gc.*
+                if fp in kept_fps[stage] and name.endswith(".partial"):
+                    continue
+                if now - _last_used(path, lock) >= r.keep_days * DAY:
+                    report.drops.append(Drop(path, disk_usage(path), f"unfinished or left-over folder unused for "
+                                             f"{r.keep_days:g}+ days (retention.keep_days)", locks=(lock,)))
+                continue
+            if fp in kept_fps[stage]:
+                report.kept[str(path)] = kept_fps[stage][fp]
+                report.drops += _checkpoint_drops(cfg, stage, path, lock)
+                continue
+            if now - _last_used(path, lock) < r.keep_days * DAY:
+                report.kept[str(path)] = f"used in the last {r.keep_days:g} days"
+                report.drops += _checkpoint_drops(cfg, stage, path, lock)
+                continue
+            report.drops.append(Drop(path, disk_usage(path), f"no kept version's lineage names it, unused for "
+                                     f"{r.keep_days:g}+ days (retention.keep_days)", locks=(lock,)))
+
+    # reference stages' per-set scores (artifacts/<stage>_sets/<key>): small, kept while recently used
+    for stage in ("baseline", "champion"):
+        folder = root / f"{stage}_sets"
+        for path in sorted(folder.iterdir()) if folder.is_dir() else []:
+            if path.is_dir() and now - _last_used(path, None) >= r.keep_days * DAY:
+                report.drops.append(Drop(path, disk_usage(path), f"{stage}'s per-set scores unused for "
+                                         f"{r.keep_days:g}+ days", busy=(stage,)))
+
+    report.drops += _piece_drops(root, [Path(p) for p in report.kept if Path(p).parent.name in
+                                        ("prepare", "prepare_eval")], now, r.keep_days)
+
+    start = root.joinpath(*START_COPIES)
+    for path in sorted(start.iterdir()) if start.is_dir() else []:
+        if path.is_dir():
+            report.drops.append(Drop(path, disk_usage(path), "a copy of a registered version training started from: "
+                                     "MLflow holds it (downloaded again when a run needs it)", busy=("train",)))
+    return report
+
+
+def _checkpoint_drops(cfg: SFTConfig, stage: str, path: Path, lock: Path) -> list[Drop]:
+    """A kept train folder's checkpoints once it finished and exported `model/` (drop_checkpoints)."""
+    ckpt = path / "checkpoints"
+    if not (stage == "train" and cfg.retention.drop_checkpoints and ckpt.is_dir() and is_complete(path)
+            and (path / "model").is_dir()):
+        return []
+    return [Drop(ckpt, disk_usage(ckpt), "checkpoints of a training that finished and exported model/ "
+                 "(retention.drop_checkpoints)", locks=(lock,), checkpoints_of=path)]
+
+
+def _piece_drops(root: Path, prepares: list[Path], now: float, keep_days: float) -> list[Drop]:
+    """Pieces no kept prepare folder uses. A prepare manifest names each source (path, split, format and
+    its counts) and piece.json the same: a piece matching a kept folder's source is kept (a content
+    change under the same path with the same counts keeps a piece too many, never one too few)."""
+    folder = root / PIECES
+    if not folder.is_dir():
+        return []
+    used = set()
+    for p in prepares:
+        try:
+            for src in json.loads((p / MANIFEST).read_text()).get("sources") or []:
+                used.add((src.get("ref"), src.get("split"), src.get("format"), src.get("rows_read"),
+                          src.get("rows_kept")))
+        except (OSError, ValueError):
+            continue
+    out = []
+    for path in sorted(folder.iterdir()):
+        if not path.is_dir() or path.name.startswith("."):
+            continue  # temporary folders: prepare's own clean_stale removes them
+        try:
+            m = json.loads((path / PIECE_MANIFEST).read_text())
+            splits = m["splits"].values()
+            ident = (m["ref"], m["split"], m["format"], sum(s["rows_read"] for s in splits),
+                     sum(s["rows_kept"] for s in splits))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            ident = None
+        if ident in used or now - _last_used(path, None) < keep_days * DAY:
+            continue
+        out.append(Drop(path, disk_usage(path), "a prepare piece no kept prepare folder uses (rebuilt by the "
+                        "prepare that needs it)", busy=("prepare", "prepare_eval")))
+    return out
+
+
+def apply(cfg: SFTConfig, report: Report, on_line: Callable[[str], None] = print, quiet: bool = False) -> Report:
+    """Frees what `plan_drops` found, each under its stage lock taken without waiting: a folder whose
+    lock a running flow holds (or, for pieces and copies, whose stage is running) is skipped. `quiet`
+    (after a flow run): only what was freed or skipped is said, and nothing when there was none."""
+    root = cfg.artifacts_path
+    busy = busy_stages(root)
+    report.applied = True
+    client = None
+    for d in report.drops:
+        if d.version is not None:
+            client = client or _client(cfg)
+            name, number = d.version
+            try:
+                v = client.get_model_version(name, number)
+            except Exception:  # noqa: BLE001 - removed meanwhile
+                continue
+            if getattr(v, "aliases", None):  # an alias moved onto it since planning: the registry points to it
+                report.skipped.append(f"{name} v{number}: it has an alias now")
+                continue
+            client.delete_model_version(name, number)
+            model_id = _model_id(v)
+            if model_id:
+                try:
+                    client.delete_logged_model(model_id)
+                except Exception:  # noqa: BLE001 - an MLflow without logged-model deletion: the files still go
+                    pass
+            if d.path.is_dir():
+                shutil.rmtree(d.path, ignore_errors=True)
+            report.freed += d.size
+            d.done = True
+            continue
+        if set(d.busy) & busy:
+            report.skipped.append(f"{_rel(d.path, root)}: a running flow is in {'/'.join(sorted(set(d.busy) & busy))}")
+            continue
+        locks = [FileLock(str(lock)) for lock in d.locks]
+        taken = []
+        try:
+            for lock in locks:
+                Path(lock.lock_file).parent.mkdir(parents=True, exist_ok=True)
+                lock.acquire(timeout=0)
+                taken.append(lock)
+        except Timeout:
+            report.skipped.append(f"{_rel(d.path, root)}: a running flow holds its lock")
+            continue
+        finally:
+            if len(taken) != len(locks):
+                for lock in taken:
+                    lock.release()
+        try:
+            if not d.path.exists():
+                continue
+            if d.checkpoints_of is not None:
+                _forget_checkpoints(d.checkpoints_of, d.size)
+            _remove(d.path)
+            report.freed += d.size
+            d.done = True
+        finally:
+            for lock in taken:
+                lock.release()
+    if quiet and not report.freed and not report.skipped:
+        return report  # after a run that left nothing to free, nothing to say
+    for line in report.lines(root):
+        if not (quiet and line.startswith("keep ")):
+            on_line(f"retention: {line}")
+    on_line(f"retention: freed {human(report.freed)}")
+    return report
+
+
+def _forget_checkpoints(train: Path, size: int) -> None:
+    """The train folder's manifest without its checkpoints (written first: a crash before they are
+    deleted leaves files the manifest doesn't list, which a reuse ignores; the other order would leave
+    a folder whose reuse rebuilds it)."""
+    manifest = json.loads((train / MANIFEST).read_text())
+    manifest["files"] = {k: v for k, v in manifest.get("files", {}).items() if not k.startswith("checkpoints/")}
+    manifest["retention"] = {"checkpoints_dropped": size, "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    tmp = train / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+    os.replace(tmp, train / MANIFEST)
+
+
+def _remove(path: Path) -> None:
+    """Renamed aside first, so that no reader ever sees a half-deleted folder under its name."""
+    trash = path.parent / f".{path.name.lstrip('.')}.gc.{os.getpid()}"
+    try:
+        os.replace(path, trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def mark_used(cfg: SFTConfig, fingerprints: dict[str, str]) -> None:
+    """Stamps the folders a run made or reused as used now (their mtime; a lock taken doesn't change
+    its file's): what `keep_days` counts from."""
+    for stage, fp in fingerprints.items():
+        folder = cfg.artifacts_path / stage / fp
+        if stage in STAGES and folder.is_dir():
+            os.utime(folder)
+
+
+def collect(cfg: SFTConfig, protect: dict[str, str] | None = None, delete: bool = False,
+            on_line: Callable[[str], None] = print, now: float | None = None, used: bool = False) -> Report:
+    """`sftflow gc` and the automatic policy: what would be freed (printed), and with `delete` freed.
+    `used`: `protect` names the folders a run just used (the policy after a flow run), stamped so."""
+    if used and protect:
+        mark_used(cfg, protect)
+    report = plan_drops(cfg, protect, now)
+    if delete:
+        return apply(cfg, report, on_line, quiet=used)
+    for line in report.lines(cfg.artifacts_path):
+        on_line(line)
+    on_line(f"would free {human(report.to_free)} (a dry run: --yes deletes)")
+    return report

@@ -1,0 +1,169 @@
+"""The retention policy (stages/retention.py) on a stage tree laid out as the stages lay it out,
+without training: what is kept, what is freed and why, the dry run, the stage locks of a running flow,
+and `sftflow gc`'s one-line errors. The month it is for runs in tests/test_month.py."""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from filelock import FileLock
+
+from conftest import sftflow, tiny_config_dict, write_config
+from stages.core.artifacts import StageBuild, damage, read_manifest
+from stages.core.config import config_from_dict
+from stages.pipeline import plan
+from stages.retention import collect
+
+DAY = 86400
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    return config_from_dict(tiny_config_dict(tmp_path, retention={"keep_days": 7}))
+
+
+def folder(cfg, stage: str, fp: str, files: dict[str, bytes], age_days: float = 0, **manifest) -> Path:
+    build = StageBuild(cfg.artifacts_path, stage, fp)
+    for name, data in files.items():
+        (build.partial / name).parent.mkdir(parents=True, exist_ok=True)
+        (build.partial / name).write_bytes(data)
+    done = build.commit(manifest)
+    old = time.time() - age_days * DAY
+    os.utime(done, (old, old))
+    return done
+
+
+def piece(cfg, key: str, ref: str, rows: int, age_days: float = 30) -> Path:
+    p = cfg.artifacts_path / "prepare_pieces" / key
+    (p / "split-0").mkdir(parents=True)
+    (p / "split-0" / "shard-00000.arrow").write_bytes(b"x" * 100)
+    (p / "piece.json").write_text(json.dumps({"ref": ref, "split": "train", "format": "messages", "key": key,
+                                              "splits": {"train": {"rows_read": rows, "rows_kept": rows}}}))
+    old = time.time() - age_days * DAY
+    os.utime(p, (old, old))
+    return p
+
+
+def source(ref: str, rows: int) -> dict:
+    return {"ref": ref, "split": "train", "format": "messages", "rows_read": rows, "rows_kept": rows}
+
+
+def test_the_policy_frees_what_no_kept_run_needs_and_says_why(cfg):
+    art = cfg.artifacts_path
+    train = folder(cfg, "train", "t1", {"model/model.safetensors": b"m" * 1000,
+                                        "checkpoints/step_00000002/a.distcp": b"c" * 5000}, age_days=1)
+    old_eval = folder(cfg, "evaluate", "e0", {"predictions.jsonl": b"p" * 300}, age_days=30)
+    recent_eval = folder(cfg, "evaluate", "e1", {"predictions.jsonl": b"p" * 300}, age_days=1)
+    protected = folder(cfg, "evaluate", "e2", {"predictions.jsonl": b"p" * 300}, age_days=30)
+    prep = folder(cfg, "prepare", "p1", {"train/shard-00000.arrow": b"s" * 10}, age_days=1,
+                  sources=[source("/data/a.jsonl", 4)])
+    used, unused = piece(cfg, "k1", "/data/a.jsonl", 4), piece(cfg, "k2", "/data/gone.jsonl", 4)
+    edited = piece(cfg, "k3", "/data/a.jsonl", 9)  # the same path, other contents (other counts)
+    start = art / "models" / "start" / "abc" / "model"
+    start.mkdir(parents=True)
+    (start / "model.safetensors").write_bytes(b"w" * 2000)
+    lines = []
+
+    report = collect(cfg, protect={"evaluate": "e2"}, on_line=lines.append)  # a dry run
+    text = "\n".join(lines)
+    assert (train / "checkpoints").is_dir() and old_eval.is_dir() and unused.is_dir() and start.is_dir()
+    assert "would free" in lines[-1] and "--yes deletes" in lines[-1]
+    assert "train/t1/checkpoints: checkpoints of a training that finished and exported model/" in text
+    assert "evaluate/e0: no kept version's lineage names it, unused for 7+ days" in text
+    assert "prepare_pieces/k2: a prepare piece no kept prepare folder uses" in text
+    assert "models/start/abc: a copy of a registered version" in text
+    assert {d.path for d in report.drops} == {train / "checkpoints", old_eval, unused, edited, start.parent}
+
+    collect(cfg, protect={"evaluate": "e2"}, delete=True, on_line=lines.append)
+    assert not (train / "checkpoints").exists() and not old_eval.exists() and not unused.exists()
+    assert not edited.exists() and not start.parent.exists()
+    assert recent_eval.is_dir() and protected.is_dir() and prep.is_dir() and used.is_dir()
+    assert (train / "model" / "model.safetensors").is_file()
+    # the manifest no longer lists the checkpoints: the folder is still a sound cache hit
+    assert damage(train) is None and read_manifest(train)["retention"]["checkpoints_dropped"] == 5000
+    assert not any(p.name.startswith(".") and ".gc." in p.name for p in art.rglob("*"))  # nothing left aside
+    assert collect(cfg, protect={"evaluate": "e2"}, delete=True, on_line=lines.append).drops == []
+
+
+def test_a_running_flow_keeps_what_it_holds(tmp_path):
+    """A folder whose stage lock is held (run_stage holds it while the stage runs or reuses it) is
+    skipped, and so are pieces while a prepare runs and start copies while a training runs. (Taking a
+    lock marks the folder used, which `keep_days` alone would keep: 0 here, so only the lock does.)"""
+    cfg = config_from_dict(tiny_config_dict(tmp_path, retention={"keep_days": 0}))
+    art = cfg.artifacts_path
+    old = folder(cfg, "train", "t0", {"model/model.safetensors": b"m" * 100}, age_days=30)
+    free = folder(cfg, "evaluate", "e0", {"predictions.jsonl": b"p"}, age_days=30)
+    partial = art / "train" / ".t9.partial" / "checkpoints"
+    partial.mkdir(parents=True)
+    os.utime(partial.parent, (time.time() - 30 * DAY,) * 2)
+    unused = piece(cfg, "k2", "/data/gone.jsonl", 4)
+    start = art / "models" / "start" / "abc"
+    start.mkdir(parents=True)
+    locks = [FileLock(str(art / "train" / f".{fp}.lock")) for fp in ("t0", "t9")]
+    locks.append(FileLock(str(art / "prepare" / ".p5.lock")))
+    (art / "prepare").mkdir(exist_ok=True)
+    lines = []
+    for lock in locks:
+        lock.acquire(timeout=0)
+    try:
+        report = collect(cfg, delete=True, on_line=lines.append)
+    finally:
+        for lock in locks:
+            lock.release()
+    assert old.is_dir() and partial.is_dir() and unused.is_dir() and start.is_dir()
+    assert not free.exists()
+    skipped = "\n".join(report.skipped)
+    assert "train/t0: a running flow holds its lock" in skipped and "train/.t9.partial" in skipped
+    assert "prepare_pieces/k2: a running flow is in prepare" in skipped
+    assert "models/start/abc: a running flow is in train" in skipped
+    collect(cfg, delete=True, on_line=lines.append)  # the flow ended: now they go
+    assert not old.exists() and not partial.parent.exists() and not unused.exists() and not start.exists()
+
+
+def test_drop_checkpoints_off_keeps_them(tmp_path):
+    cfg = config_from_dict(tiny_config_dict(tmp_path, retention={"drop_checkpoints": False}))
+    train = folder(cfg, "train", "t1", {"model/m": b"m", "checkpoints/step_1/a": b"c"})
+    assert collect(cfg, protect={"train": "t1"}, delete=True, on_line=lambda line: None).drops == []
+    assert (train / "checkpoints" / "step_1" / "a").is_file()
+
+
+def test_retention_changes_no_fingerprint(tmp_path):
+    a = plan(config_from_dict(tiny_config_dict(tmp_path))).fingerprints
+    b = plan(config_from_dict(tiny_config_dict(tmp_path, retention={"keep_versions": 9, "keep_days": 1,
+                                                                    "drop_checkpoints": False,
+                                                                    "auto": False}))).fingerprints
+    assert a == b
+
+
+def test_gc_bad_config_is_one_line(tmp_path):
+    path = write_config(tmp_path, tiny_config_dict(tmp_path, retention={"keep_versions": 0}))
+    proc = sftflow("gc", "-c", str(path), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {path}: retention.keep_versions: Input should be greater than or equal to 1 (got 0)"]
+    assert not (tmp_path / "artifacts").exists()
+
+
+def test_gc_dry_run_deletes_nothing_and_yes_deletes(tmp_path):
+    path = write_config(tmp_path, tiny_config_dict(tmp_path))
+    cfg = config_from_dict(tiny_config_dict(tmp_path))
+    old = folder(cfg, "evaluate", "e0", {"predictions.jsonl": b"p" * 2048}, age_days=30)
+    dry = sftflow("gc", "-c", str(path), cwd=tmp_path, timeout=120)
+    assert dry.returncode == 0, dry.stderr
+    assert "evaluate/e0: no kept version's lineage names it, unused for 7+ days" in dry.stdout
+    assert "would free 2.2 KB" in dry.stdout and old.is_dir()
+    done = sftflow("gc", "-c", str(path), "--yes", cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "freed 2.2 KB" in done.stdout and not old.exists()
+
+
+def test_a_run_marks_what_it_used_and_keep_days_counts_from_there(cfg):
+    """The policy after a flow run stamps the folders that run used (a lock taken changes no file's
+    time); `keep_days` later, unneeded by any kept version, they go."""
+    used = folder(cfg, "evaluate", "e0", {"predictions.jsonl": b"p"}, age_days=30)
+    collect(cfg, protect={"evaluate": "e0"}, delete=True, used=True, on_line=lambda line: None)
+    assert collect(cfg, delete=True, on_line=lambda line: None).drops == [] and used.is_dir()
+    later = collect(cfg, now=time.time() + 8 * DAY, on_line=lambda line: None)
+    assert [d.path for d in later.drops] == [used]

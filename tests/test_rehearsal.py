@@ -1,0 +1,89 @@
+"""A warm start rehearses what its version trained on (`data.rehearsal`, models/start.py `rehearsal`):
+which files are new and which are rehearsed, from the version's lineage (its `trained_on` tag), and an
+epoch sized by the new rows (runtime/mixture.py `new_data_epoch`). In-process and fast; the flow from
+a registered version is tests/test_init_from.py."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import demo_rows, tiny_config_dict, write_jsonl
+from stages.core.artifacts import input_digest
+from stages.core.config import SFTConfig
+from stages.core.errors import ConfigError
+from stages.models.start import rehearsal
+from stages.runtime.batches import GlobalBatchSampler
+from stages.runtime.mixture import epoch_samples, new_data_epoch, quotas
+
+
+def _start(entries: list[dict]) -> dict:
+    return {"ref": "models:/m/3", "trained_on": json.dumps(entries)}
+
+
+def _entry(path, cfg, source="train") -> dict:
+    return {"ref": str(path), "digest": input_digest(path, cfg.artifacts_path), "format": "messages",
+            "columns": {}, "source": source}
+
+
+@pytest.fixture
+def world(tmp_path):
+    cfg = SFTConfig.model_validate(tiny_config_dict(tmp_path))
+    old = write_jsonl(tmp_path / "day1.jsonl", demo_rows("train.jsonl", 8))
+    older = write_jsonl(tmp_path / "day0.jsonl", demo_rows("train.jsonl", 4))
+    new = write_jsonl(tmp_path / "day2.jsonl", demo_rows("eval.jsonl", 6))
+    return cfg, old, older, new
+
+
+def test_new_files_train_and_the_lineage_is_rehearsed(world):
+    cfg, old, older, new = world
+    start = _start([_entry(old, cfg), _entry(older, cfg, "rehearse")])
+    train = [(str(p), input_digest(p, cfg.artifacts_path)) for p in (old, new)]  # a glob holds every day's file
+    entries, fresh = rehearsal(cfg, start, train, others=set())
+    assert fresh == [train[1]]  # day1.jsonl was trained on: it moves to the rehearse source
+    assert [e["ref"] for e in entries] == [str(old), str(older)]
+    assert {e["format"] for e in entries} == {"messages"}
+
+
+def test_no_rehearsal_when_off_unnamed_or_nothing_new(world):
+    cfg, old, older, new = world
+    start = _start([_entry(old, cfg)])
+    train = [(str(old), input_digest(old, cfg.artifacts_path))]
+    assert rehearsal(cfg, start, train, set()) is None  # nothing new: train as configured
+    both = train + [(str(new), input_digest(new, cfg.artifacts_path))]
+    assert rehearsal(cfg, None, both, set()) is None  # the base model
+    assert rehearsal(cfg, {"ref": "/some/folder", "trained_on": ""}, both, set()) is None  # no lineage named
+    off = SFTConfig.model_validate({**cfg.model_dump(), "data": {**cfg.data.model_dump(), "rehearsal": {"weight": 0}}})
+    assert rehearsal(off, start, both, set()) is None
+    # a file another mixture source names stays that source's
+    assert rehearsal(cfg, start, both, {input_digest(old, cfg.artifacts_path)})[0] == []
+
+
+def test_a_file_the_lineage_names_that_is_gone_or_changed_is_one_line(world):
+    cfg, old, older, new = world
+    start = _start([_entry(old, cfg), _entry(older, cfg)])
+    train = [(str(new), input_digest(new, cfg.artifacts_path))]
+    older.write_text(older.read_text() + older.read_text().splitlines(True)[0])
+    with pytest.raises(ConfigError, match=rf"data.rehearsal: models:/m/3 trained on {older}, which has changed since"):
+        rehearsal(cfg, start, train, set())
+    older.unlink()
+    with pytest.raises(ConfigError, match=rf"trained on {older}, which is gone; put that file back, or set "
+                                          r"data.rehearsal.weight=0"):
+        rehearsal(cfg, start, train, set())
+
+
+@pytest.mark.parametrize("weights,sizes,passes", [([1.0, 0.5], [16, 96], 1.0), ([0.5, 0.5, 0.5], [40, 149, 141], 1.0),
+                                                  ([0.5, 0.5, 0.25], [40, 149, 141], 2.0), ([1, 1], [3, 1000], 1.5)])
+def test_an_epoch_sized_by_its_new_rows(weights, sizes, passes):
+    total = new_data_epoch(weights, sizes, passes)
+    q = quotas(weights, sizes, total)
+    assert sum(q) == total
+    assert abs(q[0] - passes * sizes[0]) <= 1  # the new rows, `passes` times each
+    share = np.asarray(weights) / sum(weights)  # the others: their weights' shares of the epoch, to a sample
+    assert np.all(np.abs(np.asarray(q) - share * total) <= 1)
+    # each epoch takes every new row before any repeats, and the sampler's epoch is that long
+    picks = epoch_samples(5, 0, weights, sizes, total)
+    news = picks[picks < sizes[0]]
+    assert len(news) == q[0] and len(set(news.tolist())) == min(q[0], sizes[0])
+    sampler = GlobalBatchSampler(np.full(sum(sizes), 8), 4, 4, 1, 5, mixture=(weights, sizes, total))
+    assert len(sampler.permutation(0)) == total and sampler.steps_per_epoch == -(-total // 4)
