@@ -90,6 +90,12 @@ def test_models_lists_versions_and_chat_finds_the_champion_from_any_folder(tmp_p
     reader = gguf.GGUFReader(str(tmp_path / "exports" / "newcomer-chat-v1-F16.gguf"))
     assert bytes(reader.fields["general.name"].parts[-1]).decode() == "newcomer-chat-v1"
     assert f'SYSTEM """{SYSTEM}"""' in (tmp_path / "exports" / "Modelfile").read_text().splitlines()
+    # and the model card travels with it: the registered version's (its scores in the Hub's model-index form)
+    from stages.core import model_card
+    card = model_card.read(tmp_path / "exports")
+    assert card["library_name"] == "transformers" and "sftflow" in card["tags"]
+    assert card["model-index"][0]["name"] == "newcomer-chat" and card["model-index"][0]["results"]
+    assert "`newcomer-chat-v1-F16.gguf`" in (tmp_path / "exports" / "README.md").read_text()
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

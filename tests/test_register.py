@@ -272,7 +272,8 @@ def test_registry_reads_from_sqlite_agree_with_mlflow_s_client(tmp_path):
     client.set_model_version_tag("m", "2", "sftflow.champion_fingerprint", "c123")
     fast = registry.current_champion(uri, "m")
     assert fast == {"registry": uri, "name": "m", "version": str(v.version), "train_fingerprint": "b",
-                    "champion_fingerprint": "c123", "start": "", "models_fingerprint": ""}
+                    "champion_fingerprint": "c123", "start": "", "models_fingerprint": "", "trained_on": "",
+                    "rehearsed": ""}
     assert registry._sqlite_alias(tmp_path / "mlflow.db", "m", "champion") is not False  # the fast path answered
     for version in ("1", "2"):
         v = client.get_model_version("m", version)

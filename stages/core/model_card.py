@@ -1,8 +1,9 @@
 """A Hugging Face model card (`README.md`): the Hub's YAML front matter (base_model, library_name, tags,
 the eval results as `model-index`) and a page a person reads: where training started, what it trained
 on, how it scored against the base model. Register puts one in every logged model's Hugging Face folder,
-so a downloaded version, a served model and an export carry it (TRL and Axolotl write the same kind).
-Pure: it formats what the stages recorded, it computes nothing."""
+so a downloaded version, a served model and an export carry it (TRL and Axolotl write the same kind);
+train writes one without scores in the folder it exports. It formats what the stages recorded (the
+prepare manifest, evaluate's metrics), it computes nothing."""
 
 from __future__ import annotations
 
@@ -10,7 +11,30 @@ from pathlib import Path
 
 import yaml
 
+from .artifacts import read_manifest
+from .config import REHEARSE, SFTConfig
+
 CARD = "README.md"
+
+
+def trained_on(cfg: SFTConfig, prepare_dir: str, inputs: dict[str, list]) -> list[dict]:
+    """What the version trained on, as the next warm start rehearses it (models/start.py `rehearsal`): each
+    training file of the prepare folder (train, the mixture's own files, what it rehearsed itself; not the
+    replay stage's answers, which every run makes anew), once, with its content digest and the format and
+    columns it was read with."""
+    digest = {str(ref): d for items in inputs.values() for ref, d in items}
+    rehearsed = {e["ref"]: e.get("columns") for e in cfg.rehearsal_files}
+    out, seen = [], set()
+    for src in read_manifest(Path(prepare_dir)).get("sources", []):
+        mix = src.get("mix", "train")
+        d = digest.get(src["ref"])
+        if src["split"] not in ("train", "auto") or mix == "replay" or d is None or d in seen:
+            continue
+        seen.add(d)
+        own = cfg.data.mix[mix].columns if mix in cfg.data.mix else None
+        columns = rehearsed.get(src["ref"]) if mix == REHEARSE else own if own is not None else cfg.data.columns
+        out.append({"ref": src["ref"], "digest": d, "format": src["format"], "columns": columns or {}, "source": mix})
+    return out
 
 
 def front_matter(name: str, base_model: str, metrics: dict, tags: list[str], datasets: list[str]) -> dict:

@@ -52,6 +52,7 @@ import gguf
 import numpy as np
 
 from stages.core.errors import ConfigError
+from stages.core.model_card import CARD
 
 Q = gguf.GGMLQuantizationType
 # --type -> (general.file_type, the type of every 2-D weight); as convert_hf_to_gguf.py --outtype
@@ -556,6 +557,13 @@ def export_gguf(src: Path | str, out: Path | str, type_: str = "f16", name: str 
             temps[1].write_text(text)
             os.replace(temps[0], gguf_path)
             os.replace(temps[1], modelfile_path)
+            card = folder / CARD  # the model card register or train wrote, with what this folder now holds
+            if card.is_file():
+                temps.append(_temp(out, out / CARD))
+                temps[2].write_text(card.read_text(encoding="utf-8").rstrip() + "\n\n## Files\n\n"
+                                    f"- `{gguf_path.name}`: GGUF ({type_.upper()}) for llama.cpp and Ollama\n"
+                                    f"- `Modelfile`: `ollama create NAME -f Modelfile`\n", encoding="utf-8")
+                os.replace(temps[2], out / CARD)
         finally:
             for t in temps:
                 t.unlink(missing_ok=True)

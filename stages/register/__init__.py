@@ -37,7 +37,7 @@ from typing import Iterator
 
 from stages.core import model_card
 from stages.core.artifacts import StageBuild, read_manifest
-from stages.core.config import REHEARSE, SFTConfig
+from stages.core.config import SFTConfig
 from stages.core.paired import clears, compare_sets, describe, read_predictions
 from stages.core.scores import named_sets
 from stages.tracking.registry import CHALLENGER, CHAMPION, set_by_hand
@@ -64,26 +64,6 @@ def _existing_version(client, name: str, train_fp: str):
     except Exception:  # noqa: BLE001 - no such model yet (MLflow raises its own RestException)
         return None
     return next((v for v in versions if v.tags.get(RUN_TAG) == train_fp), None)
-
-
-def trained_on(cfg: SFTConfig, prepare_dir: str, inputs: dict[str, list]) -> list[dict]:
-    """What the version trained on, as the next warm start rehearses it (models/start.py `rehearsal`): each
-    training file of the prepare folder (train, the mixture's own files, what it rehearsed itself; not the
-    replay stage's answers, which every run makes anew), once, with its content digest and the format and
-    columns it was read with."""
-    digest = {str(ref): d for items in inputs.values() for ref, d in items}
-    rehearsed = {e["ref"]: e.get("columns") for e in cfg.rehearsal_files}
-    out, seen = [], set()
-    for src in read_manifest(Path(prepare_dir)).get("sources", []):
-        mix = src.get("mix", "train")
-        d = digest.get(src["ref"])
-        if src["split"] not in ("train", "auto") or mix == "replay" or d is None or d in seen:
-            continue
-        seen.add(d)
-        own = cfg.data.mix[mix].columns if mix in cfg.data.mix else None
-        columns = rehearsed.get(src["ref"]) if mix == REHEARSE else own if own is not None else cfg.data.columns
-        out.append({"ref": src["ref"], "digest": d, "format": src["format"], "columns": columns or {}, "source": mix})
-    return out
 
 
 def failed_guards(eval_metrics: dict) -> list[str]:
@@ -288,7 +268,7 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
                 client.set_tag(run_id, "prefect.register_flow_run_url", lineage.tags[FLOW_RUN_URL])
         sync_rows(client, run_id, read_metrics_file(Path(dirs["train"]) / "metrics.jsonl"))  # what live logging missed
         send_values(client, run_id, {**eval_metric_values(eval_metrics), **champion_metric_values(versus or {})})
-        learned = trained_on(cfg, read_manifest(Path(dirs["train"]))["prepare_dir"], lineage.inputs)
+        learned = model_card.trained_on(cfg, read_manifest(Path(dirs["train"]))["prepare_dir"], lineage.inputs)
         card = model_card.render(name, cfg.actor.model.model_path, eval_metrics,
                                  version_description(cfg, lineage).split(": ", 1)[-1], learned, cfg.actor.lora.r > 0,
                                  run_url(ui_url(cfg), client.get_run(run_id).info.experiment_id, run_id))

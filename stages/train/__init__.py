@@ -24,6 +24,7 @@ from stages.core.artifacts import StageBuild, read_manifest
 from stages.core.config import SFTConfig
 from stages.core.errors import StageError
 from stages.runtime.launcher import run_torchrun, torchrun_command
+from stages.core import model_card
 from stages.runtime.mixture import describe, new_data_epoch
 from stages.runtime.reporting import RUNTIME_FILE
 from stages.runtime.worker import WorkerSpec
@@ -75,6 +76,11 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
     rows = read_metrics_file(metrics_file)
     if not (build.partial / "model").is_dir():
         raise TrainingFailed(f"train: torchrun finished but exported no model in {build.partial / 'model'}")
+    started = lineage.tags.get("sftflow.start", "base")
+    (build.partial / "model" / model_card.CARD).write_text(model_card.render(
+        cfg.registry.model_name, cfg.actor.model.model_path, {},
+        "Trained from the base model." if started == "base" else f"Continued from `{started}`.",
+        model_card.trained_on(cfg, prepare_dir, lineage.inputs), cfg.actor.lora.r > 0), encoding="utf-8")
     last = rows[-1] if rows else {}
     vals = [r for r in rows if "val_loss" in r]
     metrics = {"steps": last.get("step", 0), "final_loss": last.get("loss"),
