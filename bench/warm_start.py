@@ -184,13 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--variant", action="append", default=[], help="NAME=KEY=VALUE[,KEY=VALUE]: another warm start")
+    ap.add_argument("--no-full", action="store_true", help="skip the full retrain (days 3-5 only need the chain)")
     ap.add_argument("--days", type=int, default=2, choices=range(2, 6),
                     help="go on to day N (3-5: a new skill a day from the champion, each registered)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     paths = configs(args.out)
     results = {"day1": run(paths["day1"], register=True)}
-    results["full"] = run(paths["full"], register=False)
+    if not args.no_full:
+        results["full"] = run(paths["full"], register=False)
     variants = {}
     for v in args.variant:
         name, _, rest = v.partition("=")
@@ -198,10 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = run(paths["warm"], register=False, overrides=variants[name])
     results["warm"] = run(paths["warm"], register=True)  # last: once it is champion, later plans compare with it
     from stages.core.paired import compare_sets, read_predictions
-    preds = {n: read_predictions(results[n]["folders"]["evaluate"]) for n in ("day1", "full", "warm", *variants)}
+    others = ("full",) if "full" in results else ()
+    preds = {n: read_predictions(results[n]["folders"]["evaluate"]) for n in ("day1", *others, "warm", *variants)}
     for n in ("warm", *variants):
-        results[f"{n}_vs_full"] = compare_sets(preds[n], preds["full"], "full")
-        results[f"{n}_vs_day1"] = compare_sets(preds[n], preds["day1"], "day1")
+        for ref in ("day1", *others):
+            results[f"{n}_vs_{ref}"] = compare_sets(preds[n], preds[ref], ref)
     for d in range(3, args.days + 1):
         day = results[f"day{d}"] = run(paths[f"day{d}"], register=True)
         before = read_predictions(day["folders"]["champion"])  # the day before's champion, on today's sets
@@ -214,20 +217,20 @@ def main(argv: list[str] | None = None) -> int:
         for name, c in day["vs_champion"].items():
             print(f"  {name:10} {c['accuracy'] if 'accuracy' in c else '':}  vs the champion before: {c['delta']:+.3f} "
                   f"[{c['delta_low']:+.3f}, {c['delta_high']:+.3f}]")
-    names = ["day1", "warm", *variants, "full"]
+    names = ["day1", "warm", *variants, *others]
     print("\ntrained: " + ", ".join(f"{n} {results[n]['trained']['steps']} steps {results[n]['trained']['tokens']} "
                                     "tokens" for n in names))
-    for n in ("warm", *variants):
+    for n in ("warm", *variants) if others else ():
         print(f"{n}: {results[n]['trained']['tokens'] / results['full']['trained']['tokens']:.2f}x the full "
               "retrain's tokens")
     print(f"warm registered: v{results['warm']['register']['version']} {results['warm']['register']['aliases']} "
           f"({results['warm']['register']['alias_reason']})")
     print("\nset".ljust(12) + "".join(n.rjust(8) for n in names) + "   paired vs day1 and vs full (95% CI)")
-    for name in results["warm_vs_full"]:
+    for name in results["warm_vs_day1"]:
         acc = {n: sum(r["correct"] for r in preds[n][name]) / len(preds[n][name]) for n in names}
         cells = []
         for n in ("warm", *variants):
-            for ref in ("day1", "full"):
+            for ref in ("day1", *others):
                 c = results[f"{n}_vs_{ref}"][name]
                 cells.append(f"{n}-{ref} {c['delta']:+.3f} [{c['delta_low']:+.3f}, {c['delta_high']:+.3f}]")
         print(name.ljust(12) + "".join(f"{acc[n]:.3f}".rjust(8) for n in names) + "   " + "; ".join(cells))

@@ -390,6 +390,7 @@ def _build_plan(cfg: SFTConfig) -> Plan:
     order = planning_order()
     upto_train = order[:order.index("train") + 1]
     pinned = {split: list(refs) for split, refs in cfg.inputs().items()}
+    kl = cfg.actor.kl_to_base  # as configured; a rehearsal may train with data.rehearsal.kl_to_base instead
     others = {d for split, items in inputs.items() if split.startswith(mix_split("")) for _, d in items}
 
     def through_train(start: dict | None) -> tuple[dict, dict, list[dict] | None]:
@@ -397,6 +398,7 @@ def _build_plan(cfg: SFTConfig) -> Plan:
         version's rehearsal changes what prepare reads (models/start.py `rehearsal`)."""
         cfg.pin_inputs(pinned)
         cfg._rehearsal = None
+        cfg.actor.__dict__["kl_to_base"] = kl
         here = dict(inputs)
         found = rehearsal(cfg, start, inputs["train"], others)
         if found is not None:
@@ -422,8 +424,10 @@ def _build_plan(cfg: SFTConfig) -> Plan:
     fps, inputs, rehearsed = through_train(start)
     if rehearsed:
         check_contamination(cfg)  # what the version trained on against today's eval sets
+        r = cfg.data.rehearsal
+        kl_note = "" if r.kl_to_base is None else f", KL to it x{r.kl_to_base:g} (data.rehearsal.kl_to_base)"
         start = {**start, "note": f"{start['note']}, rehearsing the {len(rehearsed)} training file(s) it was trained "
-                                  f"on (data.rehearsal.weight={cfg.data.rehearsal.weight:g})"}
+                                  f"on (data.rehearsal.weight={r.weight:g}){kl_note}"}
     digests = {split: [d for _, d in items] for split, items in inputs.items()}
     facts["start"] = start and start["identity"]
     if rehearsed:

@@ -37,7 +37,7 @@ from typing import Callable
 
 from filelock import FileLock, Timeout
 
-from .core.artifacts import MANIFEST, is_complete
+from .core.artifacts import MANIFEST, is_complete, remove_tree
 from .core.config import SFTConfig
 from .graph import STAGES
 from .tracking.run import TAG, reachable
@@ -260,7 +260,7 @@ def plan_drops(cfg: SFTConfig, protect: dict[str, str] | None = None, now: float
             name = path.name
             fp = name[1:].split(".", 1)[0] if name.startswith(".") else name
             lock = _lock_file(root, stage, fp)
-            if name.startswith("."):  # .<fp>.partial (train's resumable work), .<fp>.old.*, .<fp>.gc.*
+            if name.startswith("."):  # .<fp>.partial (train's resumable work), .<fp>.old.*, .<fp>.*.trash
                 if fp in kept_fps[stage] and name.endswith(".partial"):
                     continue
                 if now - _last_used(path, lock) >= r.keep_days * DAY:
@@ -393,7 +393,7 @@ def apply(cfg: SFTConfig, report: Report, on_line: Callable[[str], None] = print
                 continue
             if d.checkpoints_of is not None:
                 _forget_checkpoints(d.checkpoints_of, d.size)
-            _remove(d.path)
+            remove_tree(d.path)
             report.freed += d.size
             d.done = True
         finally:
@@ -418,16 +418,6 @@ def _forget_checkpoints(train: Path, size: int) -> None:
     tmp = train / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
     os.replace(tmp, train / MANIFEST)
-
-
-def _remove(path: Path) -> None:
-    """Renamed aside first, so that no reader ever sees a half-deleted folder under its name."""
-    trash = path.parent / f".{path.name.lstrip('.')}.gc.{os.getpid()}"
-    try:
-        os.replace(path, trash)
-    except OSError:
-        return
-    shutil.rmtree(trash, ignore_errors=True)
 
 
 def mark_used(cfg: SFTConfig, fingerprints: dict[str, str]) -> None:

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import time
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -255,3 +256,14 @@ class StageBuild:
         else:
             os.replace(self.partial, self.final)
         return self.final
+
+
+def remove_tree(path: Path) -> None:
+    """Deletes a folder whole: renamed aside first (`.<name>.<pid>.<random>.trash`), so that no reader
+    ever sees it half-deleted under its name; gone already is fine."""
+    trash = path.parent / f".{path.name.lstrip('.')}.{os.getpid()}.{uuid.uuid4().hex[:8]}.trash"
+    try:
+        os.replace(path, trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)

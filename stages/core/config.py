@@ -307,6 +307,10 @@ class RehearsalConfig(_Section):
                                                  "row (the other sources fill their weights' shares around them): "
                                                  "the token budget of a day's retraining follows the new data, not "
                                                  "the history")
+    kl_to_base: float | None = Field(None, ge=0, description="with rehearsal, actor.kl_to_base is this instead: the "
+                                                             "KL to the starting version holds what it knew, and "
+                                                             "also holds back what the new data should change; "
+                                                             "unset: actor.kl_to_base")
 
 
 class DataConfig(_Section):
@@ -586,6 +590,13 @@ class SFTConfig(_Section):
         return v
 
     @model_validator(mode="after")
+    def _rehearsal_kl_needs_lora(self) -> "SFTConfig":
+        if self.data.rehearsal.kl_to_base and self.actor.lora.r == 0:
+            raise ValueError("data.rehearsal.kl_to_base needs LoRA (actor.lora.r > 0): the starting version it "
+                             "compares with is the LoRA model with its adapters off")
+        return self
+
+    @model_validator(mode="after")
     def _replay_is_mixed(self) -> "SFTConfig":
         if self.replay is not None and "replay" not in self.data.mix:
             raise ValueError("replay: its answers are a training source only through data.mix.replay (a weight)")
@@ -631,7 +642,11 @@ class SFTConfig(_Section):
 
     def pin_rehearsal(self, entries: list[dict], new_train: list[Path | str]) -> None:
         """A warm start's rehearsal (the plan's `rehearsal`): `entries` ({ref, digest, format, columns}) are
-        the `rehearse` source's files, `new_train` the train files its version has not trained on."""
+        the `rehearse` source's files, `new_train` the train files its version has not trained on; and
+        `data.rehearsal.kl_to_base`, when set, is the KL weight training uses (actor.kl_to_base), so the
+        fingerprint, the worker's spec and train.log all see the weight that trains."""
+        if self.data.rehearsal.kl_to_base is not None:
+            self.actor.__dict__["kl_to_base"] = self.data.rehearsal.kl_to_base  # no re-validation round
         inputs = self.inputs()
         inputs.setdefault(CORPUS, inputs["train"])  # a builtin tokenizer is still built from every train file
         inputs["train"] = list(new_train)

@@ -37,7 +37,7 @@ from typing import Iterator
 import pyarrow as pa
 
 from stages.chatdata.shards import ShardWriter
-from stages.core.artifacts import canonical_json, sha256_text
+from stages.core.artifacts import canonical_json, remove_tree, sha256_text
 from stages.core.errors import DataError, StageError
 
 PIECES_DIR = "prepare_pieces"
@@ -215,12 +215,7 @@ def open_piece(root: Path, key: str) -> Piece | None:
 
 def remove(folder: Path) -> None:
     """Moves a piece aside before deleting it, so no reader sees it half-deleted."""
-    trash = folder.parent / f".{folder.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.trash"
-    try:
-        os.replace(folder, trash)
-    except OSError:
-        return
-    shutil.rmtree(trash, ignore_errors=True)
+    remove_tree(folder)
 
 
 def clean_stale(root: Path) -> None:
