@@ -308,16 +308,19 @@ def _checkpoint_drops(cfg: SFTConfig, stage: str, path: Path, lock: Path) -> lis
 
 
 def _piece_drops(root: Path, prepares: list[Path], now: float, keep_days: float) -> list[Drop]:
-    """Pieces no kept prepare folder uses. A prepare manifest names each source (path, split, format and
-    its counts) and piece.json the same: a piece matching a kept folder's source is kept (a content
-    change under the same path with the same counts keeps a piece too many, never one too few)."""
+    """Pieces no kept prepare folder uses: a prepare manifest names each source's piece (`piece`); one
+    written before it did is matched by path, split, format and counts, which piece.json holds too (a
+    content change under the same path with the same counts keeps a piece too many, never one too few)."""
     folder = root / PIECES
     if not folder.is_dir():
         return []
-    used = set()
+    used, named = set(), set()
     for p in prepares:
         try:
             for src in json.loads((p / MANIFEST).read_text()).get("sources") or []:
+                if src.get("piece"):
+                    named.add(src["piece"])
+                    continue
                 used.add((src.get("ref"), src.get("split"), src.get("format"), src.get("rows_read"),
                           src.get("rows_kept")))
         except (OSError, ValueError):
@@ -333,7 +336,7 @@ def _piece_drops(root: Path, prepares: list[Path], now: float, keep_days: float)
                      sum(s["rows_kept"] for s in splits))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             ident = None
-        if ident in used or now - _last_used(path, None) < keep_days * DAY:
+        if path.name in named or ident in used or now - _last_used(path, None) < keep_days * DAY:
             continue
         out.append(Drop(path, disk_usage(path), "a prepare piece no kept prepare folder uses (rebuilt by the "
                         "prepare that needs it)", busy=("prepare", "prepare_eval")))

@@ -61,6 +61,10 @@ def test_the_policy_frees_what_no_kept_run_needs_and_says_why(cfg):
                   sources=[source("/data/a.jsonl", 4)])
     used, unused = piece(cfg, "k1", "/data/a.jsonl", 4), piece(cfg, "k2", "/data/gone.jsonl", 4)
     edited = piece(cfg, "k3", "/data/a.jsonl", 9)  # the same path, other contents (other counts)
+    # a manifest that names its sources' pieces keeps exactly those, whatever their counts
+    folder(cfg, "prepare", "p2", {"train/shard-00000.arrow": b"s" * 10}, age_days=1,
+           sources=[{**source("/data/b.jsonl", 5), "piece": "k4"}])
+    named = piece(cfg, "k4", "/data/b.jsonl", 7)
     start = art / "models" / "start" / "abc" / "model"
     start.mkdir(parents=True)
     (start / "model.safetensors").write_bytes(b"w" * 2000)
@@ -79,11 +83,11 @@ def test_the_policy_frees_what_no_kept_run_needs_and_says_why(cfg):
     collect(cfg, protect={"evaluate": "e2"}, delete=True, on_line=lines.append)
     assert not (train / "checkpoints").exists() and not old_eval.exists() and not unused.exists()
     assert not edited.exists() and not start.parent.exists()
-    assert recent_eval.is_dir() and protected.is_dir() and prep.is_dir() and used.is_dir()
+    assert recent_eval.is_dir() and protected.is_dir() and prep.is_dir() and used.is_dir() and named.is_dir()
     assert (train / "model" / "model.safetensors").is_file()
     # the manifest no longer lists the checkpoints: the folder is still a sound cache hit
     assert damage(train) is None and read_manifest(train)["retention"]["checkpoints_dropped"] == 5000
-    assert not any(p.name.startswith(".") and ".gc." in p.name for p in art.rglob("*"))  # nothing left aside
+    assert not any(p.name.startswith(".") and p.name.endswith(".trash") for p in art.rglob("*"))  # none left aside
     assert collect(cfg, protect={"evaluate": "e2"}, delete=True, on_line=lines.append).drops == []
 
 

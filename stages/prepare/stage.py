@@ -346,10 +346,11 @@ def _whole(piece: Piece) -> SplitStats:
 
 
 def _source_entry(src: Source, piece: Piece) -> dict:
-    """A source in the manifest: what it is, and its counts over its splits (the data gate checks them
-    per file when the folder is reused: quarantine.folder_checks)."""
+    """A source in the manifest: what it is, the piece it came from (what retention keeps for it), and
+    its counts over its splits (the data gate checks them per file when the folder is reused:
+    quarantine.folder_checks)."""
     st = _whole(piece)
-    return {**{k: v for k, v in src.__dict__.items() if k != "columns"},
+    return {**{k: v for k, v in src.__dict__.items() if k != "columns"}, "piece": piece.folder.name,
             "rows_read": st.rows_read, "rows_kept": st.rows_kept, "dropped": dict(sorted(st.dropped.items()))}
 
 
