@@ -410,7 +410,7 @@ def _build_plan(cfg: SFTConfig) -> Plan:
         ident = start and start["identity"]
         if found is not None:
             r = cfg.data.rehearsal
-            ident = {"version": ident, "rehearsal": {"weight": r.weight, "passes": r.passes}}
+            ident = {"version": ident, "rehearsal": r.model_dump()}
         fps = {"models": model_fp}
         for name in upto_train:
             stage = BY_NAME[name]
@@ -432,7 +432,7 @@ def _build_plan(cfg: SFTConfig) -> Plan:
     facts["start"] = start and start["identity"]
     if rehearsed:
         r = cfg.data.rehearsal
-        facts["start"] = {"version": facts["start"], "rehearsal": {"weight": r.weight, "passes": r.passes}}
+        facts["start"] = {"version": facts["start"], "rehearsal": r.model_dump()}
     champion = None
     for name in order[len(upto_train):]:
         stage = BY_NAME[name]

@@ -181,6 +181,31 @@ def test_kl_to_base_chunked_equals_the_full_logits(kind):
     assert abs(other.kl.item() - kl.item()) > 0.1
 
 
+@pytest.mark.parametrize("kind", ["llama-tied", "gemma2-softcap"])
+def test_kl_on_some_rows_is_the_kl_of_those_rows_alone(kind):
+    """A warm start's `data.rehearsal.kl_on: earlier`: the KL holds the earlier sources' rows only. By
+    definition, that is the KL over the same batch with the other rows' tokens untrained, on the chunked
+    path and the full-logits one; the cross-entropy still counts every row."""
+    from stages.runtime.lora import adapters_off
+    model = tiny_lm(kind, lora=True)
+    inputs, labels = batch("padded")
+    rows = torch.tensor([True, False, True])[:, None].expand_as(labels)
+    params = trained(model)
+    with torch.no_grad(), adapters_off(model):
+        reference = reference_outputs(model, inputs, labels, kl_mask=rows)
+        base_logits = model(**inputs, use_cache=False).logits
+    sums = model_loss(model, inputs, labels, reference=reference)
+    logits = model(**inputs, use_cache=False).logits
+    kl = kl_by_definition(logits, base_logits, torch.where(rows, labels, IGNORE_INDEX))
+    assert 0 < kl.item() < kl_by_definition(logits, base_logits, labels).item()
+    assert sums.kl.item() == pytest.approx(kl.item(), rel=1e-5)
+    assert sums.n_tokens == int((labels[:, 1:] != IGNORE_INDEX).sum())  # the CE counts every trained token
+    assert_close_grads(grads(sums.kl, params), grads(kl, params))
+    full = model_loss(model, inputs, labels, reference=loss.Reference(
+        logits=base_logits[:, :-1][labels[:, 1:] != IGNORE_INDEX], weights=reference.weights))
+    assert full.kl.item() == pytest.approx(kl.item(), rel=1e-5)
+
+
 def test_backward_recomputes_the_head_one_chunk_at_a_time():
     """The head never sees more than a chunk of positions (besides the model's own call on each
     row's last position), and backward runs it again once per chunk: no chunk's logits are kept."""

@@ -87,3 +87,14 @@ def test_an_epoch_sized_by_its_new_rows(weights, sizes, passes):
     assert len(news) == q[0] and len(set(news.tolist())) == min(q[0], sizes[0])
     sampler = GlobalBatchSampler(np.full(sum(sizes), 8), 4, 4, 1, 5, mixture=(weights, sizes, total))
     assert len(sampler.permutation(0)) == total and sampler.steps_per_epoch == -(-total // 4)
+
+
+def test_collated_batches_mark_the_rows_the_kl_holds():
+    from stages.runtime.batches import collate_packed, collate_padded
+    samples = [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1], "kl": False},
+               {"input_ids": [8, 9], "loss_mask": [0, 1], "kl": True}]
+    packed = collate_packed(samples)
+    assert packed["kl_mask"].tolist() == [[False, False, False, True, True]]
+    padded = collate_padded(samples, pad_id=0)
+    assert padded["kl_mask"].tolist() == [[False] * 3, [True] * 3]
+    assert "kl_mask" not in collate_packed([{k: v for k, v in s.items() if k != "kl"} for s in samples])

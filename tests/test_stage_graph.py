@@ -139,7 +139,8 @@ for _s in ("a", "b"):
 SAME_RESULT = {"actor.init_from": "champion with no champion in the registry is the base model (start_note)",
                "data.rehearsal.weight": "only a warm start from a version rehearses (tests/test_rehearsal.py)",
                "data.rehearsal.passes": "only a warm start from a version rehearses (tests/test_rehearsal.py)",
-               "data.rehearsal.kl_to_base": "only a warm start from a version rehearses (tests/test_rehearsal.py)"}
+               "data.rehearsal.kl_to_base": "only a warm start from a version rehearses (tests/test_rehearsal.py)",
+               "data.rehearsal.kl_on": "only a warm start from a version rehearses (tests/test_rehearsal.py)"}
 
 
 def _changed(key: str, value, field, tmp: Path, tokenizer: Path):

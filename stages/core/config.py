@@ -311,6 +311,10 @@ class RehearsalConfig(_Section):
                                                              "KL to the starting version holds what it knew, and "
                                                              "also holds back what the new data should change; "
                                                              "unset: actor.kl_to_base")
+    kl_on: Literal["all", "earlier"] = Field(
+        "all", description="with rehearsal and a KL weight: which rows the KL to the starting version holds: all, or "
+                           "earlier (the replay and rehearse sources' rows: what it knew), leaving the new rows to the "
+                           "cross-entropy alone")
 
 
 class DataConfig(_Section):

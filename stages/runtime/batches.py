@@ -173,7 +173,10 @@ def collate_padded(samples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     for b, s in enumerate(samples):
         x, y = _labels(s)
         ids[b, : len(x)], labels[b, : len(x)], attn[b, : len(x)] = x, y, 1
-    return {"input_ids": ids, "attention_mask": attn, "labels": labels}
+    out = {"input_ids": ids, "attention_mask": attn, "labels": labels}
+    if "kl" in samples[0]:  # which rows the KL to the starting model holds (a warm start's earlier sources)
+        out["kl_mask"] = torch.tensor([s["kl"] for s in samples], dtype=torch.bool)[:, None].expand_as(labels).clone()
+    return out
 
 
 def collate_packed(samples: list[dict]) -> dict[str, torch.Tensor]:
@@ -187,4 +190,7 @@ def collate_packed(samples: list[dict]) -> dict[str, torch.Tensor]:
         ids.append(x)
         labels.append(y)
         pos.append(torch.arange(len(x)))
-    return {"input_ids": torch.cat(ids)[None], "labels": torch.cat(labels)[None], "position_ids": torch.cat(pos)[None]}
+    out = {"input_ids": torch.cat(ids)[None], "labels": torch.cat(labels)[None], "position_ids": torch.cat(pos)[None]}
+    if "kl" in samples[0]:  # as collate_padded
+        out["kl_mask"] = torch.cat([torch.full((len(x),), bool(s["kl"])) for x, s in zip(ids, samples)])[None]
+    return out

@@ -55,9 +55,10 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
 
 
 def token_sums(logits: torch.Tensor, targets: torch.Tensor, ref_logits: torch.Tensor | None = None,
-               dft: bool = False) -> torch.Tensor:
+               dft: bool = False, kl_weights: torch.Tensor | None = None) -> torch.Tensor:
     """[sum of cross-entropy, sum of DFT's p x cross-entropy, sum of KL(ref || model)] (fp32) over
-    the rows of `logits` (positions x vocab, upcast to fp32), whose next tokens are `targets`.
+    the rows of `logits` (positions x vocab, upcast to fp32), whose next tokens are `targets`; with
+    `kl_weights` (one per row) the KL of each row counts that much.
 
     DFT (Dynamic Fine-Tuning, arXiv 2508.05629): each token's cross-entropy weighted by its own
     probability p = exp(-cross-entropy), detached (a constant to the gradient). Zero unless `dft`;
@@ -67,8 +68,11 @@ def token_sums(logits: torch.Tensor, targets: torch.Tensor, ref_logits: torch.Te
     zero = logp.new_zeros(())
     dft_sum = (torch.exp(-ce.detach()) * ce).sum() if dft else zero
     kl = zero
-    if ref_logits is not None:
+    if ref_logits is not None and kl_weights is None:
         kl = F.kl_div(logp, F.log_softmax(ref_logits.float(), dim=-1), log_target=True, reduction="sum")
+    elif ref_logits is not None:  # per position: the rows the KL holds (Reference.weights)
+        per = F.kl_div(logp, F.log_softmax(ref_logits.float(), dim=-1), log_target=True, reduction="none").sum(-1)
+        kl = (per * kl_weights.to(per.dtype)).sum()
     return torch.stack([ce.sum(), dft_sum, kl])
 
 
@@ -92,6 +96,7 @@ class Reference:
 
     hidden: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    weights: torch.Tensor | None = None  # per trained position: how much its KL counts (None: every one, 1)
 
 
 # model -> None (the chunked path) or why it takes the full-logits path; decided on its first batch
@@ -249,6 +254,8 @@ def _chunked(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module, transf
         part = slice(start, start + chunk)
         t = targets[part]
 
+        w = reference.weights[part] if reference is not None and reference.weights is not None else None
+
         def ref_logits(part=part):
             if reference is None:
                 return None
@@ -258,14 +265,14 @@ def _chunked(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module, transf
             with torch.no_grad(), adapters_off(head):
                 return transform(head(reference.hidden[part]))
 
-        def sums(h, t=t, ref_logits=ref_logits):
-            return token_sums(transform(head(h)), t, ref_logits(), dft)
+        def sums(h, t=t, ref_logits=ref_logits, w=w):
+            return token_sums(transform(head(h)), t, ref_logits(), dft, w)
 
         if recompute:
             total = total + checkpoint(sums, rows[part], use_reentrant=False)
         else:
             logits = transform(head(rows[part]))
-            total = total + token_sums(logits, t, ref_logits(), dft)
+            total = total + token_sums(logits, t, ref_logits(), dft, w)
             if correct is not None:
                 correct += (logits.argmax(-1) == t).sum()
     if rows.size(0) == 0 and torch.is_grad_enabled():  # nothing trained: zero, yet backward must still run
@@ -302,15 +309,26 @@ def model_loss(model: nn.Module, inputs: dict, labels: torch.Tensor, *, dft: boo
     if reference is not None and reference.logits is None:
         raise RuntimeError("loss: a chunked reference for a model on the full-logits path")
     logits, targets = _gather(model(**inputs, use_cache=False).logits, labels)
-    total = token_sums(logits, targets, reference.logits if reference is not None else None, dft)
+    total = token_sums(logits, targets, reference.logits if reference is not None else None, dft,
+                       reference.weights if reference is not None else None)
     correct = int((logits.argmax(-1) == targets).sum()) if accuracy else None
     return LossSums(total[0], n_tokens, total[1], total[2], correct, chunked=False)
 
 
-def reference_outputs(model: nn.Module, inputs: dict, labels: torch.Tensor) -> Reference:
+def reference_outputs(model: nn.Module, inputs: dict, labels: torch.Tensor,
+                      kl_mask: torch.Tensor | None = None) -> Reference:
     """The model's predictions at the trained positions, as `model_loss`'s KL reference. Call it
     without gradients and in the reference's state (e.g. `lora.adapters_off`); `model_loss` applies
-    the head to the kept hidden states with the head's own adapters off."""
+    the head to the kept hidden states with the head's own adapters off. `kl_mask` (labels' shape):
+    the tokens whose KL counts (a warm start's earlier sources), else every trained token's."""
+    ref = _reference(model, inputs, labels)
+    if kl_mask is None:
+        return ref
+    weights = kl_mask[:, 1:][labels[:, 1:] != IGNORE_INDEX].float()
+    return Reference(ref.hidden, ref.logits, weights)
+
+
+def _reference(model: nn.Module, inputs: dict, labels: torch.Tensor) -> Reference:
     if _verdict(model, inputs, labels) is None:
         head, _ = output_head(model)
         with _tapped(model, head, labels, lambda hidden, transform: (_gather(hidden, labels)[0],)) as tap:

@@ -74,6 +74,7 @@ class WorkerSpec(BaseModel):
     val_dir: str | None = None
     mix: list[dict] = []               # the mixture's sources in the train split's row order: {source, rows, weight}
     epoch_samples: int = 0             # > 0: a mixture epoch's samples (a warm start's, sized by its new rows)
+    kl_rows_from: int = 0              # > 0: actor.kl_to_base holds only rows from here on (the earlier sources)
 
     def write(self, path: Path) -> Path:
         path.write_text(self.model_dump_json(indent=2))
@@ -218,13 +219,14 @@ class SFTWorker:
         holds the plain cross-entropy sum). With `actor.kl_to_base` the loss sum includes
         beta x KL(base || tuned) and `kl_sum` holds the KL sum."""
         beta, dft = self.cfg.actor.kl_to_base, self.cfg.actor.loss == "dft"
+        kl_mask = batch.pop("kl_mask", None)
         if not beta and not dft:
             return TrainOutput(*self._token_loss_sum(batch))
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         reference = None
         if beta:
             with torch.no_grad(), adapters_off(self.model):
-                reference = reference_outputs(self.model, inputs, batch["labels"])
+                reference = reference_outputs(self.model, inputs, batch["labels"], kl_mask)
         sums = model_loss(self.model, inputs, batch["labels"], dft=dft, reference=reference)
         loss_sum = sums.dft if dft else sums.ce
         if beta:
@@ -249,8 +251,14 @@ class SFTWorker:
     def micro_batch(self, indices) -> tuple[dict, bool]:
         """A collated micro-batch; an empty slot reuses sample 0 with zero weight (collectives must run)."""
         if len(indices) == 0:
-            return self.collate([self.train_ds[0]]), False
-        return self.collate([self.train_ds[int(i)] for i in indices]), True
+            return self.collate([self._sample(0)]), False
+        return self.collate([self._sample(int(i)) for i in indices]), True
+
+    def _sample(self, i: int) -> dict:
+        """Row i of the train split; with `kl_rows_from`, marked whether the KL holds it (`kl`)."""
+        if not self.spec.kl_rows_from:
+            return self.train_ds[i]
+        return {**self.train_ds[i], "kl": i >= self.spec.kl_rows_from}
 
     def validate(self) -> dict:
         """`val_loss`, `val_tokens` (and `val_accuracy`) over the validation set; {} without one."""

@@ -50,11 +50,13 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
     val = Path(prepare_dir) / "val"  # absent when only named eval sets hold out data: no validation loss
     weights = cfg.mix_weights()
     mix = [{**m, "weight": weights[m["source"]]} for m in read_manifest(Path(prepare_dir)).get("mix") or []]
+    # the KL holds the earlier sources' rows only: train's (the new ones) come first in the split
+    kl_from = mix[0]["rows"] if cfg.rehearsal_files and cfg.data.rehearsal.kl_on == "earlier" and mix else 0
     total = (new_data_epoch([m["weight"] for m in mix], [m["rows"] for m in mix], cfg.data.rehearsal.passes)
              if cfg.rehearsal_files else None)
     spec = WorkerSpec(config=cfg, model_path=model_path, out_dir=str(build.partial),
                       train_dir=str(Path(prepare_dir) / "train"), val_dir=str(val) if val.is_dir() else None, mix=mix,
-                      epoch_samples=total or 0)
+                      epoch_samples=total or 0, kl_rows_from=kl_from)
     spec_path = spec.write(build.partial / "spec.json")
     metrics_file = build.partial / "metrics.jsonl"
     topology = f"topology: {cfg.actor.topology}"
