@@ -402,6 +402,9 @@ def _build_plan(cfg: SFTConfig) -> Plan:
         here = dict(inputs)
         found = rehearsal(cfg, start, inputs["train"], others)
         if found is not None:
+            if cfg.data.rehearsal.kl_to_base and cfg.actor.lora.r == 0:
+                raise ConfigError("data.rehearsal.kl_to_base needs LoRA (actor.lora.r > 0): the starting version it "
+                                  "compares with is the LoRA model with its adapters off")
             entries, new = found
             cfg.pin_rehearsal(entries, [Path(r) if not r.startswith(HUB_PREFIX) else r for r, _ in new])
             here.update({"train": new, mix_split(REHEARSE): [(e["ref"], e["digest"]) for e in entries]})

@@ -89,7 +89,8 @@ def test_training_continues_from_the_champion_and_names_it(tmp_path):
     assert card["library_name"] == "transformers" and card["base_model"] == p2.cfg.actor.model.model_path
     scored = {r["dataset"]["name"]: r["metrics"][0]["value"] for r in card["model-index"][0]["results"]}
     assert scored == {s: round(m["accuracy"], 4) for s, m in r1["evaluate"].metrics["sets"].items()}
-    assert not (Path(r1["train"].path) / "model" / "README.md").exists()  # train's folder is left as it was
+    # train's own card (no scores yet) is as train wrote it: register's went into its logged copy only
+    assert "model-index" not in model_card.read(Path(r1["train"].path) / "model")
 
     client = MlflowClient(p2.cfg.resolved_tracking_uri)
     v = client.get_model_version("test-model", "2")

@@ -594,13 +594,6 @@ class SFTConfig(_Section):
         return v
 
     @model_validator(mode="after")
-    def _rehearsal_kl_needs_lora(self) -> "SFTConfig":
-        if self.data.rehearsal.kl_to_base and self.actor.lora.r == 0:
-            raise ValueError("data.rehearsal.kl_to_base needs LoRA (actor.lora.r > 0): the starting version it "
-                             "compares with is the LoRA model with its adapters off")
-        return self
-
-    @model_validator(mode="after")
     def _replay_is_mixed(self) -> "SFTConfig":
         if self.replay is not None and "replay" not in self.data.mix:
             raise ValueError("replay: its answers are a training source only through data.mix.replay (a weight)")

@@ -350,7 +350,8 @@ def _source_entry(src: Source, piece: Piece) -> dict:
     its counts over its splits (the data gate checks them per file when the folder is reused:
     quarantine.folder_checks)."""
     st = _whole(piece)
-    return {**{k: v for k, v in src.__dict__.items() if k != "columns"}, "piece": piece.folder.name,
+    piece_name = None if src.ref.startswith(HUB_PREFIX) else piece.folder.name  # a hub source's is this run's
+    return {**{k: v for k, v in src.__dict__.items() if k != "columns"}, "piece": piece_name,
             "rows_read": st.rows_read, "rows_kept": st.rows_kept, "dropped": dict(sorted(st.dropped.items()))}
 
 
