@@ -393,9 +393,9 @@ def _build_plan(cfg: SFTConfig) -> Plan:
     kl = cfg.actor.kl_to_base  # as configured; a rehearsal may train with data.rehearsal.kl_to_base instead
     others = {d for split, items in inputs.items() if split.startswith(mix_split("")) for _, d in items}
 
-    def through_train(start: dict | None) -> tuple[dict, dict, list[dict] | None]:
-        """(fingerprints through train, inputs, the rehearsal) when training starts from `start`: a
-        version's rehearsal changes what prepare reads (models/start.py `rehearsal`)."""
+    def through_train(start: dict | None) -> tuple[dict, dict, list[dict] | None, dict | None]:
+        """(fingerprints through train, inputs, the rehearsal, the `start` fact) when training starts from
+        `start`: a version's rehearsal changes what prepare reads (models/start.py `rehearsal`)."""
         cfg.pin_inputs(pinned)
         cfg._rehearsal = None
         cfg.actor.__dict__["kl_to_base"] = kl
@@ -419,12 +419,12 @@ def _build_plan(cfg: SFTConfig) -> Plan:
             stage = BY_NAME[name]
             if stage.when(cfg, {**facts, "start": ident}):
                 fps[name] = _stage_fingerprint(stage, cfg, digests, fps, {**facts, "start": ident})
-        return fps, here, (found[0] if found is not None else None)
+        return fps, here, (found[0] if found is not None else None), ident
 
     start, start_note = resolve_start(cfg, model_fp)
     if start is not None:
         start = caught_up(start, lambda s: through_train(s)[0]["train"])
-    fps, inputs, rehearsed = through_train(start)
+    fps, inputs, rehearsed, facts["start"] = through_train(start)
     if rehearsed:
         check_contamination(cfg)  # what the version trained on against today's eval sets
         r = cfg.data.rehearsal
@@ -432,10 +432,6 @@ def _build_plan(cfg: SFTConfig) -> Plan:
         start = {**start, "note": f"{start['note']}, rehearsing the {len(rehearsed)} training file(s) it was trained "
                                   f"on (data.rehearsal.weight={r.weight:g}){kl_note}"}
     digests = {split: [d for _, d in items] for split, items in inputs.items()}
-    facts["start"] = start and start["identity"]
-    if rehearsed:
-        r = cfg.data.rehearsal
-        facts["start"] = {"version": facts["start"], "rehearsal": r.model_dump()}
     champion = None
     for name in order[len(upto_train):]:
         stage = BY_NAME[name]

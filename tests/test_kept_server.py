@@ -104,13 +104,18 @@ def test_two_calls_started_together_share_one_kept_server(tmp_path):
     assert left_alive(_tree(kept["pid"]), 8 + 30) == []
 
 
-def test_stop_server_stops_the_kept_server_now(tmp_path):
+def _a_kept_server(tmp_path):
+    """(config, Prefect home, its kept server's marker, the keeper's process tree)."""
     cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path))
     home = tmp_path / ".prefect"
     seed_prefect_home(home)
     start_kept_server(home, keep_s=300)
     kept = _marker(home)
-    tree = _tree(kept["pid"])
+    return cfg_path, home, kept, _tree(kept["pid"])
+
+
+def test_stop_server_stops_the_kept_server_now(tmp_path):
+    cfg_path, home, kept, tree = _a_kept_server(tmp_path)
     proc = sftflow("stop-server", "-c", str(cfg_path), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert left_alive(tree, 5) == [], "the keeper and its server are gone when the command returns"
@@ -123,12 +128,7 @@ def test_stop_server_finds_the_kept_server_after_a_serve_start_server_came_and_w
     """Issue 57: `serve --start-server` on the same home wrote its marker over the kept server's and
     removed it when it stopped; `stop-server` then said no kept server ran while it still listened."""
     from flows.prefect_server import free_port, local_server
-    cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path))
-    home = tmp_path / ".prefect"
-    seed_prefect_home(home)
-    start_kept_server(home, keep_s=300)
-    kept = _marker(home)
-    tree = _tree(kept["pid"])
+    cfg_path, home, kept, tree = _a_kept_server(tmp_path)
     with local_server("127.0.0.1", free_port(), home, home / "serve.log", shared=True) as api:  # serve's own
         assert _marker(home)["api"] == api != kept["api"]
     assert _marker(home) == kept, "the kept server is announced again once serve's server stops"
