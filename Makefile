@@ -6,7 +6,7 @@ CONFIG  ?= configs/default.yaml
 ARGS    ?=
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: run test test-fast test-min-versions lint ui prefect-ui serve-model serve install clean
+.PHONY: run test test-fast test-min-versions lint ui prefect-ui serve-model serve team-up team-down install clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -77,6 +77,17 @@ serve-model: $(STAMP)
 CRON    ?= 0 3 * * *
 serve: $(STAMP)
 	$(BIN)/sftflow serve -c $(CONFIG) --cron "$(CRON)" --start-server $(ARGS)
+
+# A team's setup on this machine (docs/operations.md, "For a team"): PostgreSQL holding Prefect's and MLflow's
+# stores, both servers, work pool POOL and WORKERS workers, everything under TEAM_ROOT; team-down stops it all.
+TEAM_ROOT ?= $(CURDIR)/artifacts/team
+WORKERS   ?= 2
+POOL      ?= team
+team-up: $(STAMP)
+	$(BIN)/python -m flows.team up --root $(TEAM_ROOT) --workers $(WORKERS) --pool $(POOL) --config $(CONFIG)
+
+team-down: $(STAMP)
+	$(BIN)/python -m flows.team down --root $(TEAM_ROOT)
 
 clean:
 	rm -rf artifacts/prepare artifacts/train artifacts/evaluate artifacts/register artifacts/models

@@ -81,7 +81,8 @@ def config(tmp: Path, args, nproc: int):
         "data": {"train_data_paths": [str(prompts)], "val_data_paths": [str(prompts)], "format": "messages",
                  "max_length": 2048 if args.model else 512},
         "eval": {"model": "base", "eval_base": False, "batch_size": args.batch_size,
-                 "max_new_tokens": args.max_new_tokens, "scorer": "contains"},
+                 "max_new_tokens": args.max_new_tokens, "scorer": "contains",
+                 "precision": getattr(args, "precision", "fp32")},
     })
 
 
@@ -124,7 +125,8 @@ def run_batched(tmp: Path, args) -> dict:
     score = get_scorer("contains")
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    dtype = torch.bfloat16 if getattr(args, "precision", "fp32") == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     stops = stop_ids(model, tok)
     pad = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
     texts, tokens, correct = [], 0, 0
@@ -196,7 +198,8 @@ def run_naive(tmp: Path, args) -> dict:
     score = get_scorer("contains")
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    dtype = torch.bfloat16 if getattr(args, "precision", "fp32") == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     stops = stop_ids(model, tok)
     texts, tokens, correct = [], 0, 0
     with torch.no_grad():

@@ -14,15 +14,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("DO_NOT_TRACK", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-# Weight-loading and artifact-download bars add noise, not information, to the flow's log.
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -34,12 +25,23 @@ from flows.prefect_server import KeepSettingError, ServerDidNotStart, prefect_ap
 from stages.core.quarantine import note as quarantine_note
 from stages.core.config import SERVE_PROTECTED, ConfigError, SFTConfig, default_tracking_uri, flatten, load_config
 from stages.core.errors import MissingUpstream, StageError
+from stages.core.process_env import apply_process_policy
 from stages.evaluate.report import COLUMNS, table_cells
 from stages.pipeline import (KEY_METRIC, STAGES, Plan, check_launch, check_memory, launch_report, plan, replay_file,
                              require_upstream, train_memory, upstream)
 from stages.runtime.launcher import request_stop, stop_requested
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+
+
+@app.callback()
+def _process_policy() -> None:
+    # Every command runs after this, in `sftflow` as under typer's CliRunner; nothing the commands
+    # import lazily (torch, transformers, mlflow, prefect) is loaded yet, so what they read when
+    # loaded is already in place (stages/core/process_env.py).
+    apply_process_policy(os.environ)
+
+
 # A file or a pipe (CI, `make run > log`) has no width: rich would fit every table into 80 columns,
 # wrapping and clipping cells ("retention…"). There a table keeps every column and cell whole, one line
 # per row (a table is never wider than its content); an explicit COLUMNS still wins, as in rich.
@@ -297,8 +299,8 @@ def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg
     dev = launch["device"]
     where = (f"{dev['count']} x {dev['name']}" + (f" (compute {dev['capability']})" if dev["capability"] else "")
              if dev["kind"] == "cuda" else "the CPU")
-    console.print(f"on {escape(where)}: {launch['backend']}, {escape(launch['precision_why'])}; evaluation in "
-                  f"{launch['eval_precision']} (eval.precision); attention "
+    console.print(f"on {escape(where)}: {launch['backend']}, training in {escape(launch['precision_why'])}; "
+                  f"evaluation in {escape(launch['eval_precision_why'])}; attention "
                   f"{launch['attn_implementation'] or '-'}" + (f" ({escape(dev['note'])})" if dev["note"] else ""),
                   highlight=False)
     _memory_table(p)

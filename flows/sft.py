@@ -13,8 +13,10 @@ import json
 import logging
 import os
 import re
+import signal
 import subprocess
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,28 +31,66 @@ from flows.prefect_server import TEMPORARY_SERVER_ENV
 from stages.core.quarantine import note as quarantine_note
 from stages.core.config import check_overrides_allowed, load_config
 from stages.core.errors import ConfigError, DataError
+from stages.core.process_env import apply_process_policy
 from stages.evaluate.report import COLUMNS, table_cells
 from stages.runtime.launcher import request_stop
 from stages.pipeline import KEY_METRIC, STAGES, UPSTREAM, Plan, plan, requires, run_stage, upstream
 
-def _tell_torchrun_on_sigterm() -> None:
+
+def tell_torchrun_on_sigterm() -> None:
     """While a flow runs, Prefect's SIGTERM handler (not the CLI's) is installed: it raises
     TerminationSignal, and an exception raised while a finalizer runs is lost ("Exception ignored in
-    ...", seen in CI: the CLI then waited on a training nobody stopped). Its handler, looked up by
-    name when Prefect installs it, also tells every torchrun tree to stop, as the CLI's does."""
+    ...", seen in CI: the CLI then waited on a training nobody stopped). So SIGTERM also tells every
+    torchrun tree to stop, as the CLI's handler does.
+
+    Prefect has no public hook for it, and a handler of our own over Prefect's is no answer: a served
+    run's cancel is acknowledged only while the installed handler *is* Prefect's
+    `prefect.utilities.engine._prefect_sigterm_handler` (`can_ack_control_intent`, by identity), and
+    Prefect installs it by that name (`capture_sigterm`) before the flow's body runs. So ours takes
+    that name and, once, the handler's place in the signal table. tests/test_lost_interrupt.py fails
+    when Prefect renames it; until then a Prefect without the name gets our handler chained in front
+    of whatever is installed."""
     import prefect.utilities.engine as engine
-    prefect_handler = engine._prefect_sigterm_handler
-    if getattr(prefect_handler, "tells_torchrun", False):
+    bridge = getattr(engine, "_prefect_sigterm_handler", None)
+    if bridge is None:
+        _chain_sigterm()
+        return
+    if getattr(bridge, "tells_torchrun", False):  # an earlier flow in this process: installed as ours
         return
 
     def handler(sig_num: int, *args: object):
         request_stop()
-        return prefect_handler(sig_num, *args)
+        return bridge(sig_num, *args)
     handler.tells_torchrun = True
-    engine._prefect_sigterm_handler = handler
+    # under Prefect's own lock, so that its identity check never sees the name and the table disagree
+    with getattr(engine, "_prefect_sigterm_bridge_lock", None) or nullcontext():
+        engine._prefect_sigterm_handler = handler
+        try:
+            if signal.getsignal(signal.SIGTERM) is bridge:
+                signal.signal(signal.SIGTERM, handler)
+        except ValueError:  # not the main thread: no handler of this process to swap
+            pass
 
 
-_tell_torchrun_on_sigterm()
+def _chain_sigterm() -> None:
+    """Our own SIGTERM handler in front of the installed one (Prefect's, whatever its name)."""
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+    except ValueError:
+        return
+    if getattr(previous, "tells_torchrun", False):
+        return
+
+    def handler(sig_num: int, frame) -> None:
+        request_stop()
+        if callable(previous):
+            previous(sig_num, frame)
+        elif previous == signal.SIG_DFL:  # end as the default would have
+            signal.signal(sig_num, signal.SIG_DFL)
+            os.kill(os.getpid(), sig_num)
+    handler.tells_torchrun = True
+    signal.signal(signal.SIGTERM, handler)
+
 
 STEP_LINE = re.compile(r"^step (\d+)/(\d+)\b")
 # MLflow's own logging ("2026/12/01 06:45:02 INFO mlflow.system_metrics...: ..."), timestamped by
@@ -68,8 +108,15 @@ class _UsageErrorsWithoutTraceback(logging.Filter):
         return True
 
 
-for _name in ("prefect.task_runs", "prefect.flow_runs"):
-    logging.getLogger(_name).addFilter(_UsageErrorsWithoutTraceback())
+def at_flow_start() -> None:
+    """What a flow run needs of its process, done as each flow starts: a deployment's run starts in a
+    process of its own that no CLI entry prepared, and importing this module changes nothing."""
+    apply_process_policy(os.environ)
+    tell_torchrun_on_sigterm()
+    for name in ("prefect.task_runs", "prefect.flow_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _UsageErrorsWithoutTraceback) for f in logger.filters):
+            logger.addFilter(_UsageErrorsWithoutTraceback())
 
 
 def _worth_retrying(task, task_run, state) -> bool:
@@ -419,6 +466,7 @@ def sft_pipeline(config_path: str | None = None, overrides: list[str] | None = N
     """prepare -> train -> evaluate -> register; `force` names stages to redo (and so everything after them).
     `planned`: a `Plan.to_dict()` made by the caller, used instead of loading `config_path` again.
     `workdir`: where the config's relative paths start (a work-pool deployment's runs start elsewhere)."""
+    at_flow_start()
     if workdir:
         os.chdir(workdir)  # a worker runs each flow run in a process of its own
     p = _plan_from(config_path, overrides, planned)
@@ -455,6 +503,7 @@ def sft_stage(stage: str, config_path: str | None = None, overrides: list[str] |
               with_upstream: bool = False, planned: dict | None = None) -> list[dict]:
     """One stage. Upstream stages come from their completed folders; with `with_upstream`, the
     missing ones run first (complete ones are reused)."""
+    at_flow_start()
     p = _plan_from(config_path, overrides, planned)
     if stage not in p.stages:
         raise ConfigError(f"this config has no {stage} stage (stages: {', '.join(p.stages)})")

@@ -23,7 +23,7 @@ from stages.core.errors import ConfigError
 from stages.sweep import Trial, lower_is_better, metric_of, parse_grid, plan_trials, ranked
 from stages.pipeline import Plan, upstream
 
-from flows.sft import run_stage_task, update_flow_run, shown, configured_task, flow_run_url
+from flows.sft import at_flow_start, run_stage_task, update_flow_run, shown, configured_task, flow_run_url
 
 
 def _sweep_name() -> str:
@@ -123,6 +123,7 @@ def sft_sweep(config_path: str, args: list[str], metric: str = "accuracy", max_p
               planned: list[dict] | None = None, workdir: str | None = None) -> dict:
     """`args`: the command line's `KEY=V1,V2,...` grid and `KEY=VALUE` fixed overrides. `planned`: the
     CLI's trials (`{"index", "values", "plan"}`), used instead of planning again."""
+    at_flow_start()
     if workdir:
         os.chdir(workdir)
     logger = get_run_logger()

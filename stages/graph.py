@@ -3,9 +3,10 @@
 A row says what a stage's result depends on and when it runs: the code it carries, the config keys
 it reads (and the keys within them that can't change its result), the input files it reads (by
 content), the stages whose folders it reads, which of those it depends on by fingerprint, the facts
-it depends on (the base model, the worker's source, ...), and when it is in a plan. Planning
-(`stages/pipeline.py`), `upstream()`, `sftflow show`, the Prefect task graph (`flows/sft.py`) and the
-stage table of docs/architecture.md (`render_markdown`) are all read from here;
+it depends on (the base model, the worker's source, ...), when it is in a plan, and which function
+of stages/pipeline.py runs it (`run`). Planning and running (`stages/pipeline.py`), `upstream()`,
+`sftflow show`, the Prefect task graph (`flows/sft.py`) and the stage table of docs/architecture.md
+(`render_markdown`) are all read from here;
 tests/test_stage_graph.py checks the fingerprints against the table over the config schema.
 
     fingerprint(stage) = hash(stage, code version, {config key: its slice}, {input: content digests},
@@ -30,6 +31,7 @@ class Stage:
     reads: tuple[str, ...]                      # config keys (dotted), each with everything under it
     ignores: tuple[str, ...] = ()               # keys under `reads` that can't change its result ('*': any name)
     inputs: Callable[[SFTConfig], dict[str, tuple[str, ...]]] = lambda cfg: {}  # name -> input splits (contents)
+    input_files: str = ""                       # docs: what `inputs` names
     upstream: tuple[str, ...] = ()              # stages whose folders it may read, earliest first
     folds: tuple[str, ...] = ()                 # of those, the ones its fingerprint includes (when in the plan)
     facts: tuple[str, ...] = ()                 # facts it depends on (FACTS)
@@ -38,6 +40,8 @@ class Stage:
     metric: tuple[str, str] = ("", "")          # (metrics key, label) summarizing a run of it
     neutral_code: bool = False                  # its code version includes the reporting-only modules
     why: str = ""                               # docs: the reason for what it leaves out
+    # the function of stages/pipeline.py that readies its call from a plan (by name: no stage code here)
+    run: str = ""
 
 
 def _named_prepared(cfg: SFTConfig) -> list[str]:
@@ -67,57 +71,64 @@ def _scoring_skips(cfg: SFTConfig) -> set[str]:
 
 _SCORING_IGNORES = ("data.mix", "data.rehearsal", "eval.model", "eval.eval_base", "eval.primary",
                     "eval.sets.*.max_drop", "eval.sets.*.decide_on")
+_HELD_OUT_FILES = "each scored set's files"
 
 TABLE: tuple[Stage, ...] = (
     Stage("replay", "the base model's answers to replay.prompt_paths (a source of the training mixture)",
           code="replay", reads=("replay", "data.columns", "actor.model.trust_remote_code", "actor.precision"),
-          inputs=lambda cfg: {"prompts": (REPLAY_PROMPTS,)}, facts=("model",),
-          when=lambda cfg, f: cfg.replay is not None, metric=("kept", "answers kept"),
-          why="never the training data"),
+          inputs=lambda cfg: {"prompts": (REPLAY_PROMPTS,)}, input_files="replay.prompt_paths",
+          facts=("model", "actor_precision"), when=lambda cfg, f: cfg.replay is not None,
+          metric=("kept", "answers kept"), why="never the training data", run="replay_call"),
     Stage("prepare", "Arrow shards of the training sources and the val split",
           code="prepare", reads=("data", "actor.model.trust_remote_code"),
           ignores=("data.mix.*.weight", "data.rehearsal"),
-          inputs=_training_files, upstream=("replay",), folds=("replay",), facts=("model",),
-          metric=("train_rows_kept", "rows"),
-          why="the mixture's weights only change what train samples; never the eval sets"),
+          inputs=_training_files, input_files="train, val and mixture files (a warm start's rehearsed files too)",
+          upstream=("replay",), folds=("replay",), facts=("model",), metric=("train_rows_kept", "rows"),
+          why="the mixture's weights only change what train samples; never the eval sets", run="prepare_call"),
     Stage("prepare_eval", "Arrow shards of the named eval sets",
           code="prepare", reads=("data", "eval.sets.*.mode", "actor.model.trust_remote_code"),
           ignores=("data.mix", "data.rehearsal"),
-          inputs=lambda cfg: {name: (eval_split(name),) for name in _named_prepared(cfg)}, facts=("model",),
+          inputs=lambda cfg: {name: (eval_split(name),) for name in _named_prepared(cfg)},
+          input_files="each prepared named set's files", facts=("model",),
           when=lambda cfg, f: bool(_named_prepared(cfg)), metric=("rows_kept", "rows"),
-          why="the mixture only trains; a harness set has nothing to prepare"),
+          why="the mixture only trains; a harness set has nothing to prepare", run="prepare_call"),
     Stage("baseline", "the base model's scores on the eval sets",
           code="evaluate", reads=("data", "eval", "actor.model"), ignores=_SCORING_IGNORES, inputs=_held_out,
-          upstream=("prepare_eval", "prepare"), facts=("model", "prepare_code", "worker", "scorer", "harness"),
+          input_files=_HELD_OUT_FILES,
+          upstream=("prepare_eval", "prepare"), facts=("model", "prepare_code", "worker", "scorer", "harness",
+                                                       "eval_precision"),
           skips=_scoring_skips,
           when=lambda cfg, f: cfg.eval.eval_base and cfg.eval.model != "base", metric=("accuracy", "accuracy"),
           why="never the training data (folds no fingerprint: it names the held-out files and what "
-              "prepares them), so trials, sweeps and retrains reuse it; guards and the model choice only judge"),
+              "prepares them), so trials, sweeps and retrains reuse it; guards and the model choice only judge",
+          run="reference_call"),
     Stage("champion", "the registry's champion's scores on the eval sets",
           code="evaluate", reads=("data", "eval", "actor.model"), ignores=_SCORING_IGNORES, inputs=_held_out,
+          input_files=_HELD_OUT_FILES,
           upstream=("prepare_eval", "prepare"), facts=("champion", "model", "prepare_code", "worker", "scorer",
-                                                       "harness"),
+                                                       "harness", "eval_precision"),
           skips=_scoring_skips, when=lambda cfg, f: f["champion"] is not None, metric=("accuracy", "accuracy"),
           why="as baseline; only with `registry.promote: if_better`, no `eval.model`, and a champion that "
-              "another training produced"),
+              "another training produced", run="reference_call"),
     Stage("train", "the trained model (HF folder), DCP checkpoints, metrics.jsonl",
           code="train", reads=("actor", "runner", "data.mix.*.weight"), upstream=("prepare",),
           folds=("prepare",), facts=("model", "worker", "start"), metric=("final_loss", "loss"),
-          why="never the eval sets"),
+          why="never the eval sets", run="train_call"),
     Stage("evaluate", "the scored model's predictions and metrics, compared with the baseline",
           code="evaluate", reads=("eval", "actor.model"),
           inputs=lambda cfg: {n: (eval_split(n),) for n, s in cfg.eval.sets.items() if s.is_harness},
+          input_files="each harness set's task files",
           upstream=("baseline", "train", "prepare_eval", "prepare"),
           folds=("baseline", "train", "prepare_eval", "prepare"),
-          facts=("model", "eval_model", "worker", "scorer", "harness"),
+          facts=("model", "eval_model", "worker", "scorer", "harness", "eval_precision"),
           skips=lambda cfg: _scoring_skips(cfg) | ({"train"} if cfg.eval.model is not None else set()),
           metric=("accuracy", "accuracy"),
-          why="with `eval.model` it reads no training, so a new training leaves it a cache hit"),
+          why="with `eval.model` it reads no training, so a new training leaves it a cache hit", run="evaluate_call"),
     Stage("register", "the MLflow run, the model version and its aliases",
           code="register", neutral_code=True, reads=("registry",),
           upstream=("champion", "evaluate", "train", "prepare"), folds=("evaluate", "train", "prepare"),
           facts=("tracking_uri", "compared_with"), metric=("version", "version"),
-          why="the champion by the decision it compared with (`compared_with`)"),
+          why="the champion by the decision it compared with (`compared_with`)", run="register_call"),
 )
 
 BY_NAME: dict[str, Stage] = {s.name: s for s in TABLE}
@@ -137,6 +148,10 @@ FACTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "start": ("the identity of the weights training starts from (`actor.init_from`), with `data.rehearsal` when it "
               "rehearses what that version trained on", ("actor.init_from", "data.rehearsal")),
     "eval_model": ("what `eval.model` is (digests, registry version, hub id)", ("eval.model",)),
+    "actor_precision": ("`actor.precision` resolved on the planning machine (`auto`: core/precision.py)",
+                        ("actor.precision",)),
+    "eval_precision": ("`eval.precision` resolved on the planning machine (`auto`: core/precision.py)",
+                       ("eval.precision",)),
     "champion": ("the registry's champion when planned (its training's fingerprint)",
                  ("registry.model_name", "registry.promote", "registry.tracking_uri", "artifacts_dir", "eval.model")),
     "tracking_uri": ("the MLflow store (default: a SQLite file in the artifacts folder)",
@@ -147,13 +162,15 @@ FACTS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
+# The facts known only once other stages have fingerprints: the champion is told from this very
+# training by train's, and register's decision names the champion stage it compared with.
+FACT_AFTER: dict[str, tuple[str, ...]] = {"champion": ("train",), "compared_with": ("train", "champion")}
+
+
 def planning_order() -> list[str]:
-    """Stages in an order where each comes after what its fingerprint needs: its folded upstream, and
-    train for the champion (a champion that is this very training is nothing to compare with)."""
-    needs = {s.name: set(s.folds) | ({"train"} if "champion" in s.facts or "compared_with" in s.facts else set())
-             for s in TABLE}
-    needs["champion"].discard("champion")
-    needs["register"] |= {"champion"}
+    """Stages in an order where each comes after what its fingerprint needs: its folded upstream and
+    the stages its facts are known after (`FACT_AFTER`)."""
+    needs = {s.name: set(s.folds) | {u for f in s.facts for u in FACT_AFTER.get(f, ())} for s in TABLE}
     done: list[str] = []
     while len(done) < len(TABLE):
         done.append(next(s for s in STAGES if s not in done and needs[s] <= set(done)))
@@ -215,15 +232,11 @@ def render_markdown() -> str:
     """The stage table of docs/architecture.md (tests/test_stage_graph.py keeps the doc equal to it)."""
     rows = ["| stage | makes | code | reads (config) | leaves out | input files | after | fingerprint folds | "
             "facts | why |", "|---|---|---|---|---|---|---|---|---|---|"]
-    inputs_doc = {"replay": "replay.prompt_paths",
-                  "prepare": "train, val and mixture files (a warm start's rehearsed files too)",
-                  "prepare_eval": "each prepared named set's files", "baseline": "each scored set's files",
-                  "champion": "each scored set's files"}
     for s in TABLE:
         rows.append("| " + " | ".join([
             f"`{s.name}`", s.makes, f"`{s.code}`" + (" (with reporting)" if s.neutral_code else ""),
             ", ".join(f"`{k}`" for k in s.reads), ", ".join(f"`{k}`" for k in s.ignores) or "—",
-            inputs_doc.get(s.name, "—"), ", ".join(s.upstream) or "—", ", ".join(s.folds) or "—",
+            s.input_files or "—", ", ".join(s.upstream) or "—", ", ".join(s.folds) or "—",
             ", ".join(s.facts) or "—", s.why or ""]) + " |")
     facts = ["", "| fact | what | decided by |", "|---|---|---|"]
     facts += [f"| `{name}` | {what} | {', '.join(f'`{k}`' for k in keys) or '—'} |"

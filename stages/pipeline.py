@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -309,10 +310,11 @@ def launch_report(p: Plan, device: memory_plan.Device | None = None, memory: boo
         "device": {"kind": device.kind, "name": device.name, "count": device.count,
                    "memory_gib": round(device.bytes / memory_plan.GIB, 1),
                    "capability": ".".join(map(str, device.capability)) if device.capability else None,
-                   "source": inv.source, "note": inv.note},
+                   "source": inv.source, "note": inv.note, **({"amx": device.amx} if device.kind == "cpu" else {})},
         "nproc_per_node": a.nproc_per_node, "topology": a.topology, "backend": backend(device.kind),
         "precision": precision, "precision_why": device.precision_why(a.precision),
-        "eval_precision": device.precision(p.cfg.eval.precision), "attn_implementation": None,
+        "eval_precision": device.precision(p.cfg.eval.precision),
+        "eval_precision_why": device.precision_why(p.cfg.eval.precision, "eval.precision"), "attn_implementation": None,
         "train_devices": [f"cuda:{rank_gpu(r, device.count)}" if device.kind == "cuda" else "cpu"
                           for r in range(a.nproc_per_node)],
         "eval_devices": [f"cuda:{rank_gpu(r, device.count, shared=True)}" if device.kind == "cuda" else "cpu"
@@ -372,6 +374,21 @@ def _stage_fingerprint(stage: Stage, cfg: SFTConfig, digests: dict, fps: dict, f
                        facts={f: facts.get(f) for f in stage.facts})
 
 
+def _precisions(cfg: SFTConfig) -> dict[str, str]:
+    """What `actor.precision` and `eval.precision` resolve to on the machine that plans (the one rule,
+    core/precision.py): facts of the stages that generate or score, so that a folder scored in fp32 is
+    never reused as a bf16 one (artifacts shared between an AMX machine and another, an Ampere GPU and a
+    CPU). The device is looked at only for `auto`."""
+    device: list[memory_plan.Device] = []
+
+    def resolved(requested: str) -> str:
+        if requested != "auto":
+            return requested
+        device[:] = device or [memory_plan.visible_device()]
+        return device[0].precision(requested)
+    return {"actor_precision": resolved(cfg.actor.precision), "eval_precision": resolved(cfg.eval.precision)}
+
+
 def _build_plan(cfg: SFTConfig) -> Plan:
     check_code(cfg)
     check_checkpoints(cfg)
@@ -386,7 +403,7 @@ def _build_plan(cfg: SFTConfig) -> Plan:
     facts = {"model": model_fp, "prepare_code": code_version("prepare"), "worker": _worker_identity(cfg),
              "scorer": _custom_scorer_identity(cfg), "tracking_uri": cfg.resolved_tracking_uri,
              "harness": {name: {k: v for k, v in h.items() if k != "files"} for name, h in harness.items()} or None,
-             "eval_model": eval_model_identity(cfg, model_fp)}
+             "eval_model": eval_model_identity(cfg, model_fp), **_precisions(cfg)}
     order = planning_order()
     upto_train = order[:order.index("train") + 1]
     pinned = {split: list(refs) for split, refs in cfg.inputs().items()}
@@ -560,6 +577,76 @@ def _registry_now(p: Plan, hit: StageResult) -> StageResult | None:
     return StageResult(hit.stage, hit.fingerprint, hit.path, m, cached=True, seconds=hit.seconds)
 
 
+# The stage table's `run` names one of these per stage (stages/graph.py): each turns the plan into its
+# stage's call, importing the stage package only then (each imports torch or MLflow: only the one
+# that runs is loaded). Each returns the call rather than making it: `run_stage` calls the stage's
+# own function (`run_train`, ...) itself, so that no hop is added on the road from the CLI to the
+# training loop (docs/architecture.md, at most 8 calls).
+StageCall = Callable[[Plan, str, dict, Callable[[str], None], dict | None], Callable[[], dict]]
+CALLS: dict[str, StageCall] = {}  # name -> function, for the table's `run`
+
+
+def _readies(fn: StageCall) -> StageCall:
+    CALLS[fn.__name__] = fn
+    return fn
+
+
+@_readies
+def replay_call(p: Plan, stage: str, dirs: dict, on_line: Callable[[str], None], tags: dict | None):
+    from .replay import run_replay
+    return partial(run_replay, p.cfg, p.fingerprints[stage], resolve_model(p.cfg, p.fingerprints["models"], on_line),
+                   on_line=on_line)
+
+
+@_readies
+def prepare_call(p: Plan, stage: str, dirs: dict, on_line: Callable[[str], None], tags: dict | None):
+    from .prepare.stage import run_prepare
+    from .replay import conversations_file
+    _check_inputs_unchanged(p)
+    replay = conversations_file(dirs["replay"]) if "replay" in dirs else None
+    return partial(run_prepare, p.cfg, p.fingerprints[stage], resolve_model(p.cfg, p.fingerprints["models"], on_line),
+                   "train" if stage == "prepare" else "eval", replay, stage)
+
+
+@_readies
+def train_call(p: Plan, stage: str, dirs: dict, on_line: Callable[[str], None], tags: dict | None):
+    from .train import run_train
+    cfg = p.cfg
+    check_launch(p, warn=on_line)  # the model is built and the data prepared: the exact longest micro-batch
+    weights = resolve_model(cfg, p.fingerprints["models"], on_line)  # the base model, built on first use
+    if p.start is not None:
+        on_line(f"train: {p.start['note']} ({KEY_INIT_FROM}={cfg.actor.init_from})")
+        weights = start_folder(cfg, p.start, on_line)
+    return partial(run_train, cfg, p.fingerprints[stage], weights, dirs["prepare"], p.lineage(dirs, tags),
+                   on_line=on_line)
+
+
+@_readies
+def reference_call(p: Plan, stage: str, dirs: dict, on_line: Callable[[str], None], tags: dict | None):
+    from .evaluate import run_reference
+    cfg = p.cfg
+    ref, identity = ("base", None) if stage == "baseline" else (
+        f"{REGISTRY_PREFIX}{p.champion['name']}/{p.champion['version']}", p.champion)
+    return partial(run_reference, cfg, stage, p.fingerprints[stage],
+                   resolve_model(cfg, p.fingerprints["models"], on_line), ref, identity, held_out_dir(dirs),
+                   on_line=on_line, set_keys=reference_set_keys(p, stage) if cfg.eval.sets and p.facts else None)
+
+
+@_readies
+def evaluate_call(p: Plan, stage: str, dirs: dict, on_line: Callable[[str], None], tags: dict | None):
+    from .evaluate import run_evaluate
+    cfg = p.cfg
+    model_ref = cfg.eval.model if cfg.eval.model is not None else str(p.folder("train"))
+    return partial(run_evaluate, cfg, p.fingerprints[stage], resolve_model(cfg, p.fingerprints["models"], on_line),
+                   model_ref, held_out_dir(dirs), p.eval_model, dirs.get("baseline"), on_line=on_line)
+
+
+@_readies
+def register_call(p: Plan, stage: str, dirs: dict, on_line: Callable[[str], None], tags: dict | None):
+    from .register import run_register
+    return partial(run_register, p.cfg, p.fingerprints[stage], p.lineage(dirs, tags))
+
+
 def run_stage(p: Plan, stage: str, force: bool = False, on_line: Callable[[str], None] = print,
               tags: dict[str, str] | None = None) -> StageResult:
     """Runs one stage unless its folder is complete (or `force`); upstream must be complete.
@@ -567,7 +654,6 @@ def run_stage(p: Plan, stage: str, force: bool = False, on_line: Callable[[str],
     cfg, fp, root = p.cfg, p.fingerprints[stage], p.cfg.artifacts_path
     dirs = require_upstream(p, stage)
     t0 = time.time()
-    # Each stage package imports torch or MLflow: only the one that runs is loaded.
     with stage_lock(root, stage, fp, warn=on_line):
         hit = cached_result(root, stage, fp, warn=on_line)
         if hit is not None and stage == "register":
@@ -576,39 +662,6 @@ def run_stage(p: Plan, stage: str, force: bool = False, on_line: Callable[[str],
             if stage in GATED:  # the data gate holds on a reused folder as on a prepare that runs
                 check_folder(hit.path, stage, cfg.data.max_bad_fraction)
             return hit
-        if stage == "replay":
-            from .replay import run_replay
-            metrics = run_replay(cfg, fp, resolve_model(cfg, p.fingerprints["models"], on_line), on_line=on_line)
-        elif stage in ("prepare", "prepare_eval"):
-            from .prepare.stage import run_prepare
-            from .replay import conversations_file
-            _check_inputs_unchanged(p)
-            replay = conversations_file(dirs["replay"]) if "replay" in dirs else None
-            metrics = run_prepare(cfg, fp, resolve_model(cfg, p.fingerprints["models"], on_line),
-                                  "train" if stage == "prepare" else "eval", replay, stage)
-        elif stage == "train":
-            from .train import run_train
-            check_launch(p, warn=on_line)  # the model is built and the data prepared: the exact longest micro-batch
-            weights = resolve_model(cfg, p.fingerprints["models"], on_line)  # the base model, built on first use
-            if p.start is not None:
-                on_line(f"train: {p.start['note']} ({KEY_INIT_FROM}={cfg.actor.init_from})")
-                weights = start_folder(cfg, p.start, on_line)
-            metrics = run_train(cfg, fp, weights, dirs["prepare"], p.lineage(dirs, tags), on_line=on_line)
-        elif stage in REFERENCES:
-            from .evaluate import run_reference
-            ref, identity = ("base", None) if stage == "baseline" else (
-                f"{REGISTRY_PREFIX}{p.champion['name']}/{p.champion['version']}", p.champion)
-            metrics = run_reference(cfg, stage, fp, resolve_model(cfg, p.fingerprints["models"], on_line), ref,
-                                    identity, held_out_dir(dirs), on_line=on_line,
-                                    set_keys=reference_set_keys(p, stage) if cfg.eval.sets and p.facts else None)
-        elif stage == "evaluate":
-            from .evaluate import run_evaluate
-            model_ref = cfg.eval.model if cfg.eval.model is not None else str(p.folder("train"))
-            metrics = run_evaluate(cfg, fp, resolve_model(cfg, p.fingerprints["models"], on_line), model_ref,
-                                   held_out_dir(dirs), p.eval_model, dirs.get("baseline"), on_line=on_line)
-        elif stage == "register":
-            from .register import run_register
-            metrics = run_register(cfg, fp, p.lineage(dirs, tags))
-        else:
-            raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
+        call = CALLS[BY_NAME[stage].run](p, stage, dirs, on_line, tags)
+        metrics = call()
     return StageResult(stage, fp, str(p.folder(stage)), metrics, cached=False, seconds=round(time.time() - t0, 2))

@@ -137,11 +137,13 @@ def tiny_config_dict(tmp: Path, n_train: int = 96, n_val: int = 12, **sections) 
                    "seed": 7},
         # one process, as `auto` is on CPU: tests of the flow, caching and servers don't need two ranks
         # (a torchrun of two costs twice the imports on 2 cores); tests of the distributed maths ask for 2
+        # fp32 whatever the CPU: `auto` is bf16 on one with AMX (core/precision.py), and these tests compare with
+        # fp32 references to the bit on every CI machine; tests/test_precision*.py hold the bf16 paths
         "actor": {"nproc_per_node": 1, "micro_batch_size": 4, "global_batch_size": 16,
-                  "optim": {"lr": 1e-3, "warmup": 1}},
+                  "optim": {"lr": 1e-3, "warmup": 1}, "precision": "fp32"},
         "data": {"train_data_paths": [str(train)], "val_data_paths": [str(val)], "format": "messages",
                  "max_length": 256},
-        "eval": {"max_new_tokens": 8, "batch_size": 8},
+        "eval": {"max_new_tokens": 8, "batch_size": 8, "precision": "fp32"},
         "registry": {"model_name": "test-model", "promote": "if_better"},
     }
     for section, values in sections.items():

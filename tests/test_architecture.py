@@ -264,6 +264,7 @@ def test_importing_flows_loads_no_torch(tmp_path):
 EDITS = {
     "runtime/batches.py": {"train", "evaluate"},
     "runtime/generation.py": {"evaluate", "register"},
+    "core/chat_tokens.py": {"evaluate", "register"},  # where generation stops
     "runtime/worker.py": {"train", "evaluate"},
     "chatdata/shards.py": {"prepare", "train", "evaluate"},
     "chatdata/readers.py": {"prepare", "evaluate", "models.builtin"},
@@ -420,6 +421,12 @@ def test_the_road_from_the_cli_to_the_loop_is_walked_as_written():
             assert "TASKS[stage]" in ast.unparse(_body(row["file"], "configured_task"))
             assert "TASKS = {stage: _stage_task(stage)" in row["file"].read_text()
             assert _body(row["file"], "_stage_task") and nxt["function"] == "task_fn"
+        elif row["calls"] == "call":  # the stage's function, readied by the function its table row's `run` names
+            from stages.graph import BY_NAME
+            assert "CALLS[BY_NAME[stage].run]" in ast.unparse(body)
+            readies = _body(row["file"], BY_NAME["train"].run)
+            assert any(_callee(c) == "partial" and c.args and ast.unparse(c.args[0]) == nxt["function"]
+                       for c in _calls(readies)), f"{BY_NAME['train'].run} readies no {nxt['function']}"
         elif row["calls"] == "Popen":  # torchrun runs `-m <module> spec.json`; run_train names stages.train
             assert any(isinstance(k.value, ast.Constant) and k.value.value == "stages.train"
                        for c in _calls(_body(ROOT / "stages" / "train" / "__init__.py", "run_train"))
@@ -437,3 +444,140 @@ def test_the_road_from_the_cli_to_the_loop_is_walked_as_written():
     assert ast.unparse(with_.body[0]) == "load_worker(sys.argv[1]).fit()"
     assert _body(ROOT / "stages" / "runtime" / "worker.py", "load_worker")
     assert _body(ROOT / "stages" / "runtime" / "distributed.py", "rank_entry")
+
+
+# --------------------------------------------------------------------------- nothing happens at import
+
+ENV_MUTATORS = {"setdefault", "update", "pop", "popitem", "clear", "__setitem__", "__delitem__"}
+
+
+def _is_environ(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "environ" and isinstance(node.value, ast.Name)
+            and node.value.id == "os")
+
+
+def _root_name(node: ast.AST) -> str | None:
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _names_imported(nodes) -> set[str]:
+    names = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names |= {a.asname or a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names |= {a.asname or a.name for a in node.names}
+    return names
+
+
+def _runs_when_reached(stmts: list[ast.stmt]):
+    """The nodes that run when `stmts` run: not the bodies of the functions they define (their
+    decorators and defaults do run), nor an `if __name__ == "__main__":` block."""
+    todo = list(stmts)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            todo += [*node.decorator_list, *(d for d in (*node.args.defaults, *node.args.kw_defaults) if d)]
+            continue
+        if isinstance(node, ast.Lambda):
+            continue
+        if (isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and isinstance(node.test.left, ast.Name)
+                and node.test.left.id == "__name__"):
+            continue
+        yield node
+        todo += list(ast.iter_child_nodes(node))
+
+
+def import_time_effects(source: str) -> list[tuple[int, str]]:
+    """(line, what) for each change to the process that importing `source` makes: os.environ written
+    (`[...] =`, `del`, setdefault/update/pop/..., handed to a function), os.putenv/unsetenv, an
+    attribute of an imported module (or of anything imported) set or `setattr`; also inside the
+    module's own functions that its import-time code calls."""
+    tree = ast.parse(source)
+    functions = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    found: set[tuple[int, str]] = set()
+    followed: set[str] = set()
+
+    def scan(stmts: list[ast.stmt], imported: set[str], via: str) -> None:
+        for node in _runs_when_reached(stmts):
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+                targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+                for t in targets:
+                    if isinstance(t, ast.Subscript) and _is_environ(t.value):
+                        found.add((node.lineno, f"writes os.environ{via}"))
+                    elif isinstance(t, ast.Attribute) and _root_name(t) in imported:
+                        found.add((node.lineno, f"sets {ast.unparse(t)}, an attribute of an import{via}"))
+            elif isinstance(node, ast.Call):
+                f, args = node.func, [*node.args, *(k.value for k in node.keywords)]
+                if isinstance(f, ast.Attribute) and _is_environ(f.value) and f.attr in ENV_MUTATORS:
+                    found.add((node.lineno, f"calls os.environ.{f.attr}{via}"))
+                elif isinstance(f, ast.Attribute) and f.attr in ("putenv", "unsetenv") and _root_name(f) == "os":
+                    found.add((node.lineno, f"calls os.{f.attr}{via}"))
+                elif isinstance(f, ast.Name) and f.id == "setattr" and args and _root_name(args[0]) in imported:
+                    found.add((node.lineno, f"setattr on {ast.unparse(args[0])}, an import{via}"))
+                elif any(_is_environ(a) for a in args):
+                    found.add((node.lineno, f"hands os.environ to {ast.unparse(f)}{via}"))
+                elif isinstance(f, ast.Name) and f.id in functions and f.id not in followed:
+                    followed.add(f.id)
+                    fn = functions[f.id]
+                    scan(fn.body, imported | _names_imported(ast.walk(fn)), f" (in {f.id}, called at import)")
+
+    scan(tree.body, _names_imported(_runs_when_reached(tree.body)), "")
+    return sorted(found)
+
+
+def test_importing_a_module_changes_nothing_in_the_process():
+    """No module of flows/ or stages/ sets environment variables or patches another module when it
+    is imported: that happens where a process starts (stages/core/process_env.py, the CLI's callback,
+    a flow's start, the launcher's child environment; tests/test_threads.py runs it). `__main__.py`
+    modules and `if __name__ == "__main__":` blocks are entries, left out."""
+    wrong = [f"{path.relative_to(ROOT)}:{line}: {what}"
+             for path in [*_flows_files(), *_modules()] if path.name != "__main__.py"
+             for line, what in import_time_effects(path.read_text(encoding="utf-8"))]
+    assert not wrong, "at import:\n" + "\n".join(wrong)
+
+
+def test_the_import_scan_sees_what_an_import_changes():
+    source = '''
+import os
+import prefect.utilities.engine as engine
+from logging import root
+
+os.environ["A"] = "1"
+os.environ.setdefault("B", "1")
+os.putenv("C", "1")
+engine._handler = print
+setattr(root, "level", 10)
+
+
+def _patch():
+    import torch
+    torch.backends.flag = True
+
+
+def policy(env):
+    env["D"] = "1"
+
+
+_patch()
+policy(os.environ)
+TABLE = {k: v for k, v in os.environ.items()}  # reading is fine
+
+
+def later():
+    os.environ["E"] = "1"
+    engine._handler = None
+
+
+class Holder:
+    handler = engine._handler  # reading is fine
+
+
+if __name__ == "__main__":
+    os.environ["F"] = "1"
+'''
+    assert [line for line, _ in import_time_effects(source)] == [6, 7, 8, 9, 10, 15, 23]
+    assert dict(import_time_effects(source))[15] == "sets torch.backends.flag, an attribute of an import (in _patch, " \
+                                                    "called at import)"

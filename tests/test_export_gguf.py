@@ -429,9 +429,20 @@ def test_a_template_that_is_not_chatml_gets_no_ollama_template(folders, tmp_path
     assert any("not ChatML" in n for n in done.notes)
 
 
-def test_the_stop_markers_are_the_generation_modules():
-    from stages.runtime.generation import END_OF_TURN
-    assert exporter.END_OF_TURN == END_OF_TURN
+def test_generation_and_the_export_stop_by_one_rule():
+    """Where a reply ends lives in stages/core/chat_tokens.py alone: generation and the Modelfile's stops
+    (and the GGUF's eot token) use it, neither keeps a copy."""
+    import ast
+
+    from stages.core import chat_tokens
+    from stages.runtime import generation
+    assert exporter.END_OF_TURN is chat_tokens.END_OF_TURN
+    assert exporter.stop_token_ids is generation.stop_token_ids is chat_tokens.stop_token_ids
+    for module in (generation, exporter):
+        tree = ast.parse(Path(module.__file__).read_text())
+        assigned = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets
+                    if isinstance(t, ast.Name)}
+        assert "END_OF_TURN" not in assigned, module.__name__
 
 
 # --------------------------------------------------------------------------- the command, refusals, atomicity

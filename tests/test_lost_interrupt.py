@@ -23,14 +23,18 @@ SCRIPT = textwrap.dedent("""
     from stages.core.errors import StageError
     from stages.runtime.launcher import run_torchrun
 
-    SIGNAL = getattr(signal, sys.argv[2])
+    SIGNAL = getattr(signal, sys.argv[2].split("-")[0])
     if SIGNAL == signal.SIGINT:
         signal.signal(signal.SIGINT, _stop)
-    else:  # inside a flow run: Prefect's SIGTERM handler (raises TerminationSignal), as flows.sft leaves it
-        import flows.sft  # noqa: F401
-        from prefect.utilities.engine import capture_sigterm
-        in_a_flow_run = capture_sigterm()  # held: a collected context manager restores the old handler
+    else:  # inside a flow run: Prefect's SIGTERM handler (raises TerminationSignal), as a flow's start leaves it
+        import flows.sft
+        import prefect.utilities.engine as engine
+        in_a_flow_run = engine.capture_sigterm()  # held: a collected context manager restores the old handler
         in_a_flow_run.__enter__()
+        if sys.argv[2].endswith("-renamed"):  # a Prefect whose handler has another name
+            engine._renamed_sigterm_handler = engine._prefect_sigterm_handler
+            del engine._prefect_sigterm_handler
+        flows.sft.at_flow_start()
 
     class SignalledWhileFinalized:
         def __del__(self):
@@ -53,10 +57,11 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM", "SIGTERM-renamed"])
 def test_a_lost_keyboard_interrupt_still_stops_torchrun(tmp_path, signal_name):
     """SIGINT with the CLI's handler; SIGTERM with Prefect's, which a flow run installs instead (CI saw
-    that one lost too: `sftflow stage train` kept training after SIGTERM)."""
+    that one lost too: `sftflow stage train` kept training after SIGTERM), also where Prefect's handler
+    is not found by its name (flows/sft.py's fallback: a handler of ours in front of it)."""
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "train.log"), signal_name], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     out = proc.stdout + proc.stderr
@@ -82,3 +87,37 @@ def test_a_command_that_finishes_after_a_lost_interrupt_still_exits_130():
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 130, proc.stdout + proc.stderr
     assert "interrupted" in proc.stderr
+
+
+PREFECTS_HANDLER = textwrap.dedent("""
+    import signal
+    import prefect.utilities.engine as engine
+    prefect_handler = engine._prefect_sigterm_handler
+    import flows.sft
+    assert engine._prefect_sigterm_handler is prefect_handler, "importing flows.sft replaced Prefect's handler"
+    before = signal.getsignal(signal.SIGTERM)
+    with engine.capture_sigterm():  # a flow run's engine, before the flow's body
+        assert signal.getsignal(signal.SIGTERM) is prefect_handler
+        flows.sft.at_flow_start()
+        installed = signal.getsignal(signal.SIGTERM)
+        assert installed is engine._prefect_sigterm_handler and installed.tells_torchrun
+        # what a served run's cancel checks before it acknowledges (by identity)
+        assert engine.is_prefect_sigterm_handler_installed() and engine.can_ack_control_intent()
+    assert signal.getsignal(signal.SIGTERM) is before
+    with engine.capture_sigterm():  # a later flow run in the same process
+        flows.sft.at_flow_start()
+        assert signal.getsignal(signal.SIGTERM) is engine._prefect_sigterm_handler is installed
+    print("ok")
+""")
+
+
+def test_the_flow_wraps_prefects_sigterm_handler_by_its_name():
+    """Prefect has no public hook for its SIGTERM handler: flows/sft.py `tell_torchrun_on_sigterm`
+    wraps `prefect.utilities.engine._prefect_sigterm_handler` when a flow starts (never at import), so
+    that a SIGTERM tells torchrun and a served run's cancel is still acknowledged. A Prefect upgrade
+    that renames it, or installs it otherwise, fails here: follow its `capture_sigterm` there."""
+    proc = subprocess.run([sys.executable, "-c", PREFECTS_HANDLER], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (
+        "Prefect's SIGTERM handler is no longer where flows/sft.py tell_torchrun_on_sigterm finds it:\n"
+        + proc.stderr[-3000:])

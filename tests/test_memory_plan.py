@@ -166,7 +166,7 @@ def test_longest_micro_batch_bounds_every_micro_batch_the_sampler_cuts():
 
 
 def test_over_budget_names_the_settings_that_fit_at_the_values_that_do(tmp_path):
-    cfg = config(tmp_path, micro_batch_size=8, global_batch_size=16, packing=False)
+    cfg = config(tmp_path, micro_batch_size=8, global_batch_size=16, packing=False, precision="auto")
     gpu = mp.Device("cuda", "test GPU", 10 * mp.GIB, (9, 0))
     hf = SMOLLM2
     full = mp.for_config(cfg, hf, gpu)
@@ -395,7 +395,7 @@ def test_the_plan_takes_precision_as_the_runtime_does_from_nvidia_smi(tmp_path, 
     monkeypatch.setattr(topology, "torch_build", lambda: "cuda")  # as on a GPU machine (this one's torch is CPU)
     monkeypatch.setattr(topology, "_smi_gpus", topology._smi_gpus.__wrapped__)  # each reply below read afresh
     (tmp_path / "cfg").mkdir()
-    cfg = config(tmp_path / "cfg")
+    cfg = config(tmp_path / "cfg", precision="auto")
     for reply, capability, precision in [("0, Tesla T4, 15360, 7.5", (7, 5), "fp32"),
                                          ("0, NVIDIA H200, 143771, 9.0", (9, 0), "bf16")]:
         smi.write_text(f"#!/bin/sh\necho '{reply}'\n")

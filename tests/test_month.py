@@ -55,9 +55,11 @@ def month_config(tmp: Path, train_paths: list[str]) -> dict:
         "runner": {"max_steps": 2, "val_check_interval": 0, "save_interval": 0, "log_interval": 1, "seed": 7},
         # the tokenizer's corpus pinned: new data keeps the base model (and so every fingerprint above it)
         "actor": {"nproc_per_node": 1, "micro_batch_size": 8, "global_batch_size": 8, "init_from": "champion",
-                  "model": {"corpus_paths": [str(tmp / "corpus.jsonl")]}, "optim": {"lr": 6e-3, "warmup": 0}},
+                  "model": {"corpus_paths": [str(tmp / "corpus.jsonl")]}, "optim": {"lr": 6e-3, "warmup": 0},
+                  "precision": "fp32"},  # as tests/conftest.py's tiny config: the same arithmetic on every CI CPU
         "data": {"train_data_paths": train_paths, "format": "messages", "max_length": 32},
-        "eval": {"max_new_tokens": 2, "batch_size": 8, "sets": {"colors": {"data_paths": [str(tmp / "eval.jsonl")]}}},
+        "eval": {"max_new_tokens": 2, "batch_size": 8, "precision": "fp32",
+                 "sets": {"colors": {"data_paths": [str(tmp / "eval.jsonl")]}}},
         # every day's version is champion (tolerance 1): the newest two are the kept ones
         "registry": {"model_name": "monthly", "promote": "if_better", "tolerance": 1.0},
         # two versions: 5 copies of the weights a month against day 1's 3, at any model size (the default 3

@@ -4,7 +4,8 @@ False)` (torch's real function, which reads the device's properties) says whethe
 worker's `choose_precision`, the model `generation.load` returns (replay, chat, the registered chat
 model) and `sftflow show --json` on the simulated machine must all say bf16 exactly there. A T4 or V100
 makes bf16 tensors (torch's default `including_emulation=True` answers True there), so the rule must
-not ask torch's default."""
+not ask torch's default. On CPU the same holds with torch's `torch.cpu._is_amx_tile_supported()`
+patched both ways (a rank) and /proc/cpuinfo's flags (the torch-free plan)."""
 
 from __future__ import annotations
 
@@ -64,10 +65,70 @@ def test_a_rocm_gpu_computes_bf16(gpu):
     assert choose_precision("auto", torch.device("cuda", 0)) == "bf16"
 
 
-def test_the_cpu_stays_fp32_unless_the_config_says_bf16():
-    from stages.runtime.distributed import choose_precision
-    assert choose_precision("auto", torch.device("cpu")) == "fp32"
-    assert choose_precision("bf16", torch.device("cpu")) == "bf16"
+@pytest.mark.parametrize("amx", [False, True], ids=["no-AMX", "AMX"])
+def test_a_cpu_rank_uses_bf16_exactly_where_torch_says_it_has_amx(monkeypatch, amx):
+    """AVX512-BF16 alone is not enough (measured slower than fp32: core/precision.py); torch's AMX query is."""
+    from stages.runtime.distributed import choose_precision, precision_why
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    cpu = torch.device("cpu")
+    assert choose_precision("auto", cpu) == ("bf16" if amx else "fp32")
+    assert choose_precision("bf16", cpu) == "bf16" and choose_precision("fp32", cpu) == "fp32"
+    assert precision_why("auto", cpu) == ("bf16: auto on a CPU with AMX (bf16 matrix units)" if amx else
+                                          "fp32: auto on a CPU without AMX (bf16 is emulated or, with AVX512-BF16 "
+                                          "alone, slower than fp32)")
+    assert precision_why("fp32", cpu, "eval.precision") == "fp32: eval.precision=fp32 (set in the config)"
+
+
+def cpuinfo(tmp_path, flags: str) -> str:
+    path = tmp_path / "cpuinfo"
+    path.write_text(f"processor\t: 0\nmodel name\t: Intel(R) Xeon(R)\nflags\t\t: fpu sse2 avx2 {flags}\n\n")
+    return str(path)
+
+
+def test_the_plan_reads_amx_from_the_kernels_flags_as_torch_does(tmp_path):
+    from stages.core.precision import cpu_amx
+    assert cpu_amx(cpuinfo(tmp_path, "avx512f avx512_bf16 amx_bf16 amx_tile amx_int8")) is True
+    assert cpu_amx(cpuinfo(tmp_path, "avx512f avx512_bf16 avx512_fp16")) is False  # AVX512-BF16 alone
+    assert cpu_amx(cpuinfo(tmp_path, "avx512f amx_tile")) is False  # tiles without bf16
+    assert cpu_amx(str(tmp_path / "missing")) is False  # no /proc: macOS, Windows
+    # the machine this runs on: the plan's reading is the ranks' (torch's own query)
+    assert cpu_amx() == bool(torch.cpu._is_amx_tile_supported())
+
+
+@pytest.mark.parametrize("amx", [False, True], ids=["no-AMX", "AMX"])
+def test_show_and_the_fingerprints_follow_the_cpus_amx(tmp_path, monkeypatch, amx):
+    """`sftflow show` (the plan, torch-free) on a CPU with and without AMX: training and scoring in the
+    rule's precision, said with why; the scoring stages' fingerprints carry it (a folder scored in
+    fp32 is never reused as bf16), training's does not (the device is not part of what it computes)."""
+    from typer.testing import CliRunner
+
+    import flows.cli
+    from conftest import tiny_config_dict, write_config
+    from stages.core.config import load_config
+    from stages.pipeline import plan
+    from stages.runtime import memory_plan
+    raw = tiny_config_dict(tmp_path)
+    raw["actor"]["precision"] = raw["eval"]["precision"] = "auto"
+    path = write_config(tmp_path, raw)
+    monkeypatch.setattr(memory_plan, "cpu_amx", lambda: False)
+    before = plan(load_config(path)).fingerprints
+    monkeypatch.setattr(memory_plan, "cpu_amx", lambda: amx)
+    p = plan(load_config(path))
+    want = "bf16" if amx else "fp32"
+    assert p.facts["actor_precision"] == p.facts["eval_precision"] == want
+    for stage in ("baseline", "evaluate"):
+        assert (p.fingerprints[stage] != before[stage]) == amx
+    assert p.fingerprints["train"] == before["train"]
+    result = CliRunner().invoke(flows.cli.app, ["show", "-c", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    launch = json.loads(result.output)["launch"]
+    assert launch["precision"] == launch["eval_precision"] == want
+    assert launch["device"]["amx"] is amx
+    assert launch["precision_why"].startswith(f"{want}: auto on a CPU with{'out' * (not amx)} AMX")
+    assert launch["eval_precision_why"].startswith(f"{want}: auto on a CPU with{'out' * (not amx)} AMX")
+    shown = CliRunner().invoke(flows.cli.app, ["show", "-c", str(path)])
+    assert f"training in {want}: auto on a CPU with" in " ".join(shown.output.split())
 
 
 @pytest.mark.parametrize("cap", [(7, 5), (8, 0)], ids=["T4", "A100"])
@@ -111,19 +172,21 @@ def test_show_json_says_what_torch_says_on_each_capability(tmp_path, gpu):
         assert proc.returncode == 0, proc.stderr[-2000:]
         launch = json.loads(proc.stdout)["launch"]
         seen[cap] = launch["precision"]
-        assert launch["eval_precision"] == "fp32"  # scoring stays fp32 unless eval.precision says otherwise
+        assert launch["eval_precision"] == launch["precision"]  # scoring follows the same rule by default
         assert launch["precision_why"].startswith(f"{seen[cap]}: auto, compute capability {cap[0]}.{cap[1]}")
     assert seen == expected
     assert [seen[c] for c in CAPABILITIES] == ["fp32", "fp32", "bf16", "bf16", "bf16"]
 
 
-@pytest.mark.parametrize("asked,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16), ("auto", torch.float32)])
-def test_evaluation_scores_in_eval_precision_whatever_training_used(tmp_path, asked, dtype):
-    """evaluate, baseline and champion load the scored model in `eval.precision` (fp32 by default, also
+@pytest.mark.parametrize("asked,amx,dtype", [("fp32", True, torch.float32), ("bf16", False, torch.bfloat16),
+                                             ("auto", False, torch.float32), ("auto", True, torch.bfloat16)])
+def test_evaluation_scores_in_eval_precision_whatever_training_used(tmp_path, monkeypatch, asked, amx, dtype):
+    """evaluate, baseline and champion load the scored model in `eval.precision` (`auto`: the rule, also
     when training ran in bf16), so every model of a comparison is scored alike."""
     from conftest import base_model, tiny_config_dict
     from stages.core.config import config_from_dict
     from stages.evaluate.runner import load_model
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     raw = tiny_config_dict(tmp_path)
     raw["actor"]["precision"] = "bf16"
     raw.setdefault("eval", {})["precision"] = asked
@@ -131,3 +194,16 @@ def test_evaluation_scores_in_eval_precision_whatever_training_used(tmp_path, as
     folder = base_model(cfg)
     model, _ = load_model(cfg, {"kind": "hf", "path": folder}, folder, torch.device("cpu"))
     assert next(model.parameters()).dtype == dtype
+
+
+def test_a_comparison_of_a_bf16_and_an_fp32_scoring_is_refused():
+    """Paired comparisons (evaluate against the baseline, register against the champion) are made in one
+    precision: records that say they were computed apart are a ValueError naming both."""
+    from stages.core.paired import compare_sets
+    rows = [{"reference": "a", "prompt": [{"role": "user", "content": str(i)}], "correct": i % 2 == 0}
+            for i in range(4)]
+    mine = {"val": [{**r, "precision": "bf16"} for r in rows]}
+    assert compare_sets(mine, {"val": [{**r, "precision": "bf16"} for r in rows]}, "the baseline")["val"]["n"] == 4
+    assert compare_sets(mine, {"val": rows}, "the baseline")["val"]["n"] == 4  # before precision was recorded
+    with pytest.raises(ValueError, match=r"the baseline was scored in fp32, this model in bf16 \(eval set 'val'\)"):
+        compare_sets(mine, {"val": [{**r, "precision": "fp32"} for r in rows]}, "the baseline")

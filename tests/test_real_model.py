@@ -138,7 +138,7 @@ def test_smollm2_replies_are_those_of_one_prompt_at_a_time(quickstart):
     from stages.models.base import resolve_model
     from stages.runtime.generation import generate, load
     _, _, p = quickstart
-    model, tok = load(resolve_model(p.cfg, p.fingerprints["models"]), device="cpu")
+    model, tok = load(resolve_model(p.cfg, p.fingerprints["models"]), device="cpu", precision="fp32")  # to the bit
     prompts = []
     for name in ("identity_eval", "retention_test"):
         rows = (ROOT / "data" / "smollm2-identity" / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()

@@ -2,13 +2,16 @@
 resume, dataset digests and config hash, and training that goes on when MLflow is down.
 (The flow against a real `mlflow server` is in tests/test_flow.py.)"""
 
+import shutil
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 
 from conftest import tiny_config_dict
 from stages.core.config import config_from_dict
-from stages.register import CHALLENGER, CHAMPION, decide_alias
+from stages.register import CHALLENGER, CHAMPION, CODE_PATHS, decide_alias
 from stages.pipeline import plan
 from stages.tracking.run import Lineage, config_hash, data_digest, training_run
 from stages.tracking.live import LiveMetrics, RankZeroMetrics, metric_name, new_points, sync_rows
@@ -284,3 +287,24 @@ def test_registry_reads_from_sqlite_agree_with_mlflow_s_client(tmp_path):
     # a tracking server that is down: no champion known at planning (register asks again and holds back)
     assert registry.current_champion("http://127.0.0.1:9", "m") is None
     assert registry.version_state("http://127.0.0.1:9", "m", 1) is None
+
+
+def test_the_logged_model_imports_its_code_without_the_project(tmp_path):
+    """The registered model's code (register's CODE_PATHS, MLflow's `code_paths`) imports where no
+    `stages` package is: generation.py finds the precision rule and the stop tokens beside it."""
+    for path in CODE_PATHS:
+        shutil.copy(path, tmp_path)
+    code = ("import sys\n"
+            "sys.modules['stages'] = None  # `import stages...` fails, as in a served model's environment\n"
+            "import generation\n"
+            "class Tok:\n"
+            "    eos_token_id = 2\n"
+            "    def get_vocab(self):\n"
+            "        return {'<|im_end|>': 7, 'a': 1}\n"
+            "class Model:\n"
+            "    class generation_config:\n"
+            "        eos_token_id = [2, 3]\n"
+            "print(generation.stop_ids(Model, Tok()), generation.resolve_precision.__module__)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[-2] == "[2, 3, 7] precision"

@@ -59,10 +59,11 @@ def scenario_config(tmp: Path) -> Path:
         "artifacts_dir": str(tmp / "artifacts"),
         "runner": {"max_steps": 30, "val_check_interval": 0, "save_interval": 0, "log_interval": 5, "seed": 7},
         "actor": {"nproc_per_node": 1, "micro_batch_size": 8, "global_batch_size": 16, "init_from": "champion",
-                  "model": {"corpus_paths": [str(tmp / "corpus.jsonl")]}, "optim": {"lr": 6e-3, "warmup": 2}},
+                  "model": {"corpus_paths": [str(tmp / "corpus.jsonl")]}, "optim": {"lr": 6e-3, "warmup": 2},
+                  "precision": "fp32"},  # as tests/conftest.py's tiny config: the same arithmetic on every CI CPU
         "data": {"train_data_paths": [str(tmp / "drops" / "*.jsonl")], "format": "messages", "max_length": 64,
                  "max_bad_fraction": 0.1},
-        "eval": {"max_new_tokens": 4, "batch_size": 16, "primary": "colors",
+        "eval": {"max_new_tokens": 4, "batch_size": 16, "primary": "colors", "precision": "fp32",
                  "sets": {"colors": {"data_paths": [str(tmp / "colors.jsonl")]},
                           "sounds": {"data_paths": [str(tmp / "sounds.jsonl")]}}},
         "registry": {"model_name": "daily", "promote": "if_better"},

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 from conftest import ROOT, demo_rows, tiny_config_dict, write_config, write_jsonl
 from stages.core.config import SFTConfig, load_config
 from stages.core.errors import ConfigError
-from stages.graph import BY_NAME, FACTS, TABLE, render_markdown
+from stages.graph import BY_NAME, FACT_AFTER, FACTS, TABLE, Stage, planning_order, render_markdown
 from stages.pipeline import plan, run_stage, upstream
 
 
@@ -255,3 +255,31 @@ def test_the_docs_stage_table_is_the_tables_rendering():
     assert begin in text and end in text
     assert text.split(begin)[1].split(end)[0].strip() == render_markdown().strip(), \
         "docs/architecture.md's stage table is stale: paste stages.graph.render_markdown()"
+
+
+def test_each_stage_runs_through_the_function_its_row_names():
+    """`run_stage` dispatches from the table: each row's `run` is a function of stages/pipeline.py that
+    readies its call, and each such function serves some row."""
+    from stages import pipeline
+    assert {s.run for s in TABLE} == set(pipeline.CALLS)
+    assert all(callable(getattr(pipeline, name)) for name in pipeline.CALLS)
+
+
+def test_a_stage_with_input_files_says_which():
+    """The docs' `input files` column comes from the rows: a row that reads input files (`inputs`) says
+    which, and one that reads none says nothing."""
+    no_inputs = Stage.__dataclass_fields__["inputs"].default
+    assert [s.name for s in TABLE if (s.inputs is not no_inputs) != bool(s.input_files)] == []
+
+
+def test_the_planning_order_comes_from_the_table():
+    """Each stage is planned after what its fingerprint needs: the upstream it folds and the stages its
+    facts are known after (FACT_AFTER), nothing written per stage."""
+    order = planning_order()
+    assert sorted(order) == sorted(s.name for s in TABLE)
+    assert set(FACT_AFTER) <= set(FACTS) and {u for us in FACT_AFTER.values() for u in us} <= set(BY_NAME)
+    for s in TABLE:
+        before = set(order[:order.index(s.name)])
+        assert set(s.folds) <= before, s.name
+        assert {u for f in s.facts for u in FACT_AFTER.get(f, ())} <= before, s.name
+    assert order.index("train") < order.index("champion") < order.index("register")

@@ -463,10 +463,12 @@ class EvalConfig(_Section):
     max_new_tokens: int = Field(64, ge=1)
     batch_size: int = Field(16, ge=1)
     precision: Literal["fp32", "bf16", "auto"] = Field(
-        "fp32", description="what evaluate, baseline and champion score in. fp32: replies and accuracy do not "
-                            "depend on eval.batch_size or the process count; bf16 (auto: where the device computes "
-                            "it natively, as actor.precision) is faster, but its greedy replies follow the batch's "
-                            "rounding (docs/evaluation.md, 'Replies, batch size and precision')")
+        "auto", description="what evaluate, baseline and champion score in (all three alike: a comparison is made "
+                            "in one precision). auto: as actor.precision, bf16 where the device computes it "
+                            "natively (an Ampere or later GPU, ROCm, a CPU with AMX), else fp32. fp32: replies and "
+                            "accuracy do not depend on eval.batch_size or the process count; bf16 is faster, but "
+                            "its greedy replies follow the batch's rounding (docs/evaluation.md, 'Replies, batch "
+                            "size and precision')")
     max_samples: int = Field(0, description="<= 0: every held-out sample; else this many, spread evenly over the set")
     eval_base: bool = Field(True, description="also score the untrained base model (base_accuracy)")
     scorer: str = Field("exact", description="exact | normalized | contains | regex | numeric | 'pkg.module:fn'")

@@ -137,5 +137,11 @@ def compare_sets(mine: dict[str, list[dict]], theirs: dict[str, list[dict]], wha
             continue
         if len(rows) != len(other) or any(key(a) != key(b) for a, b in zip(rows, other)):
             raise ValueError(f"{what} was scored on other items of eval set '{name}' ({len(other)} vs {len(rows)})")
+        # bf16 and fp32 replies are different measurements (docs/evaluation.md); records from before
+        # the precision was recorded say nothing, and are taken as they are
+        theirs_in, mine_in = other[0].get("precision"), rows[0].get("precision")
+        if theirs_in and mine_in and theirs_in != mine_in:
+            raise ValueError(f"{what} was scored in {theirs_in}, this model in {mine_in} (eval set '{name}'): "
+                             "a comparison is made in one precision")
         out[name] = compare([bool(r["correct"]) for r in rows], [bool(r["correct"]) for r in other])
     return out

@@ -214,10 +214,13 @@ def evaluate_spec(spec: EvalSpec) -> dict:
     log(f"evaluate: precision {precision_why(cfg.eval.precision, device, 'eval.precision')}")
     for name, ref in spec.models.items():
         model, tok = load_model(cfg, ref, spec.base_model, device)
+        # what each number was computed in, as the weights are: paired comparisons refuse a mix (core/paired.py)
+        computed_in = "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32"
         records: list[dict] = []
         for s in sets:
             m, recs = score(cfg, spec, worker_cls, model, tok, rows[s], device, rank, world, s)
-            records += recs
+            m["precision"] = computed_in
+            records += [{**r, "precision": computed_in} for r in recs]
             where = "" if s == "val" else f" on '{s}'"
             log(f"evaluate {name} ({ref['kind']} {ref.get('source', ref['path'])}){where}: "
                 f"accuracy {m['accuracy']:.4f} "

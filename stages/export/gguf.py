@@ -52,7 +52,9 @@ import gguf
 import numpy as np
 
 from stages.core.errors import ConfigError
+from stages.core.chat_tokens import END_OF_TURN, stop_token_ids
 from stages.core.model_card import CARD
+from stages.core.process_env import apply_process_policy
 
 Q = gguf.GGMLQuantizationType
 # --type -> (general.file_type, the type of every 2-D weight); as convert_hf_to_gguf.py --outtype
@@ -74,10 +76,6 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # llama.cpp's BPE merges: these pre types set `ignore_merges` (llama-vocab.cpp); the others don't
 _IGNORE_MERGES = {"llama-bpe"}
-
-# The end-of-turn markers sftflow's generation stops at (stages/runtime/generation.py END_OF_TURN,
-# which imports torch; tests/test_export_gguf.py checks the two lists are the same).
-END_OF_TURN = ["<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "</s>", "<|endoftext|>"]
 
 _SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
 
@@ -411,18 +409,11 @@ def adds_specials(tok) -> tuple[bool, bool]:
 
 
 def stop_tokens(tok, folder: Path) -> list[str]:
-    """The tokens sftflow's generation stops at (`stop_ids`): the generation config's eos ids, the
-    tokenizer's eos, and the end-of-turn markers the vocabulary has."""
-    ids = set()
+    """The tokens sftflow's generation stops at (core/chat_tokens.py), the folder's generation config
+    read from its file: the export loads no model."""
     gen_file = folder / "generation_config.json"
-    if gen_file.is_file():
-        eos = json.loads(gen_file.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tok.eos_token_id is not None:
-        ids.add(tok.eos_token_id)
-    vocab_ = tok.get_vocab()
-    ids.update(vocab_[t] for t in END_OF_TURN if t in vocab_)
-    return [tok.convert_ids_to_tokens(i) for i in sorted(ids)]
+    eos = json.loads(gen_file.read_text()).get("eos_token_id") if gen_file.is_file() else None
+    return [tok.convert_ids_to_tokens(i) for i in stop_token_ids(tok, eos)]
 
 
 # --------------------------------------------------------------------------- the export
@@ -583,6 +574,7 @@ def export_gguf(src: Path | str, out: Path | str, type_: str = "f16", name: str 
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
+    apply_process_policy(os.environ)  # `python -m stages.export`: transformers loads only below
     ap = argparse.ArgumentParser(prog="python -m stages.export",
                                  description="A Hugging Face chat model folder -> GGUF (llama.cpp, Ollama) + Modelfile")
     ap.add_argument("src", help="a train stage folder, its model/ folder, or any Hugging Face model folder")

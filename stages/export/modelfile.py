@@ -9,8 +9,8 @@ folder the model was trained on, the system prompt most training rows began with
 becomes SYSTEM instead: a model fine-tuned with a system prompt answers as trained only with it.
 
 The parameters are the ones sftflow's evaluation generates with (stages/runtime/generation.py): greedy
-(`temperature 0`), no repetition penalty (Ollama's default is 1.1), stopping at every token its
-`stop_ids` stops at, and `num_predict` = eval.max_new_tokens when the export is given it.
+(`temperature 0`), no repetition penalty (Ollama's default is 1.1), stopping at every token it stops
+at (stages/core/chat_tokens.py), and `num_predict` = eval.max_new_tokens when the export is given it.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from stages.core.artifacts import StageBuild, read_manifest
 from stages.core.config import SFTConfig
 from stages.core.paired import clears, compare_sets, describe, read_predictions
 from stages.core.scores import named_sets
-from stages.tracking.registry import CHALLENGER, CHAMPION, set_by_hand
+from stages.tracking.registry import CHALLENGER, CHAMPION, promotion_lock, set_by_hand
 from stages.tracking.live import (champion_metric_values, eval_metric_values, is_number, read_metrics_file, send_values,
                                   sync_rows)
 from stages.core.errors import StageError
@@ -48,9 +48,10 @@ from stages.tracking.run import (FLOW_RUN_ID, FLOW_RUN_URL, NOTE_TAG, RUN_TAG, T
                                  find_or_create_run, reachable, redact_uri, run_note, run_url, setup_mlflow, ui_url,
                                  version_url)
 
-# shipped with the logged model as its code (found, not imported: register never needs torch itself)
-GENERATION_PY = importlib.util.find_spec("stages.runtime.generation").origin
-PRECISION_PY = importlib.util.find_spec("stages.core.precision").origin  # generation.py's precision rule
+# shipped with the logged model as its code (found, not imported: register never needs torch itself):
+# generation.py and what it imports of the project, each imported there by its bare name
+CODE_PATHS = [importlib.util.find_spec(m).origin
+              for m in ("stages.runtime.generation", "stages.core.precision", "stages.core.chat_tokens")]
 PIP_REQUIREMENTS = ["torch", "transformers", "tokenizers", "safetensors", "mlflow", "pandas"]
 # What the model page shows and `mlflow models serve` documents: a prompt and a conversation; its
 # params are the signature's defaults (chat_model.MAX_NEW_TOKENS).
@@ -139,6 +140,29 @@ def decide_alias(client, name: str, policy: str, vs: dict | None, primary: str, 
     verdict = "not worse than" if ok else "worse than"
     return (CHAMPION if ok else CHALLENGER), (f"'{primary}' {shown}: {verdict} the champion by more than "
                                                f"{tolerance:g} (registry.decide_on={on})")
+
+
+def promote(client, name: str, version: str, train_fp: str, policy: str, vs: dict | None, primary: str,
+            tolerance: float = 0.0, decide_on: str = "estimate", guards: list[str] | None = None,
+            reused: bool = False, champion_fp: str | None = None) -> tuple[str | None, str, list[str]]:
+    """Decides `version`'s alias (`decide_alias`) and moves it, holding the registry's promotion lock from the
+    read of the champion to the last write, so two registers finishing together promote one after the other:
+    the second sees the champion the first set (one it did not compare with: `challenger`), never moves the
+    alias over it. Tags the version with the reason (`alias_reason`) and, unless None, `champion_fingerprint`.
+    Returns (alias decided, why, the version's aliases after)."""
+    with promotion_lock(client, name):
+        alias, why = decide_alias(client, name, policy, vs, primary, train_fp, tolerance, decide_on, guards,
+                                  reused=reused)
+        hand = _champion_set_by_hand(client, name)
+        if hand is not None and hand[0] != version:  # the way back, said where the next run reports
+            why += f"; champion v{hand[0]} was set by hand ({hand[1].get('at', '')[:10]}): {hand[1].get('reason', '')}"
+        client.set_model_version_tag(name, version, TAG + "alias_reason", why)
+        if champion_fp is not None:
+            client.set_model_version_tag(name, version, TAG + "champion_fingerprint", champion_fp)
+        aliases = set(client.get_model_version(name, version).aliases)
+        if alias and alias not in aliases and CHAMPION not in aliases:
+            client.set_registered_model_alias(name, alias, version)
+        return alias, why, sorted(client.get_model_version(name, version).aliases)
 
 
 def _champion_set_by_hand(client, name: str) -> tuple[str, dict] | None:
@@ -277,7 +301,7 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
             here = Path(__file__).resolve().parent
             info = mlflow.pyfunc.log_model(
                 name=name, python_model=str(here / "chat_model.py"), artifacts={"hf_model": hf_model},
-                code_paths=[GENERATION_PY, PRECISION_PY], pip_requirements=PIP_REQUIREMENTS,
+                code_paths=CODE_PATHS, pip_requirements=PIP_REQUIREMENTS,
                 input_example=INPUT_EXAMPLE, registered_model_name=name)
         version = client.get_model_version(name, str(info.registered_model_version))
         client.set_tag(run_id, NOTE_TAG, run_note(cfg, client.get_run(run_id).data.tags, (name, version.version)))
@@ -294,23 +318,13 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
             client.set_model_version_tag(name, version.version, TAG + k, v)
         client.update_model_version(name, version.version, description=version_description(cfg, lineage))
 
-    guards = failed_guards(eval_metrics)
     r, primary = cfg.registry, eval_metrics["primary_set"]
-    alias, why = decide_alias(client, name, r.promote, (versus or {}).get(primary), primary, fingerprints["train"],
-                              r.tolerance, r.decide_on, guards, reused=existing is not None)
-    hand = _champion_set_by_hand(client, name)
-    if hand is not None and hand[0] != str(version.version):  # the way back, said where the next run reports
-        why += f"; champion v{hand[0]} was set by hand ({hand[1].get('at', '')[:10]}): {hand[1].get('reason', '')}"
-    client.set_model_version_tag(name, version.version, TAG + "alias_reason", why)
-    if "champion" in fingerprints or existing is None:
-        # what this decision compared with: once the version is champion, planning finds this register
-        # folder by it (a re-registration of the champion itself compared with nothing new: kept)
-        client.set_model_version_tag(name, version.version, TAG + "champion_fingerprint",
-                                     fingerprints.get("champion", ""))
-    aliases = set(client.get_model_version(name, version.version).aliases)
-    if alias and alias not in aliases and CHAMPION not in aliases:
-        client.set_registered_model_alias(name, alias, version.version)
-    aliases = sorted(client.get_model_version(name, version.version).aliases)
+    alias, why, aliases = promote(
+        client, name, str(version.version), fingerprints["train"], r.promote, (versus or {}).get(primary), primary,
+        r.tolerance, r.decide_on, failed_guards(eval_metrics), reused=existing is not None,
+        # what this decision compared with: once the version is champion, planning finds this register folder by
+        # it (a re-registration of the champion itself compared with nothing new: kept)
+        champion_fp=fingerprints.get("champion", "") if "champion" in fingerprints or existing is None else None)
     metrics = {"version": int(version.version), "accuracy": eval_metrics["accuracy"], "aliases": aliases,
                "reused_version": existing is not None, "alias_decision": alias, "alias_reason": why,
                **({"vs_champion": versus} if versus else {})}

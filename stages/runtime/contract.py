@@ -2,18 +2,19 @@
 type per hook, and a worker class checked against it before any process group starts.
 
 The hooks a subclass may override are `HOOKS`. `get_train_model_output` returns a `TrainOutput`
-and nothing else; `get_eval_model_output` a dict of summable numbers. A class that still carries
-a name the contract dropped (`build_dataset`, the `last_kl`/`last_ce` side channels) or declares
-another return type is a `WorkerContractError` from `check_worker_class`, which planning
-(`check_worker_config`) and every torchrun rank (`load_worker_class`) call first. What a hook
-returns at run time is read by `train_output` / `add_eval_output`: anything else is the same error,
-naming the hook and what it returned.
+and nothing else; `get_eval_model_output` a dict of summable numbers. A class that defines a hook
+under its old name (`build_dataset`, which nothing would call) or declares another return type is a
+`WorkerContractError` from `check_worker_class`, which planning (`check_worker_config`) and every
+torchrun rank (`load_worker_class`) call first. What a hook returns at run time is read by
+`train_output` / `add_eval_output`: anything else is the same error, naming the hook and what it
+returned. The old side channels need no check of their own: reading `self.last_kl` / `self.last_ce`
+is Python's AttributeError naming it, and an output without the `kl_sum` / `ce_sum` the config asks
+for stops the loop at its first step, naming the hook (worker.py `forward_backward`).
 """
 
 from __future__ import annotations
 
 import inspect
-import types
 from dataclasses import dataclass
 
 import torch
@@ -27,11 +28,9 @@ HOOKS = {
     "get_train_model_output": "TrainOutput",
     "get_eval_model_output": "dict",
 }
-# names a subclass may no longer define or set -> what replaced them
+# names a subclass may no longer define -> what replaced them
 DROPPED = {
     "build_dataset": "the hook is named build_dataloader: rename the method",
-    "last_kl": "return the KL sum as TrainOutput(..., kl_sum=...)",
-    "last_ce": "return the cross-entropy sum as TrainOutput(..., ce_sum=...)",
 }
 
 
@@ -77,30 +76,17 @@ def add_eval_output(sums: dict[str, float], out, hook: str) -> None:
         sums[key] = sums.get(key, 0.0) + float(v)
 
 
-def _names(code: types.CodeType) -> set[str]:
-    """Every attribute and global name `code` and the functions inside it use."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _names(const)
-    return names
-
-
 def check_worker_class(cls: type, base: type) -> None:
-    """The contract, on a subclass `cls` of `base`, before anything runs: no dropped name defined
-    or used by its own code, and hooks that declare a return type declare the documented one."""
+    """The contract, on a subclass `cls` of `base`, before anything runs: no dropped name defined,
+    and hooks that declare a return type declare the documented one."""
     own = [c for c in cls.__mro__ if issubclass(c, base) and c is not base]
     for c in own:
         for attr, value in vars(c).items():
             where = f"{c.__name__}.{attr}"
             if attr in DROPPED:
                 raise WorkerContractError(f"actor.worker: {where}: {DROPPED[attr]}")
-            func = inspect.unwrap(value.__func__ if isinstance(value, (classmethod, staticmethod)) else value)
-            code = getattr(func, "__code__", None)
-            used = sorted(_names(code) & DROPPED.keys()) if code is not None else []
-            if used:
-                raise WorkerContractError(f"actor.worker: {where} uses self.{used[0]}: {DROPPED[used[0]]}")
             if attr in ("get_train_model_output", "get_eval_model_output"):
+                func = inspect.unwrap(value.__func__ if isinstance(value, (classmethod, staticmethod)) else value)
                 _check_return_annotation(func, where, HOOKS[attr])
 
 

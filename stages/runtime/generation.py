@@ -20,12 +20,11 @@ import inspect
 import torch
 
 try:  # inside the project
+    from stages.core.chat_tokens import stop_token_ids
     from stages.core.precision import on_device as resolve_precision
-except ImportError:  # inside a logged model: precision.py ships beside this file (register's code_paths)
+except ImportError:  # inside a logged model: these files ship beside this one (register's code_paths)
+    from chat_tokens import stop_token_ids
     from precision import on_device as resolve_precision
-
-# End-of-turn markers of common templates; whichever the tokenizer knows stops generation.
-END_OF_TURN = ["<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "</s>", "<|endoftext|>"]
 
 # Generation-config fields that make greedy `generate` differ from the argmax of the last logits,
 # with the value that changes nothing; our loop applies none of them, so any other value means
@@ -62,14 +61,8 @@ def load(model_dir: str, trust_remote_code: bool = False, device: str | None = N
 
 
 def stop_ids(model, tok) -> list[int]:
-    ids = set()
-    gen_eos = getattr(model.generation_config, "eos_token_id", None)
-    ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
-    if tok.eos_token_id is not None:
-        ids.add(tok.eos_token_id)
-    vocab = tok.get_vocab()
-    ids.update(vocab[t] for t in END_OF_TURN if t in vocab)
-    return sorted(ids)
+    """The ids a reply stops at (core/chat_tokens.py), the loaded model's generation config read."""
+    return stop_token_ids(tok, getattr(model.generation_config, "eos_token_id", None))
 
 
 def _reply(tok, ids: list[int], stops) -> dict:

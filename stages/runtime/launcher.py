@@ -25,7 +25,7 @@ from typing import Callable
 
 from stages.core.config import SFTConfig
 from stages.core.errors import ConfigError, StageError
-from stages.core.threads import wait_policy
+from stages.core.process_env import apply_process_policy
 
 from .proctree import descendants, signal_tree
 
@@ -90,10 +90,10 @@ def worker_env(nproc_per_node: int = 1) -> dict[str, str]:
     env = dict(os.environ)
     # Share the cores among the ranks of this node, or they fight over them.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
-    wait_policy(env)
+    # set before torchrun's interpreter starts, so before any process of the tree loads torch; the
+    # caller may be a library user's process that never applied the policy to itself
+    apply_process_policy(env)
     env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env

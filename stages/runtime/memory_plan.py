@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stages.core.precision import native_bf16
+from stages.core.precision import cpu_amx, native_bf16
 from stages.core.precision import resolve as resolve_precision
 from stages.core.precision import why as precision_why
 
@@ -274,18 +274,19 @@ class Device:
     capability: tuple[int, int] | None = None  # a GPU's compute capability (nvidia-smi's compute_cap); None: unknown
     count: int = 1  # how many such GPUs are visible (0 on CPU)
     rocm: bool = False  # an AMD GPU under a ROCm build of torch
+    amx: bool = False  # a CPU with AMX's bf16 tiles (/proc/cpuinfo's flags)
 
     @property
     def bf16(self) -> bool:
         """Whether `actor.precision: auto` is bf16 here: the one rule (core/precision.py) the ranks apply
-        with torch's view of the same GPU; T4 and V100 (7.x) train in fp32."""
-        return native_bf16(self.kind, self.capability, self.rocm)
+        with torch's view of the same device; T4 and V100 (7.x), and CPUs without AMX, train in fp32."""
+        return native_bf16(self.kind, self.capability, self.rocm, self.amx)
 
     def precision(self, requested: str) -> str:
-        return resolve_precision(requested, self.kind, self.capability, self.rocm)
+        return resolve_precision(requested, self.kind, self.capability, self.rocm, self.amx)
 
-    def precision_why(self, requested: str) -> str:
-        return precision_why(requested, self.kind, self.capability, self.rocm)
+    def precision_why(self, requested: str, key: str = "actor.precision") -> str:
+        return precision_why(requested, self.kind, self.capability, self.rocm, self.amx, key=key)
 
 
 def human(n: float) -> str:
@@ -355,7 +356,7 @@ def visible_device() -> Device:
         ram = min(ram, int(limit)) if limit.isdigit() else ram
     except OSError:
         pass
-    return Device("cpu", "CPU", ram, count=0)
+    return Device("cpu", "CPU", ram, count=0, amx=cpu_amx())
 
 
 def attention_kernel(requested: str, device: Device, packing: bool, precision: str) -> str:

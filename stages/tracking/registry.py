@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from contextlib import closing
+import os
+import socket
+import time
+import uuid
+from contextlib import closing, contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from stages.core.errors import ConfigError
 
@@ -14,6 +19,96 @@ CHAMPION, CHALLENGER = "champion", "challenger"  # the aliases register moves
 # what planning reads of the champion's version (`start`: where its training started, `models_fingerprint`: its
 # base model; models/start.py)
 VERSION_TAGS = ("train_fingerprint", "champion_fingerprint", "start", "models_fingerprint", "trained_on", "rehearsed")
+
+
+# --------------------------------------------------------------------------- the promotion lock
+# Moving `champion` is read-compare-write (read the champion, compare, set the alias): two registers finishing
+# together would both read the same champion and both move the alias, the later write winning over a version it
+# never compared with. MLflow has no compare-and-set on aliases, but its store creates a registered model under a
+# name only once (the name is the table's key, in SQLite, PostgreSQL or MySQL alike; a second create gets
+# RESOURCE_ALREADY_EXISTS): a registered model `<name>.promotion-lock` is a lock held by the registry itself, for
+# every client of every machine, whatever its backend. Held for the seconds a decision and its writes take.
+LOCK_SUFFIX = ".promotion-lock"
+LOCK_HOLDER_TAG = TAG + "lock_holder"
+LOCK_STALE_S = 120.0   # a lock seen unchanged this long is a dead holder's (a promotion takes seconds)
+LOCK_WAIT_S = 600.0
+
+
+class PromotionLockTimeout(RuntimeError):
+    """Another promotion held the lock for longer than a caller waits."""
+
+
+def _code(e: Exception) -> str:
+    return str(getattr(e, "error_code", ""))
+
+
+@contextmanager
+def promotion_lock(client, name: str, wait_s: float = LOCK_WAIT_S, stale_s: float = LOCK_STALE_S,
+                   poll_s: float = 0.2) -> Iterator[str]:
+    """Held while an alias of registered model `name` is decided and moved (register, `sftflow champion`):
+    the registered model `name + LOCK_SUFFIX`, created by one caller at a time and deleted on leaving.
+
+    A lock seen unchanged (same creation time and holder) for `stale_s` seconds of this process's clock (no
+    comparison of clocks across machines) is a holder's that died: it is broken by renaming it to a name made
+    from that creation time and holder, which succeeds for one breaker only (a second one's rename finds the
+    source gone, or the target taken), then deleted. Raises PromotionLockTimeout after `wait_s`."""
+    lock = name + LOCK_SUFFIX
+    me = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    deadline = time.monotonic() + wait_s
+    seen, seen_since = None, 0.0
+    while True:
+        try:
+            client.create_registered_model(
+                lock, tags={LOCK_HOLDER_TAG: me},
+                description=f"sftflow: held while the aliases of '{name}' are decided and moved; deleted when done "
+                            f"(one left for over {stale_s:g} s is a dead holder's and the next promotion breaks it)")
+            break
+        except Exception as e:
+            if _code(e) != "RESOURCE_ALREADY_EXISTS":
+                raise
+        try:
+            held = client.get_registered_model(lock)
+            instance = (held.creation_timestamp, (held.tags or {}).get(LOCK_HOLDER_TAG, ""))
+        except Exception as e:
+            if _code(e) == "RESOURCE_DOES_NOT_EXIST":
+                continue
+            raise
+        now = time.monotonic()
+        if instance != seen:
+            seen, seen_since = instance, now
+        elif now - seen_since >= stale_s:
+            _break_lock(client, lock, instance)
+            seen = None
+            continue
+        if now > deadline:
+            raise PromotionLockTimeout(f"registered model {lock} (held by {instance[1] or 'unknown'}) was not released "
+                                       f"within {wait_s:g} s")
+        time.sleep(poll_s)
+    try:
+        yield me
+    finally:
+        _release(client, lock, me)
+
+
+def _break_lock(client, lock: str, instance: tuple) -> None:
+    stale = f"{lock}.stale-{instance[0]}-{uuid.uuid5(uuid.NAMESPACE_OID, str(instance[1])).hex[:8]}"
+    try:
+        client.rename_registered_model(lock, stale)
+    except Exception:  # noqa: BLE001 - another breaker was first, or the holder released it
+        return
+    try:
+        client.delete_registered_model(stale)
+    except Exception:  # noqa: BLE001 - best effort: a left stale lock holds nothing
+        pass
+
+
+def _release(client, lock: str, me: str) -> None:
+    """Deletes the lock if it is still this holder's (one broken as stale may be another's now)."""
+    try:
+        if (client.get_registered_model(lock).tags or {}).get(LOCK_HOLDER_TAG) == me:
+            client.delete_registered_model(lock)
+    except Exception:  # noqa: BLE001 - gone already (broken as stale), or the registry is unreachable
+        pass
 
 
 def registry_version(ref: str, tracking_uri: str, key: str = "eval.model") -> tuple[str, str]:
@@ -235,8 +330,6 @@ def set_champion(tracking_uri: str, name: str, version: str, reason: str) -> dic
     version or an empty reason."""
     import getpass
     import json
-    import socket
-    import time
 
     from mlflow.tracking import MlflowClient
     if not reason.strip():
@@ -247,16 +340,17 @@ def set_champion(tracking_uri: str, name: str, version: str, reason: str) -> dic
         target = client.get_model_version(name, version)
     except Exception as e:  # noqa: BLE001 - no such model or version
         raise ValueError(f"{name} v{version}: {str(e).strip().splitlines()[0]}") from None
-    try:
-        before = str(client.get_model_version_by_alias(name, CHAMPION).version)
-    except Exception:  # noqa: BLE001 - no champion yet
-        before = None
-    record = {"reason": reason.strip(), "by": f"{getpass.getuser()}@{socket.gethostname()}",
-              "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "replaced": before}
-    client.set_registered_model_alias(name, CHAMPION, str(target.version))
-    client.set_model_version_tag(name, str(target.version), SET_BY_HAND, json.dumps(record))
-    client.set_model_version_tag(name, str(target.version), TAG + "alias_reason",
-                                 f"champion set by hand ({record['at'][:10]}, {record['by']}): {record['reason']}")
+    with promotion_lock(client, name):  # not between a register's read of the champion and its write
+        try:
+            before = str(client.get_model_version_by_alias(name, CHAMPION).version)
+        except Exception:  # noqa: BLE001 - no champion yet
+            before = None
+        record = {"reason": reason.strip(), "by": f"{getpass.getuser()}@{socket.gethostname()}",
+                  "at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "replaced": before}
+        client.set_registered_model_alias(name, CHAMPION, str(target.version))
+        client.set_model_version_tag(name, str(target.version), SET_BY_HAND, json.dumps(record))
+        client.set_model_version_tag(name, str(target.version), TAG + "alias_reason",
+                                     f"champion set by hand ({record['at'][:10]}, {record['by']}): {record['reason']}")
     return {"version": str(target.version), **record}
 
 
