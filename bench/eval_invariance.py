@@ -6,7 +6,7 @@
 
 The quickstart's two eval sets (identity 24, retention 279: 303 prompts fixed before any model
 answered them) are answered by the base model SmolLM2-135M-Instruct with the evaluate stage's own
-decode (`stages.runtime.generation.generate`, greedy, 48 new tokens), once per layout:
+decode (`stages.inference.generation.generate`, greedy, 48 new tokens), once per layout:
 
   * `B`      one process, `eval.batch_size: B` (1, 16, 64);
   * `2xB`    two processes at batch B: each rank's contiguous slice (`rank_slice`) decoded on its own,
@@ -68,7 +68,7 @@ def one_at_a_time(model, tok, items, max_new_tokens) -> list[str]:
     """The independent reference: a plain `model.generate` per prompt, greedy, the same stop tokens."""
     import torch
 
-    from stages.runtime.generation import stop_ids
+    from stages.inference.generation import stop_ids
     stops, out = stop_ids(model, tok), []
     with torch.no_grad():
         for _, prompt, _ in items:
@@ -84,7 +84,7 @@ def one_at_a_time(model, tok, items, max_new_tokens) -> list[str]:
 
 def layout_replies(model, tok, items, layout: str, max_new_tokens: int, fp32_head: bool) -> list[str]:
     from stages.runtime.distributed import rank_slice
-    from stages.runtime.generation import generate
+    from stages.inference.generation import generate
     ranks, batch = (int(layout.split("x")[0]), int(layout.split("x")[1])) if "x" in layout else (1, int(layout))
     replies: list[str] = []
     for rank in range(ranks):
@@ -120,7 +120,7 @@ def main() -> None:
 
     import torch
 
-    from stages.runtime.generation import load
+    from stages.inference.generation import load
     folder = smollm2_folder(args.artifacts)
     items = prompts(args.every)
     print(f"# {len(items)} prompts, SmolLM2-135M-Instruct, {args.max_new_tokens} new tokens, "

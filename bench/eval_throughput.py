@@ -120,7 +120,7 @@ def run_batched(tmp: Path, args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from stages.chatdata.readers import prompt_and_reference
     from stages.evaluate.scorers import get_scorer
-    from stages.runtime.generation import stop_ids
+    from stages.inference.generation import stop_ids
     model_dir, rows = model_and_rows(tmp, args)
     score = get_scorer("contains")
     t0 = time.perf_counter()
@@ -191,7 +191,7 @@ def run_naive(tmp: Path, args) -> dict:
     from stages.evaluate.scorers import get_scorer
     from stages.models.base import resolve_model
     from stages.pipeline import plan
-    from stages.runtime.generation import stop_ids
+    from stages.inference.generation import stop_ids
     cfg = config(tmp, args, 1)
     model_dir = resolve_model(cfg, plan(cfg).fingerprints["models"])
     rows = [json.loads(line) for line in (tmp / "eval.jsonl").read_text(encoding="utf-8").splitlines()]

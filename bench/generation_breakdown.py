@@ -1,5 +1,5 @@
 """Where generation's time goes: `model.generate` per left-padded batch (the former path) against
-our decode loop (stages/runtime/generation.py), on the same prompts, model and batch size.
+our decode loop (stages/inference/generation.py), on the same prompts, model and batch size.
 
     .venv/bin/python bench/generation_breakdown.py                  # SmolLM2 base, the quickstart's eval sets
     .venv/bin/python bench/generation_breakdown.py --sets retention_test --batch-size 16 --max-new-tokens 48
@@ -79,7 +79,7 @@ def common_prefix(ids: list[list[int]]) -> int:
 
 
 def measure(model, tok, prompts, args, loop: str) -> dict:
-    from stages.runtime.generation import generate
+    from stages.inference.generation import generate
     t0 = time.perf_counter()
     texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
     ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
@@ -104,7 +104,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     args = ap.parse_args()
-    from stages.runtime.generation import load
+    from stages.inference.generation import load
     model, tok = load(args.model or smollm2_dir(), device="cpu")
     prompts = prompts_of(args.sets.split(","))
     import torch

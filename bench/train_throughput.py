@@ -48,7 +48,7 @@ torch and transformers take before the model is built).
 Throughput is real (non-pad) tokens per second: the tokens of the timed steps divided by the
 wall time of their data fetch + collate + forward + backward + optimizer step, after
 `--warmup` untimed steps. Both sides run the same number of CPU threads (torchrun ranks x
-OMP_NUM_THREADS from `stages.runtime.launcher.worker_env`). The per-step losses of every
+OMP_NUM_THREADS from `stages.launch.launcher.worker_env`). The per-step losses of every
 method are compared with the bare packed loop's as a check that all do the same math.
 
 Data: synthetic, length-skewed chat rows (most replies a few dozen tokens, ~10% of them 10-30x
@@ -255,7 +255,7 @@ def run_worker(cfg, model_path: str, shards: Path, tmp: Path, args, packing: boo
 
 def run_child(cmd: list[str], env: dict, out_path: Path, name: str) -> dict:
     """One method in processes of its own (its peak memory is its own); its result JSON."""
-    from stages.runtime.launcher import kill_group
+    from stages.launch.launcher import kill_group
 
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -339,7 +339,7 @@ def run_bare(cfg, model_path: str, ds, pad_id: int, args, packed: bool, ckpt: bo
     """The ceiling: no FSDP, no collectives, no hooks. Same micro-batches (the sampler's
     longest-first order, world size 1), same loss normalization, clipping and LR schedule as
     the worker, so the losses must match it step for step."""
-    from stages.runtime.attention import resolve_attn_implementation
+    from stages.planning.attention import resolve_attn_implementation
 
     total = args.warmup + args.steps
     device = torch.device("cuda" if CUDA else "cpu")
@@ -689,7 +689,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
     from stages.runtime.batches import SFTDataset
-    from stages.runtime.launcher import worker_env
+    from stages.launch.launcher import worker_env
 
     hf_logging.disable_progress_bar()  # model save/load bars would interleave with the report
     t_start = time.perf_counter()

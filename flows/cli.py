@@ -29,7 +29,7 @@ from stages.core.process_env import apply_process_policy
 from stages.evaluate.report import COLUMNS, table_cells
 from stages.pipeline import (KEY_METRIC, STAGES, Plan, check_launch, check_memory, launch_report, plan, replay_file,
                              require_upstream, train_memory, upstream)
-from stages.runtime.launcher import request_stop, stop_requested
+from stages.launch.launcher import request_stop, stop_requested
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
@@ -102,7 +102,7 @@ def _check_launch(p: Plan) -> None:
 
 
 def _memory_table(p: Plan) -> None:
-    from stages.runtime.memory_plan import budget_for, human, visible_device  # arithmetic, no torch
+    from stages.planning.memory_plan import budget_for, human, visible_device  # arithmetic, no torch
     device = visible_device()
     mp, source = train_memory(p, device)
     if mp is None:
@@ -383,7 +383,7 @@ def chat(question: Optional[str] = typer.Argument(None, help="the user message; 
         err.print(f"[dim]{escape(registered)} v{version}" + ("" if pinned == model else f" ({escape(model)})") + "[/]",
                   highlight=False)
     from stages.models.refs import resolve_model_ref
-    from stages.runtime.generation import generate, load  # torch: only for chat, the one flows import of it
+    from stages.inference.generation import generate, load  # torch: only for chat, the one flows import of it
     try:
         path = resolve_model_ref(pinned, uri)
     except ValueError as e:

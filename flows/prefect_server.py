@@ -148,7 +148,7 @@ def _server_command(host: str, port: int, home: Path, ui: bool) -> tuple[list[st
         env["PREFECT_UI_API_URL"] = f"http://{host}:{port}/api"
     env.pop("PREFECT_API_URL", None)
     prefect = Path(sys.executable).with_name("prefect")
-    return [sys.executable, "-m", "stages.runtime.orphan_guard", str(prefect), "server", "start",
+    return [sys.executable, "-m", "stages.launch.orphan_guard", str(prefect), "server", "start",
             "--host", host, "--port", str(port)], env
 
 
@@ -177,7 +177,7 @@ def local_server(host: str, port: int, home: Path, log_path: Path, timeout: floa
 
     The server runs in a session of its own, so a Ctrl-C to the terminal's process group reaches
     the CLI (which then stops cleanly, reporting to this server) and not the server; and it asks
-    for a parent-death signal (`stages.runtime.orphan_guard`), so a SIGKILLed CLI leaves no server
+    for a parent-death signal (`stages.launch.orphan_guard`), so a SIGKILLed CLI leaves no server
     behind. Servers sharing one Prefect home start one at a time: the first one migrates the
     database, and two migrations at once fail."""
     api = f"http://{host}:{port}/api"

@@ -33,7 +33,7 @@ from stages.core.config import check_overrides_allowed, load_config
 from stages.core.errors import ConfigError, DataError
 from stages.core.process_env import apply_process_policy
 from stages.evaluate.report import COLUMNS, table_cells
-from stages.runtime.launcher import request_stop
+from stages.launch.launcher import request_stop
 from stages.pipeline import KEY_METRIC, STAGES, UPSTREAM, Plan, plan, requires, run_stage, upstream
 
 

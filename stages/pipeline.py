@@ -39,8 +39,8 @@ from .models.base import model_config_json, model_fingerprint, resolve_model
 from .models.refs import eval_model_identity
 from .models.start import KEY as KEY_INIT_FROM
 from .models.start import caught_up, rehearsal, resolve_start, start_folder, start_tag
-from .runtime import memory_plan
-from .runtime.harness import chosen, lm_eval_version, resolve_task
+from .planning import memory_plan
+from .inference.harness import chosen, lm_eval_version, resolve_task
 from .tracking.registry import REGISTRY_PREFIX, current_champion, version_state
 from .tracking.run import Lineage
 
@@ -263,7 +263,7 @@ def check_memory(p: Plan, device: memory_plan.Device | None = None, warn: Callab
 def check_attention(cfg: SFTConfig, device: memory_plan.Device | None = None) -> None:
     """An explicit `actor.attn_implementation` that can't run on the machine that trains (package
     missing, no CUDA, fp32, an older GPU) is a ConfigError there, before torchrun; torch-free, as
-    the worker's own rule (runtime/attention.py) on the packages installed here."""
+    the worker's own rule (planning/attention.py) on the packages installed here."""
     if cfg.actor.attn_implementation == "auto":
         return  # auto always resolves to something that runs
     device = device or memory_plan.visible_device()

@@ -25,10 +25,17 @@ ALLOWED = {
     "chatdata": {"core"},
     "tracking": {"core"},
     "models": {"core", "chatdata", "tracking"},
-    "runtime": {"core", "chatdata", "tracking"},
-    **{s: {"core", "chatdata", "models", "runtime", "tracking"} for s in STAGE_PACKAGES},
+    # the runtime's floor plan: planning decides (torch-free), launch starts processes, runtime is the loop
+    # inside a rank (never launching), inference generates (evaluate, replay, chat, the logged model)
+    "planning": {"core", "chatdata", "runtime"},  # runtime only inside the rank-side helpers' functions
+    "launch": {"core"},
+    "runtime": {"core", "chatdata", "tracking", "planning"},
+    "inference": {"core"},
+    **{s: {"core", "chatdata", "models", "planning", "launch", "runtime", "inference", "tracking"}
+       for s in STAGE_PACKAGES},
     "graph": {"core"},  # the stage table: data about stages, no stage code
-    "pipeline": {"core", "chatdata", "graph", "models", "runtime", "tracking", *STAGE_PACKAGES},
+    "pipeline": {"core", "chatdata", "graph", "models", "planning", "launch", "runtime", "inference", "tracking",
+                 *STAGE_PACKAGES},
     "sweep": {"core", "pipeline"},
     "export": {"core"},  # a model folder -> GGUF; what a ref names is the CLI's to resolve
     "retention": {"core", "graph", "tracking"},  # the disk policy: folders, locks, the registry
@@ -151,6 +158,39 @@ def _third_party_imports(path: Path) -> set[str]:
     return names
 
 
+def _module_level_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", ["planning", "launch"])
+def test_planning_and_launching_load_no_torch_at_import(package):
+    """What the CLI plans and launches with runs before any torch import (seconds, gigabytes): no
+    module-level torch, transformers or numpy in stages/planning and stages/launch."""
+    heavy = {p.name: _module_level_imports(p) & {"torch", "transformers", "numpy"}
+             for p in sorted((STAGES_DIR / package).glob("*.py"))}
+    assert not {k: v for k, v in heavy.items() if v}, heavy
+
+
+def test_no_two_modules_share_a_name_across_the_runtime_packages():
+    """`runtime/export.py` beside `stages/export/`, `checkpoint.py` beside `checkpointing.py`,
+    `models/gguf.py` (reading) beside `export/gguf.py` (writing) read as the same thing: each name once."""
+    names: dict[str, list[str]] = {}
+    shared = ("core", "planning", "launch", "runtime", "inference", "models", "export")  # a stage's own may repeat
+    for p in _modules():
+        if p.stem not in ("__init__", "__main__") and p.relative_to(STAGES_DIR).parts[0] in shared:
+            names.setdefault(p.stem, []).append(str(p.relative_to(STAGES_DIR)))
+    packages = {p.name for p in STAGES_DIR.iterdir() if (p / "__init__.py").is_file()}
+    assert not {n: w for n, w in names.items() if len(w) > 1}
+    assert not sorted(n for n in names if n in packages), "a module named like a package"
+
+
 def test_stages_never_import_prefect_and_flows_never_import_torch():
     assert not [p for p in _modules() if "prefect" in _third_party_imports(p)]
     flows = sorted((ROOT / "flows").glob("*.py"))
@@ -168,15 +208,15 @@ FLOWS_MAY_IMPORT = {
     "stages.sweep": "a sweep's trials and their ranking",
     "stages.core": "config and errors",
     "stages.evaluate.report": "the eval-set table as text cells (pure data, printed by the CLI and the flow summary)",
-    "stages.runtime.launcher": "the CLI's Ctrl-C / SIGTERM handler tells running torchrun trees to stop",
+    "stages.launch.launcher": "the CLI's Ctrl-C / SIGTERM handler tells running torchrun trees to stop",
 }
 # What flows/ may import only inside the function that needs it (the command that uses it), and why.
 FLOWS_MAY_IMPORT_LAZILY = {
-    "stages.runtime.generation": "`sftflow chat` loads and runs the model (torch)",
+    "stages.inference.generation": "`sftflow chat` loads and runs the model (torch)",
     "stages.models.refs": "`sftflow chat -m`: a train folder, checkpoint or models:/ ref -> a model folder",
     "stages.models.base": "`sftflow show --preview`: the base model's tokenizer (builds a builtin one on first use)",
     "stages.prepare.stage": "`sftflow show --preview`: prepared samples (tokenizers)",
-    "stages.runtime.memory_plan": "`sftflow show`: the memory plan table (arithmetic, no torch)",
+    "stages.planning.memory_plan": "`sftflow show`: the memory plan table (arithmetic, no torch)",
     "stages.tracking.sweep": "the sweep flow's MLflow parent run",
     "stages.tracking.registry": "`sftflow models` and the flow's versions table: the registered versions, their "
                                 "aliases and reasons; `export`/`chat`: the version an alias names",
@@ -185,7 +225,7 @@ FLOWS_MAY_IMPORT_LAZILY = {
     "stages.retention": "`sftflow gc` and the policy after a flow run: what is kept, what is freed",
 }
 # The lazy imports that load torch, and the only functions they may be in.
-FLOWS_TORCH_IMPORTS = {"stages.runtime.generation": {("cli.py", "chat")}}
+FLOWS_TORCH_IMPORTS = {"stages.inference.generation": {("cli.py", "chat")}}
 
 
 def _allowed(module: str, allowed) -> bool:
@@ -263,7 +303,7 @@ def test_importing_flows_loads_no_torch(tmp_path):
 # module edited -> the code versions that must change (all others must not)
 EDITS = {
     "runtime/batches.py": {"train", "evaluate"},
-    "runtime/generation.py": {"evaluate", "register"},
+    "inference/generation.py": {"evaluate", "register"},
     "core/chat_tokens.py": {"evaluate", "register"},  # where generation stops
     "runtime/worker.py": {"train", "evaluate"},
     "chatdata/shards.py": {"prepare", "train", "evaluate"},
@@ -431,7 +471,7 @@ def test_the_road_from_the_cli_to_the_loop_is_walked_as_written():
             assert any(isinstance(k.value, ast.Constant) and k.value.value == "stages.train"
                        for c in _calls(_body(ROOT / "stages" / "train" / "__init__.py", "run_train"))
                        for k in c.keywords if k.arg == "module")
-            launcher = ROOT / "stages" / "runtime" / "launcher.py"
+            launcher = ROOT / "stages" / "launch" / "launcher.py"
             assert "['-m', module" in ast.unparse(_body(launcher, "torchrun_command"))
             assert nxt["file"] == ROOT / "stages" / "train" / "__main__.py" and nxt["function"] is None
         else:

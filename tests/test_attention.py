@@ -1,7 +1,7 @@
 """actor.attn_implementation: packed samples stay isolated under every attention kernel this
 machine has, checked against the independent reference of each sample's own unpacked forward;
 a kernel that lets samples see each other is shown to fail the same check; and `auto` resolves
-as documented (stages/runtime/attention.py)."""
+as documented (stages/planning/attention.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 
 from conftest import base_model, tiny_config_dict, write_config
 from stages.core.config import ConfigError, load_config
-from stages.runtime import attention
-from stages.runtime.attention import (available_attn_implementations, effective_attn_implementation,
+from stages.planning import attention
+from stages.planning.attention import (available_attn_implementations, effective_attn_implementation,
                                       resolve_attn_implementation)
 from stages.runtime.batches import collate_packed
 
@@ -172,7 +172,7 @@ def test_explicit_flash_with_fp32_or_an_old_gpu_is_a_one_line_error_naming_both_
 def test_the_memory_plan_resolves_the_kernel_by_the_workers_rule(monkeypatch):
     """The plan's torch-free guess (installed packages, nvidia-smi's capability) agrees with the
     worker's resolution (transformers' checks, torch's capability) when both see the same machine."""
-    from stages.runtime import memory_plan as mp
+    from stages.planning import memory_plan as mp
     packages = {"flash_attn": 2, "flash_attn_interface": 3}
     real_find_spec = attention.importlib.util.find_spec
     for flash in (set(), {2}, {2, 3}):

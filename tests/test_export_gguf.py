@@ -136,7 +136,7 @@ def _reload(done):
     (transformers' with the eos token the file names: 4.x's reader takes another)."""
     from transformers import AutoModelForCausalLM
 
-    from stages.models.gguf import gguf_tokenizer
+    from stages.models.from_gguf import gguf_tokenizer
     folder, name = str(done.gguf.parent), done.gguf.name
     return (AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval(),
             gguf_tokenizer(done.gguf))
@@ -262,7 +262,7 @@ def test_the_permutation_is_what_the_check_sees(folders, tmp_path, monkeypatch):
 def test_greedy_replies_are_the_same(folders, family, tmp_path):
     """sftflow's own generation (greedy, its stop tokens) replies the same from the reloaded f16 model
     (the tokenizer is the original's: test_the_tokenizer_... checks the reloaded one)."""
-    from stages.runtime.generation import generate
+    from stages.inference.generation import generate
     model, tok = _original(folders[family])
     want = generate(model, tok, PROMPTS, max_new_tokens=12, batch_size=4)
     got = generate(_reload(export_gguf(folders[family], tmp_path, "f16"))[0], tok, PROMPTS, max_new_tokens=12,
@@ -408,7 +408,7 @@ def test_the_modelfile_renders_chats_as_the_chat_template_does(folders, family, 
     params = mf["PARAMETER"]
     assert ("temperature", "0") in params and ("repeat_penalty", "1") in params and ("num_predict", "64") in params
     stops = sorted(json.loads(v) for k, v in params if k == "stop")
-    from stages.runtime.generation import stop_ids
+    from stages.inference.generation import stop_ids
     model, tok = _original(folders[family])
     assert stops == sorted(tok.convert_ids_to_tokens(stop_ids(model, tok)))  # where sftflow's generation stops
     for p in PROMPTS:
@@ -435,7 +435,7 @@ def test_generation_and_the_export_stop_by_one_rule():
     import ast
 
     from stages.core import chat_tokens
-    from stages.runtime import generation
+    from stages.inference import generation
     assert exporter.END_OF_TURN is chat_tokens.END_OF_TURN
     assert exporter.stop_token_ids is generation.stop_token_ids is chat_tokens.stop_token_ids
     for module in (generation, exporter):

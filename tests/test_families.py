@@ -61,7 +61,7 @@ def run_families(tmp: Path, families: list[str] | None = None) -> dict:
     """The tiny demo data prepared with the builtin tokenizer, then the walk; its JSON."""
     from stages.core.config import load_config
     from stages.pipeline import plan, run_stage
-    from stages.runtime.launcher import worker_env
+    from stages.launch.launcher import worker_env
     from stages.runtime.worker import WorkerSpec
     raw = tiny_config_dict(tmp, n_train=32, n_val=4,
                            actor={"nproc_per_node": 2, "micro_batch_size": 2, "global_batch_size": 8,
@@ -75,7 +75,7 @@ def run_families(tmp: Path, families: list[str] | None = None) -> dict:
                       train_dir=str(p.folder("prepare") / "train"), val_dir=None)
     spec_path = spec.write(tmp / "spec.json")
     out = tmp / "families.json"
-    cmd = [sys.executable, "-m", "stages.runtime.local_torchrun", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", "stages.launch.local_torchrun", "--nproc_per_node=2",
            str(ROOT / "tests" / "dist" / "families_check.py"), str(out), str(tmp / "work"), str(spec_path),
            *(families or [])]
     env = worker_env(2) | {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}

@@ -95,7 +95,7 @@ def test_a_corrupt_checkpoint_is_named_and_skipped(tmp_path):
 
 
 def test_a_torn_metrics_line_is_left_out_and_the_first_failed_rank_is_reported(tmp_path):
-    from stages.runtime.launcher import failure_reason
+    from stages.launch.launcher import failure_reason
     from stages.runtime.reporting import truncate_metrics
     from stages.tracking.live import read_metrics_file
     path = tmp_path / "metrics.jsonl"
@@ -115,7 +115,7 @@ def test_a_torn_metrics_line_is_left_out_and_the_first_failed_rank_is_reported(t
 def test_the_first_recorded_failure_names_its_rank_or_is_the_projects_own_line(tmp_path):
     """torch elastic's error files (`@record`), laid out as its agent lays them out: the file written
     first wins (a rank that failed because another one died writes later), the latest attempt only."""
-    from stages.runtime.launcher import recorded_failure
+    from stages.launch.launcher import recorded_failure
 
     def record(attempt: int, rank: int, message: str, at: int) -> None:
         f = tmp_path / "run_x" / f"attempt_{attempt}" / str(rank) / "error.json"

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from conftest import ROOT
-from stages.runtime import generation
-from stages.runtime.generation import generate, stop_ids
+from stages.inference import generation
+from stages.inference.generation import generate, stop_ids
 
 _spec = importlib.util.spec_from_file_location("families_check", ROOT / "tests" / "dist" / "families_check.py")
 families_check = importlib.util.module_from_spec(_spec)

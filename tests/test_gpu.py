@@ -17,7 +17,7 @@ import torch
 
 from conftest import ROOT, base_model, demo_rows, tiny_config_dict, write_config
 from stages.core.config import load_config
-from stages.runtime.attention import available_attn_implementations
+from stages.planning.attention import available_attn_implementations
 
 CUDA = torch.cuda.is_available()
 # SFTFLOW_GPU_TESTS_ON_CPU=1 runs the GPU tests on the CPU (gloo, bf16 asked for explicitly): a check
@@ -66,7 +66,7 @@ def test_one_process_on_nccl_trains_bf16_end_to_end_within_bf16_rounding_of_fp32
     assert runtime["packing"] is True  # the kernel kept packed samples apart in the worker's own check
     assert runtime["attn_implementation"] in available_attn_implementations(DEVICE)
     assert f"attention {runtime['attn_implementation']}" in log
-    if CUDA:  # the fastest kernel that keeps packed samples apart (stages/runtime/attention.py)
+    if CUDA:  # the fastest kernel that keeps packed samples apart (stages/planning/attention.py)
         best = [i for i in ("flash_attention_3", "flash_attention_2", "flex_attention")
                 if i in available_attn_implementations("cuda")]
         assert runtime["attn_implementation"] == best[0]
@@ -104,7 +104,7 @@ def test_packed_logits_equal_unpacked_on_cuda_kernels(impl, dtype):
 def one_generate_per_prompt(model, tok, prompts, max_new_tokens: int) -> list[str]:
     """The independent reference: a plain `model.generate` per prompt (no batch, no padding), greedy,
     cut at the same stop tokens."""
-    from stages.runtime.generation import stop_ids
+    from stages.inference.generation import stop_ids
     stops, out = stop_ids(model, tok), []
     for p in prompts:
         enc = tok(tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True), add_special_tokens=False,
@@ -125,7 +125,7 @@ def test_the_stages_generation_on_cuda_against_one_generate_per_prompt(tmp_path)
     where native) the share that differs is measured and reported (bench/gpu_check.py prints it;
     docs/evaluation.md has the CPU's), never asserted: bf16 rounding follows the batch."""
     from stages.core.precision import on_device
-    from stages.runtime.generation import generate, load
+    from stages.inference.generation import generate, load
     cfg = load_config(write_config(tmp_path, tiny_config_dict(tmp_path, n_train=24, n_val=4)))
     system = {"role": "system", "content": "You are a helpful assistant. Answer in one short sentence."}
     prompts = [[system, *r["messages"][:1]] for r in demo_rows("eval.jsonl", 24)]

@@ -93,7 +93,7 @@ def setup(tmp_path_factory):
     from conftest import base_model, noisy_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from stages.runtime.generation import generate
+    from stages.inference.generation import generate
     tmp = tmp_path_factory.mktemp("harness")
     raw = tiny_config_dict(tmp, n_train=48, n_val=4, actor={"nproc_per_node": 1},
                            eval={"batch_size": 4, "max_new_tokens": MAX_NEW})
@@ -279,7 +279,7 @@ def test_the_fingerprint_covers_the_task_file_its_data_and_its_keys(setup, tmp_p
 
 
 def test_relative_data_files_are_read_from_the_task_folder_then_the_working_directory(tmp_path, monkeypatch):
-    from stages.runtime.harness import resolve_task
+    from stages.inference.harness import resolve_task
     (tmp_path / "t").mkdir()
     write_jsonl(tmp_path / "t" / "here.jsonl", [{"question": "q", "choices": ["a", "b"], "answer": 0}])
     write_jsonl(tmp_path / "cwd.jsonl", [{"question": "q", "choices": ["a", "b"], "answer": 0}])
@@ -299,7 +299,7 @@ def test_relative_data_files_are_read_from_the_task_folder_then_the_working_dire
 def test_an_included_yaml_and_a_function_module_are_part_of_the_task(tmp_path):
     """The files whose contents define a task: the YAML, what it `include`s (its keys first, the file's
     own win, as lm-eval merges them), the module of a `!function` next to it, and its data."""
-    from stages.runtime.harness import resolve_task
+    from stages.inference.harness import resolve_task
     write_jsonl(tmp_path / "mc.jsonl", [{"question": "q", "choices": ["a", "b"], "answer": 0}])
     (tmp_path / "base.yaml").write_text(MC_TASK.replace("task: tiny_mc", "task: base_mc"))
     (tmp_path / "utils.py").write_text("def process(docs):\n    return docs\n")
@@ -356,7 +356,7 @@ def test_task_errors_are_one_line_naming_the_key(setup, tmp_path):
 def test_a_bundled_task_name_resolves_to_its_yaml_and_unknown_names_are_one_line_errors():
     import lm_eval
 
-    from stages.runtime.harness import resolve_task
+    from stages.inference.harness import resolve_task
     r = resolve_task("arc_easy", "eval.sets.arc.task")
     yaml_file = Path(lm_eval.__file__).parent / "tasks" / "arc" / "arc_easy.yaml"
     assert r["files"] == [str(yaml_file.resolve())] and r["config"] is None
@@ -399,7 +399,7 @@ def test_a_task_with_an_include_a_function_and_a_limit_runs_as_lm_eval_reads_it(
     """score_task on its own: the included YAML's keys, the `!function` module (it drops the third
     document) and `limit` all take effect; every record's correctness is lm-eval's per-sample `acc`."""
     from stages.core.config import EvalSetConfig
-    from stages.runtime.harness import score_task
+    from stages.inference.harness import score_task
     write_jsonl(tmp_path / "mc.jsonl", read_jsonl(setup["tasks"] / "mc.jsonl"))
     (tmp_path / "base.yaml").write_text(MC_TASK.replace("task: tiny_mc", "task: base_mc"))
     (tmp_path / "utils.py").write_text("def process(docs):\n    return docs.filter(lambda d: d['question'] != %r)\n"

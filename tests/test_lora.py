@@ -17,7 +17,7 @@ from conftest import ROOT, base_model
 from stages.chatdata.shards import read_shards
 from stages.pipeline import plan, run_stage
 from stages.runtime.checkpoint import read_metadata
-from stages.runtime.launcher import worker_env
+from stages.launch.launcher import worker_env
 from test_train_core import assert_same_weights, killed, make_cfg, train, weights
 
 pytestmark = pytest.mark.slow
@@ -51,7 +51,7 @@ def test_lora_gradients_equal_a_single_process_reference(tmp_path, kl_to_base):
     spec = {"config": cfg.model_dump(mode="json"), "model_path": model_path, "out_dir": str(tmp_path / "out"),
             "train_dir": str(p.folder("prepare") / "train"), "val_dir": None}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "stages.runtime.local_torchrun", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", "stages.launch.local_torchrun", "--nproc_per_node=2",
            str(ROOT / "tests" / "dist" / "lora_grad_check.py"), str(tmp_path / "spec.json"), str(tmp_path / "g.pt")]
     proc = subprocess.run(cmd, env=worker_env(2), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -352,7 +352,7 @@ def test_evaluate_sums_with_the_shared_prefix_computed_once(kind, monkeypatch):
         ids = np.array(system + list(rng.integers(13, 97, n)))
         trained = np.arange(len(ids)) >= len(system) + first_trained - 1
         samples.append({"input_ids": ids, "loss_mask": trained.astype(np.int8)})
-    from stages.runtime.generation import shared_prefix as prefix
+    from stages.inference.generation import shared_prefix as prefix
     shared = []
     monkeypatch.setattr(losses, "shared_prefix", lambda *a, **k: shared.append(prefix(*a, **k)) or shared[-1])
     got = losses.teacher_forced_sums(model, samples, pad_id=0, batch_size=2)
@@ -462,14 +462,14 @@ def test_fsdp2_two_ranks_with_weights_freed_after_forward_equal_one_sample_at_a_
 
     from conftest import ROOT
     from stages.chatdata.shards import read_shards
-    from stages.runtime.launcher import worker_env
+    from stages.launch.launcher import worker_env
     two = {"nproc_per_node": 2, "micro_batch_size": 4, "global_batch_size": 16, "precision": "fp32",
            "reshard_after_forward": True, "loss": "dft"}
     lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "lm_head"]}
     specs = {"full": prepared("fsdp-dft", **two),
              "lora": prepared("fsdp-lora-kl", **two, lora=lora, kl_to_base=0.5, optim={"lr": 0.05, "warmup": 0})}
     paths = {name: spec.write(tmp_path / f"{name}.json") for name, spec in specs.items()}
-    cmd = [sys.executable, "-m", "stages.runtime.local_torchrun", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", "stages.launch.local_torchrun", "--nproc_per_node=2",
            str(ROOT / "tests" / "dist" / "loss_check.py"), str(tmp_path / "out.pt"), *map(str, paths.values())]
     proc = subprocess.run(cmd, env=worker_env(2), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

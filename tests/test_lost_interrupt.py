@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent("""
     import psutil
     from flows.cli import _stop
     from stages.core.errors import StageError
-    from stages.runtime.launcher import run_torchrun
+    from stages.launch.launcher import run_torchrun
 
     SIGNAL = getattr(signal, sys.argv[2].split("-")[0])
     if SIGNAL == signal.SIGINT:
@@ -82,7 +82,7 @@ def test_a_lost_keyboard_interrupt_still_stops_torchrun(tmp_path, signal_name):
 def test_a_command_that_finishes_after_a_lost_interrupt_still_exits_130():
     """No training running when the interrupt is lost: the command runs on to its end, but the
     shell still hears that it was interrupted (exit 130), not success."""
-    code = ("import sys; from stages.runtime.launcher import request_stop; request_stop(); "
+    code = ("import sys; from stages.launch.launcher import request_stop; request_stop(); "
             "sys.argv = ['sftflow', 'show', '-c', 'configs/default.yaml']; from flows.cli import main; main()")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 130, proc.stdout + proc.stderr

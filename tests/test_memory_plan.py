@@ -1,4 +1,4 @@
-"""The memory plan (stages/runtime/memory_plan.py) against independent counts: the parameters of
+"""The memory plan (stages/planning/memory_plan.py) against independent counts: the parameters of
 built models, peft's own trainable count, the tensors autograd really saves, the micro-batches the
 sampler really cuts, and the resident peak of the real worker's training step; and a plan over
 the budget as one line from the real CLI, before anything starts."""
@@ -17,7 +17,7 @@ import torch
 from conftest import ROOT, base_model, sftflow, tiny_config_dict, write_config, write_jsonl
 from stages.core.config import LoraConfig, load_config
 from stages.pipeline import plan, run_stage
-from stages.runtime import memory_plan as mp
+from stages.planning import memory_plan as mp
 from stages.runtime.batches import GlobalBatchSampler
 
 # SmolLM2-135M's dimensions, from its config.json (Llama layout, tied head)

@@ -132,7 +132,7 @@ def test_a_month_of_daily_retraining(tmp_path, monkeypatch):
 
     # the champion loads and chats
     from stages.models.refs import resolve_model_ref
-    from stages.runtime.generation import generate, load
+    from stages.inference.generation import generate, load
     model, tok = load(resolve_model_ref("models:/monthly@champion", cfg.resolved_tracking_uri, str(tmp_path / "dl")))
     reply = generate(model, tok, [[{"role": "user", "content": COLOR.format("lamp")}]], max_new_tokens=4,
                      batch_size=1)

@@ -22,7 +22,7 @@ from stages.core.config import load_config
 from stages.pipeline import plan, run_stage
 from stages.runtime import faults
 from stages.runtime.checkpoint import read_metadata
-from stages.runtime.launcher import worker_env
+from stages.launch.launcher import worker_env
 from stages.runtime.worker import SFTWorker, WorkerSpec
 
 # 4 steps of 8 samples in 2 micro-batches (accumulation happens), a checkpoint every 2 steps
@@ -235,7 +235,7 @@ TWO = {"nproc_per_node": 2, "micro_batch_size": 4, "global_batch_size": 16}  # 2
 def torchrun_steps(tmp: Path, specs: dict[str, WorkerSpec]) -> dict[str, dict]:
     """tests/dist/step_check.py over 2 processes, each spec in turn in one launch; its results by name."""
     paths = {name: spec.write(tmp / f"{name}.json") for name, spec in specs.items()}
-    cmd = [sys.executable, "-m", "stages.runtime.local_torchrun", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", "stages.launch.local_torchrun", "--nproc_per_node=2",
            str(ROOT / "tests" / "dist" / "step_check.py"), str(tmp / "steps.pt"), *map(str, paths.values())]
     proc = subprocess.run(cmd, env=worker_env(2), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

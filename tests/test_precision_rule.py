@@ -107,7 +107,7 @@ def test_show_and_the_fingerprints_follow_the_cpus_amx(tmp_path, monkeypatch, am
     from conftest import tiny_config_dict, write_config
     from stages.core.config import load_config
     from stages.pipeline import plan
-    from stages.runtime import memory_plan
+    from stages.planning import memory_plan
     raw = tiny_config_dict(tmp_path)
     raw["actor"]["precision"] = raw["eval"]["precision"] = "auto"
     path = write_config(tmp_path, raw)
@@ -137,7 +137,7 @@ def test_generation_loads_the_model_in_the_rules_precision(gpu, cap, tmp_path, m
     is torch's native answer; `precision` from the config overrides it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from stages.runtime.generation import load
+    from stages.inference.generation import load
     LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=2)).save_pretrained(tmp_path / "m")
     import transformers

@@ -136,7 +136,7 @@ def test_smollm2_replies_are_those_of_one_prompt_at_a_time(quickstart):
     leave, freed slots are refilled, the system prompt is shared), but for `allowed_flips` near-ties."""
     from stages.chatdata.readers import prompt_and_reference
     from stages.models.base import resolve_model
-    from stages.runtime.generation import generate, load
+    from stages.inference.generation import generate, load
     _, _, p = quickstart
     model, tok = load(resolve_model(p.cfg, p.fingerprints["models"]), device="cpu", precision="fp32")  # to the bit
     prompts = []
@@ -179,7 +179,7 @@ def _prompt_ids(tok, prompt) -> list[int]:
 
 def _loop_tokens(model, tok, prompts, batch_size, max_new_tokens) -> list[list[int]]:
     """The tokens `generate` decoded (the same loop, the same batches), its stop token included."""
-    from stages.runtime import generation
+    from stages.inference import generation
     return generation._decode(model, [_prompt_ids(tok, p) for p in prompts],
                               set(generation.stop_ids(model, tok)), max_new_tokens, batch_size)
 

@@ -16,7 +16,7 @@ from conftest import ROOT
 from stages.core.errors import StageError
 from stages.core.process_env import DEFAULTS
 from stages.core.threads import SPIN_COUNT
-from stages.runtime.launcher import run_torchrun, worker_env
+from stages.launch.launcher import run_torchrun, worker_env
 
 POLICY = (*DEFAULTS, "GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 
@@ -54,7 +54,7 @@ def _modules() -> list[str]:
 
 def test_importing_any_module_of_flows_or_stages_changes_no_environment():
     modules = _modules()
-    assert "flows.cli" in modules and "stages.runtime.launcher" in modules and len(modules) > 50
+    assert "flows.cli" in modules and "stages.launch.launcher" in modules and len(modules) > 50
     code = ("import importlib, json, os\n"
             "before = dict(os.environ)\n"
             f"for m in {modules!r}: importlib.import_module(m)\n"

@@ -13,7 +13,7 @@ from conftest import ROOT, tiny_config_dict, write_config
 from stages.core.config import load_config
 from stages.pipeline import plan, run_stage
 from stages.chatdata.shards import read_shards
-from stages.runtime.launcher import worker_env
+from stages.launch.launcher import worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +43,7 @@ def test_grads_equal_one_big_batch(prepared, tmp_path, n_samples):
     lengths = read_shards(p.folder("prepare") / "train", ["length"]).column("length").to_numpy()
     order = lengths.argsort(kind="stable")
     chosen = order[[round(k * (len(order) - 1) / (n_samples - 1)) for k in range(n_samples)]]
-    cmd = [sys.executable, "-m", "stages.runtime.local_torchrun", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", "stages.launch.local_torchrun", "--nproc_per_node=2",
            str(ROOT / "tests" / "dist" / "grad_check.py"), str(spec_path), str(out), ",".join(map(str, chosen))]
     proc = subprocess.run(cmd, env=worker_env(2), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

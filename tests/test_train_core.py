@@ -18,7 +18,7 @@ from conftest import ROOT, base_model, live_processes_mentioning, tiny_config_di
 from stages.core.config import ConfigError, load_config
 from stages.pipeline import plan, run_stage
 from stages.runtime.batches import DataPosition, GlobalBatchSampler, collate_packed, collate_padded, split_micro_batches
-from stages.runtime.launcher import torchrun_command, worker_env
+from stages.launch.launcher import torchrun_command, worker_env
 from stages.train import TrainingFailed
 
 
@@ -245,7 +245,7 @@ def test_ranks_start_as_fresh_interpreters_as_on_gpus(tmp_path):
     agent, running the entry as __main__ with its arguments, with torchrun's one thread per rank of two."""
     env = {k: v for k, v in worker_env(2).items() if k != "OMP_NUM_THREADS"}  # torchrun sets it per rank
     env.update(CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "-m", "stages.runtime.local_torchrun", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", "stages.launch.local_torchrun", "--nproc_per_node=2",
            str(ROOT / "tests" / "dist" / "rank_check.py"), str(tmp_path), "extra"]
     agent = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = agent.communicate(timeout=300)[0]
@@ -270,8 +270,8 @@ def test_sigterm_ends_a_rank_blocked_in_a_collective_at_once_and_reads_as_a_canc
     import psutil
 
     from stages.core.errors import StageError
-    from stages.runtime import launcher
-    cmd = [sys.executable, "-m", "stages.runtime.local_torchrun", "--nproc_per_node=2",
+    from stages.launch import launcher
+    cmd = [sys.executable, "-m", "stages.launch.local_torchrun", "--nproc_per_node=2",
            f"--log-dir={tmp_path / 'elastic'}", str(ROOT / "tests" / "dist" / "blocked_rank.py"), str(tmp_path)]
     ready = [tmp_path / f"rank{r}.ready" for r in (0, 1)]
 
@@ -336,7 +336,7 @@ def test_exported_model_logits_equal_the_trained_model(tmp_path):
     spec = {"config": cfg.model_dump(mode="json"), "model_path": base_model(cfg), "out_dir": str(tmp_path / "out"),
             "train_dir": str(p.folder("prepare") / "train"), "val_dir": None}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    cmd = [sys.executable, "-m", "stages.runtime.local_torchrun", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", "stages.launch.local_torchrun", "--nproc_per_node=2",
            str(ROOT / "tests" / "dist" / "export_check.py"), str(tmp_path / "spec.json"), str(tmp_path / "logits.pt")]
     proc = subprocess.run(cmd, env=worker_env(2), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

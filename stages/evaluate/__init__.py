@@ -13,7 +13,7 @@ its model with each item by item (`stages/core/paired.py`): `delta` = tuned - ba
 interval, `vs_champion` likewise.
 
 Named eval sets (`eval.sets`, each with its own files and scorer, or an lm-evaluation-harness task:
-`mode: harness`, stages/runtime/harness.py) are each scored; without named sets the val split is
+`mode: harness`, stages/inference/harness.py) are each scored; without named sets the val split is
 the one set ("val"). Metrics are always per set (`stages/core/scores.py`): `metrics["sets"][name]`
 holds every set's numbers with the comparisons and the guard (`max_drop`) verdict, and the top
 level repeats the primary set's (what promotion compares).
@@ -39,7 +39,7 @@ from stages.core.narrow import with_sets
 from stages.core.paired import clears, compare_sets, read_predictions
 from stages.core.scores import by_set
 from stages.models.refs import resolve_eval_model
-from stages.runtime.launcher import run_torchrun, torchrun_command
+from stages.launch.launcher import run_torchrun, torchrun_command
 
 from . import pieces
 from .errors import EvaluationError

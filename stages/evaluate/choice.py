@@ -3,7 +3,7 @@ generation; the model's pick is the option it finds most likely after the prompt
 
 Tokenization (one definition, used for every model):
   * context = `tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)`, as
-    `stages.runtime.generation.generate` renders prompts; context ids = `tok(context,
+    `stages.inference.generation.generate` renders prompts; context ids = `tok(context,
     add_special_tokens=False).input_ids` (whatever BOS the template writes is kept, none is added);
   * option ids = `tok(option, add_special_tokens=False).input_ids`, tokenized on its own, with no
     leading space added: after a chat template's generation prompt the reply starts fresh;

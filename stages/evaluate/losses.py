@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from stages.runtime.batches import collate_padded
-from stages.runtime.generation import cache_argument, prefix_cache, shared_prefix
+from stages.inference.generation import cache_argument, prefix_cache, shared_prefix
 from stages.runtime.loss import model_loss
 
 

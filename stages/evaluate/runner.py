@@ -31,8 +31,8 @@ from stages.runtime.batches import pad_token_id
 from stages.runtime.checkpoint import load_model_weights
 from stages.runtime.distributed import (add_up, choose_precision, gather, local_device, log, precision_why,
                                         rank_and_world, rank_slice)
-from stages.runtime.generation import generate
-from stages.runtime.harness import score_task
+from stages.inference.generation import generate
+from stages.inference.harness import score_task
 from stages.runtime.lora import lora_enabled
 from stages.runtime.worker import SFTWorker, WorkerSpec, load_worker_class
 
@@ -137,7 +137,7 @@ def generation_scores(cfg: SFTConfig, model, tok, rows: list[dict], rank: int, w
 
 
 def harness_scores(cfg: SFTConfig, model, tok, rank: int, world: int, set_name: str) -> tuple[dict, list[dict]]:
-    """A `mode: harness` set: lm-eval runs its task on this model (stages/runtime/harness.py), on rank 0
+    """A `mode: harness` set: lm-eval runs its task on this model (stages/inference/harness.py), on rank 0
     (the task is small next to a training; lm-eval's own data parallelism needs its own launcher); every
     rank gets the result."""
     from transformers import PreTrainedModel

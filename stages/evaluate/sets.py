@@ -45,7 +45,7 @@ def eval_samples(prepare_dir: str, max_samples: int = 0, set_name: str = "val", 
 
 def prepared_sets(cfg: SFTConfig) -> list[str]:
     """The sets scored from prepared rows, in report order: every set but the harness sets (whose
-    lm-eval task holds its own documents, stages/runtime/harness.py)."""
+    lm-eval task holds its own documents, stages/inference/harness.py)."""
     return [n for n in cfg.eval.set_names if n not in cfg.eval.sets or not cfg.eval.sets[n].is_harness]
 
 

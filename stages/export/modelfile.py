@@ -8,7 +8,7 @@ first when a request brings no system message, as the template does. When the ex
 folder the model was trained on, the system prompt most training rows began with (`trained_system`)
 becomes SYSTEM instead: a model fine-tuned with a system prompt answers as trained only with it.
 
-The parameters are the ones sftflow's evaluation generates with (stages/runtime/generation.py): greedy
+The parameters are the ones sftflow's evaluation generates with (stages/inference/generation.py): greedy
 (`temperature 0`), no repetition penalty (Ollama's default is 1.1), stopping at every token it stops
 at (stages/core/chat_tokens.py), and `num_predict` = eval.max_new_tokens when the export is given it.
 """
@@ -106,7 +106,7 @@ def _quoted(value: str) -> str:
 def modelfile_text(gguf_name: str, form: ChatML | None, stops: list[str], context_length: int,
                    max_new_tokens: int | None) -> str:
     lines = ["# Ollama: ollama create NAME -f Modelfile   (written by sftflow: python -m stages.export)",
-             "# Greedy, as sftflow's evaluation generates (stages/runtime/generation.py).",
+             "# Greedy, as sftflow's evaluation generates (stages/inference/generation.py).",
              f"FROM ./{gguf_name}"]
     if form is not None:
         lines.append(f'TEMPLATE """{OLLAMA_CHATML}"""')

@@ -18,7 +18,7 @@ from stages.core.config import CORPUS, SFTConfig
 from stages.core.errors import ConfigError
 
 from .builtin import BUILTINS, CHATML_TEMPLATE, build_tiny_chat
-from .gguf import check_gguf, convert_gguf, gguf_file, is_gguf_ref, to_stderr
+from .from_gguf import check_gguf, convert_gguf, gguf_file, is_gguf_ref, to_stderr
 
 BUILTIN_PREFIX = "builtin:"
 

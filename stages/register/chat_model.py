@@ -14,7 +14,7 @@ import mlflow
 from mlflow.pyfunc import PythonModel
 
 try:  # inside the project
-    from stages.runtime.generation import generate, load
+    from stages.inference.generation import generate, load
 except ImportError:  # inside a logged model: generation.py ships via code_paths
     from generation import generate, load
 

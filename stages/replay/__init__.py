@@ -3,7 +3,7 @@
 Contract (docs/data.md, "Replay"): the prompts (`replay.prompt_paths`; rows as `chatdata.readers.to_prompt`
 reads them: messages, conversations, prompt or instruction, a trailing reply left out) are answered
 greedily with the generation code evaluate
-uses (`stages.runtime.generation`: batched, left-padded, `replay.max_new_tokens`), in this process or,
+uses (`stages.inference.generation`: batched, left-padded, `replay.max_new_tokens`), in this process or,
 with `actor.nproc_per_node` > 1, under torchrun as evaluate is. An answer is dropped, and counted by
 reason, when it is empty, cut off at `max_new_tokens` without an end token, or degenerate (one word
 4-gram `max_repeats` times); an unreadable prompt row is dropped as `unreadable`. The folder's
@@ -27,7 +27,7 @@ from stages.chatdata.readers import RowError, iter_records, parse_record, to_pro
 from stages.core.artifacts import StageBuild
 from stages.core.config import REPLAY_PROMPTS, SFTConfig
 from stages.core.errors import StageError
-from stages.runtime.launcher import run_torchrun, torchrun_command
+from stages.launch.launcher import run_torchrun, torchrun_command
 
 from .spec import ReplaySpec
 

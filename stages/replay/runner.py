@@ -9,7 +9,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from stages.runtime.distributed import gather, local_device, log, precision_why, rank_and_world
-from stages.runtime.generation import generate, load
+from stages.inference.generation import generate, load
 
 from .spec import ReplaySpec
 

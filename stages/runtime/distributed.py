@@ -14,7 +14,7 @@ import torch.distributed as dist
 from stages.core import precision
 from stages.core.topology import rank_gpu
 
-from .proctree import die_with_parent
+from stages.core.proctree import die_with_parent
 
 
 def log(msg: str) -> None:

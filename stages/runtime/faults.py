@@ -14,7 +14,7 @@ import signal
 
 import torch.distributed as dist
 
-from .proctree import descendants
+from stages.core.proctree import descendants
 
 ENV = "SFTFLOW_FAULT"
 

@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100
 # Trained positions per head + loss chunk: one chunk's fp32 logits and their gradients are the loss'
-# whole transient (1024 x 150k vocabulary x 4 bytes = 0.6 GB each). stages/runtime/memory_plan.py
+# whole transient (1024 x 150k vocabulary x 4 bytes = 0.6 GB each). stages/planning/memory_plan.py
 # counts the same number (tests/test_memory_plan.py holds them equal).
 LOSS_CHUNK = 1024
 

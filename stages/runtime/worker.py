@@ -1,5 +1,5 @@
-"""The SFT worker: one process per rank. The train stage starts `torchrun` (runtime/launcher.py,
-through runtime/local_torchrun.py), whose ranks each run `python -m stages.train <spec.json>`:
+"""The SFT worker: one process per rank. The train stage starts `torchrun` (launch/launcher.py,
+through launch/local_torchrun.py), whose ranks each run `python -m stages.train <spec.json>`:
 `load_worker` checks the class named by `actor.worker` against the contract (runtime/contract.py),
 then `fit` runs `setup` and the loop and always closes (metrics, MLflow, process group).
 
@@ -7,10 +7,10 @@ then `fit` runs `setup` and the loop and always closes (metrics, MLflow, process
 -- and composes the parts that do the rest:
 
     runtime/sharding.py       `parallelize`: activation checkpointing, compilation, FSDP2
-    runtime/checkpointing.py  `Checkpointer`: when to save, what to resume (DCP: runtime/checkpoint.py)
+    runtime/checkpoint_schedule.py  `Checkpointer`: when to save, what to resume (DCP: runtime/checkpoint.py)
     runtime/reporting.py      `Reporter`: metrics.jsonl, live MLflow rows, progress, runtime.json
     runtime/validation.py     `validate`: the validation loss and accuracy across ranks
-    runtime/export.py         `export_model`: the gathered state dict, LoRA merge, the HF folder
+    runtime/hf_export.py         `export_model`: the gathered state dict, LoRA merge, the HF folder
     runtime/packing.py        `packs_exactly`: whether the model may train on packed micro-batches
 
 Public surface (docs/adding-a-model.md). Hooks a subclass overrides, one name and one return type
@@ -43,12 +43,12 @@ from stages.core.errors import ConfigError, StageError
 from stages.core.imports import import_object
 from stages.core.topology import backend
 
-from .attention import effective_attn_implementation, resolve_attn_implementation
+from stages.planning.attention import effective_attn_implementation, resolve_attn_implementation
 from .batches import GlobalBatchSampler, SFTDataset, collate_packed, collate_padded, pad_token_id
-from .checkpointing import Checkpointer
+from .checkpoint_schedule import Checkpointer
 from .contract import TrainOutput, add_eval_output, check_worker_class, train_output
 from .distributed import choose_precision, local_device, log, precision_why
-from .export import export_model
+from .hf_export import export_model
 from .lora import adapters_off, lora_enabled
 from .loss import model_loss, reference_outputs
 from .mixture import describe, summary_line

@@ -23,7 +23,7 @@ from stages.chatdata.shards import count_rows
 from stages.core.artifacts import StageBuild, read_manifest
 from stages.core.config import SFTConfig
 from stages.core.errors import StageError
-from stages.runtime.launcher import run_torchrun, torchrun_command
+from stages.launch.launcher import run_torchrun, torchrun_command
 from stages.core import model_card
 from stages.runtime.mixture import describe, new_data_epoch
 from stages.runtime.reporting import RUNTIME_FILE

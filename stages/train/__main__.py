@@ -1,5 +1,5 @@
 """torchrun entry point: `python -m stages.train <spec.json>` runs one rank of the worker (the train
-stage starts torchrun through runtime/launcher.py; `load_worker` checks the worker class before
+stage starts torchrun through launch/launcher.py; `load_worker` checks the worker class before
 `fit` starts the process group).
 
 A package entry (rather than `-m stages.runtime.worker`) keeps the worker module importable

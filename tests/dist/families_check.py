@@ -274,7 +274,7 @@ def check_full(base_spec: dict, folder: Path, out: Path, tee: Tee | None, rank: 
     trained = sharded_logits(w, probe)
     w.export()
     if rank == 0:
-        from stages.runtime.generation import generate, load
+        from stages.inference.generation import generate, load
         model, tok = load(str(out / "model"), device="cpu")
         with torch.no_grad():
             reloaded = model(**probe, use_cache=False).logits.float()

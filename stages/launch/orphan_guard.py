@@ -1,4 +1,4 @@
-"""`python -m stages.runtime.orphan_guard <python args...>`: asks for a parent-death signal, then
+"""`python -m stages.launch.orphan_guard <python args...>`: asks for a parent-death signal, then
 becomes `python <args>` (exec keeps the request). The launcher starts torchrun through it, so a
 SIGKILLed caller (the CLI, a Prefect worker) takes torchrun, and so its workers, with it. Done here
 rather than in a `preexec_fn`, which is unsafe in a process that runs threads (Prefect's)."""
@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 
-from stages.runtime.proctree import die_with_parent
+from stages.core.proctree import die_with_parent
 
 if __name__ == "__main__":
     die_with_parent(signal.SIGTERM)  # SIGTERM: torchrun's agent then stops its workers cleanly

@@ -1,4 +1,4 @@
-"""`python -m stages.runtime.local_torchrun <torchrun args>`: torchrun for a run on one machine, with
+"""`python -m stages.launch.local_torchrun <torchrun args>`: torchrun for a run on one machine, with
 nothing listening beyond loopback.
 
 `torchrun --standalone` hosts its rendezvous store, and a second store for the workers, on every

@@ -27,7 +27,7 @@ from stages.core.config import SFTConfig
 from stages.core.errors import ConfigError, StageError
 from stages.core.process_env import apply_process_policy
 
-from .proctree import descendants, signal_tree
+from stages.core.proctree import descendants, signal_tree
 
 
 def torchrun_command(cfg: SFTConfig, spec_path: Path, module: str) -> list[str]:
@@ -37,7 +37,7 @@ def torchrun_command(cfg: SFTConfig, spec_path: Path, module: str) -> list[str]:
     logs = f"--log-dir={elastic_dir(spec_path)}"
     if a.nnodes == 1 and not a.rdzv_endpoint:
         # one machine: its stores and sockets on loopback only (torchrun --standalone binds `::`)
-        cmd = [sys.executable, "-m", "stages.runtime.local_torchrun", nproc, logs]
+        cmd = [sys.executable, "-m", "stages.launch.local_torchrun", nproc, logs]
     else:
         # Every node runs this same command (only node_rank differs) and meets at node 0's endpoint.
         cmd = [sys.executable, "-m", "torch.distributed.run", nproc, logs, f"--nnodes={a.nnodes}",
@@ -167,7 +167,7 @@ def run_torchrun(cmd: list[str], log_path: Path, error: type[StageError], what: 
         raise KeyboardInterrupt("stop requested")
     with open(log_path, "a", encoding="utf-8") as logf:
         # its own session (one killpg stops the tree); through orphan_guard it dies with us
-        guarded = [cmd[0], "-m", "stages.runtime.orphan_guard", *cmd[1:]] if cmd[0] == sys.executable else cmd
+        guarded = [cmd[0], "-m", "stages.launch.orphan_guard", *cmd[1:]] if cmd[0] == sys.executable else cmd
         proc = subprocess.Popen(guarded, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                 env={**worker_env(nproc_per_node), **(env or {})}, start_new_session=True)
         lines: list[str] = []

@@ -132,6 +132,6 @@ def resolve_attn_implementation(requested: str, device_type: str, packing: bool,
 def effective_attn_implementation(model) -> str:
     """What the built model really runs (its config's `_attn_implementation`), for logs and MLflow;
     "n/a" for a model that is no transformers model."""
-    from .lora import unwrap
+    from stages.runtime.lora import unwrap
     config = getattr(unwrap(model), "config", None)
     return str(getattr(config, "_attn_implementation", None) or "n/a")
