@@ -290,14 +290,6 @@ def start_mlflow(root: Path, pg: dict, host: str, workers: int, port: int = 0) -
     return _spawn(cmd, root / "logs" / "mlflow-server.log", env, root)
 
 
-def mlflow_healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 def _public(host: str) -> str:
     """The host others reach a server on: the machine's name when it listens on every address."""
     import socket
@@ -413,7 +405,7 @@ def up(root: Path, workers: int = 2, pool: str = "team", config: Path = ROOT / "
               mlflow, root / "logs" / "mlflow-server.log")
         url, local_url = f"http://{_public(host)}:{ports[-1]}", f"http://127.0.0.1:{ports[-1]}"
         state["mlflow"]["url"] = url
-        _wait("the MLflow server", lambda: mlflow_healthy(local_url), mlflow, root / "logs" / "mlflow-server.log")
+        _wait("the MLflow server", lambda: healthy(local_url), mlflow, root / "logs" / "mlflow-server.log")
         say(f"MLflow server {url} (artifacts in {root / 'mlartifacts'})")
         ensure_pool(local_api, pool)
         ensure_zombie_automation(local_api)
@@ -512,7 +504,7 @@ def restart_mlflow(root: Path, down_s: float = 0.0, say=print) -> float:
     for attempt in range(20):  # the port may linger a moment after the old server let it go
         proc = start_mlflow(root, state["postgres"], state.get("host", "127.0.0.1"), 2, port)
         try:
-            _wait("the MLflow server", lambda: mlflow_healthy(local), proc, log, timeout=120)
+            _wait("the MLflow server", lambda: healthy(local), proc, log, timeout=120)
             break
         except TeamError:
             if attempt == 19 or "already in use" not in _tail(log, 10).lower():

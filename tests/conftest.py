@@ -223,6 +223,26 @@ def wait_healthy(health_url: str, proc: subprocess.Popen, log: Path, timeout: fl
         time.sleep(0.5)
 
 
+@contextmanager
+def mlflow_server(home: Path, workers: int = 1):
+    """`mlflow server` on loopback (a free port, SQLite store and served artifacts under `home`, no
+    job-runner processes); its URI while the block runs."""
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    proc, uri = start_server(
+        [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port", "0",
+         "--workers", str(workers), "--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}",
+         "--artifacts-destination", str(home / "artifacts")], home / "server.log", "/health", env=env)
+    try:
+        yield uri
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
 def start_server(cmd: list[str], log: Path, health_path: str, env: dict | None = None,
                  timeout: float = 180) -> tuple[subprocess.Popen, str]:
     """Starts a server told to listen on port 0 and waits until it answers; it and its

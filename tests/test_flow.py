@@ -8,13 +8,11 @@ none depends on another having run: tests that change what is registered use a m
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import sftflow, start_server, tiny_config_dict, write_config
+from conftest import mlflow_server as loopback_mlflow, sftflow, tiny_config_dict, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api")]
 
@@ -22,19 +20,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api")]
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     """`mlflow server` on loopback with its own sqlite store and served artifacts; its tracking URI."""
-    home = tmp_path_factory.mktemp("mlflow-server")
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no job-runner processes
-    proc, uri = start_server(
-        [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port", "0",
-         "--workers", "1", "--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}",
-         "--artifacts-destination", str(home / "artifacts")], home / "server.log", "/health", env=env)
-    yield uri
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.wait()
+    with loopback_mlflow(tmp_path_factory.mktemp("mlflow-server")) as uri:
+        yield uri
 
 
 def mlflow_client(uri: str):
@@ -389,7 +376,6 @@ def test_every_set_name_the_schema_accepts_scores_end_to_end(flow_run):
 def test_edited_data_file_reruns_everything_and_touching_it_does_not(flow_run):
     """On a copy of the training file, so the other tests' data stays as it was."""
     tmp, cfg_path, _ = flow_run
-    import os
     import time
     train = tmp / "train-copy.jsonl"
     train.write_bytes((tmp / "train.jsonl").read_bytes())

@@ -3,16 +3,12 @@ their requests run at once): the champion alias ends where the promotion rules p
 promotions had run one after the other. Without the registry's promotion lock both read the same champion
 (or none), both decide `champion`, and the later write wins over a version it never compared with."""
 
-import os
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import start_server
+from conftest import mlflow_server
 
 from stages.register import promote
 from stages.tracking.registry import CHALLENGER, CHAMPION, LOCK_HOLDER_TAG, LOCK_SUFFIX, TAG, promotion_lock
@@ -23,19 +19,8 @@ ROUNDS = 3  # each a new model: the race is exercised several times, not once by
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory):
-    home = tmp_path_factory.mktemp("mlflow-race")
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    proc, uri = start_server(
-        [str(Path(sys.executable).with_name("mlflow")), "server", "--host", "127.0.0.1", "--port", "0",
-         "--workers", "2", "--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}",
-         "--artifacts-destination", str(home / "artifacts")], home / "server.log", "/health", env=env)
-    yield uri
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.wait()
+    with mlflow_server(tmp_path_factory.mktemp("mlflow-race"), workers=2) as uri:
+        yield uri
 
 
 def client_for(uri: str):
