@@ -84,9 +84,13 @@ def test_three_runs_at_once_on_two_workers(team):
     elapsed = time.time() - t0
     logs = "\n".join(p.read_text()[-3000:] for p in sorted((root / "logs").glob("worker-*.log")))
     assert set(states.values()) == {"COMPLETED"}, (states, logs)
-    # both workers took runs (each one at a time: --limit 1)
-    took_runs = [[i for i in ids if i in p.read_text()] for p in sorted((root / "logs").glob("worker-*.log"))]
-    assert len(took_runs) == 2 and all(took_runs) and sum(map(len, took_runs)) == 3, took_runs
+    # both workers took runs (each one at a time: --limit 1). Both may try to claim the same run; the one
+    # that loses logs "Aborted submission of flow run '<id>'" (Prefect's workers/base.py), which is not a take
+    took_runs = []
+    for log in sorted((root / "logs").glob("worker-*.log")):
+        text = log.read_text()
+        took_runs.append({i for i in ids if i in text and f"Aborted submission of flow run '{i}'" not in text})
+    assert len(took_runs) == 2 and all(took_runs) and set().union(*took_runs) == set(ids), took_runs
 
     artifacts = root / "artifacts"
     prepared = [d for d in (artifacts / "prepare").iterdir() if (d / "manifest.json").is_file()]
