@@ -36,8 +36,14 @@ PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 def requirements(pyproject: Path = PYPROJECT, extra: str = "dev") -> list[tuple[Requirement, bool]]:
     """(requirement, is a runtime dependency) for the project's dependencies, then the extra's."""
     project = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]
+    extras = project.get("optional-dependencies", {})
     runtime = [(Requirement(r), True) for r in project["dependencies"]]
-    dev = [(Requirement(r), False) for r in project.get("optional-dependencies", {}).get(extra, [])]
+    dev = []
+    for r in map(Requirement, extras.get(extra, [])):
+        if canonicalize_name(r.name) == canonicalize_name(project["name"]):  # `sftflow[team]`: a user's extra,
+            runtime += [(Requirement(x), True) for e in sorted(r.extras) for x in extras.get(e, [])]  # its bounds
+        else:
+            dev.append((r, False))
     names = {canonicalize_name(r.name) for r, _ in runtime}
     return runtime + [(r, False) for r, _ in dev if canonicalize_name(r.name) not in names]
 
