@@ -3,6 +3,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -34,6 +35,10 @@ os.environ["SFTFLOW_KEEP_SERVER"] = "0"
 # A server of the developer's shell is none of the tests' business: tests that want one ask for
 # `prefect_api` (the session's server, for that test only).
 os.environ.pop("PREFECT_API_URL", None)
+# The machine's ledger of cores (stages/core/cores.py) would let the other pytest worker's trainings change
+# this one's threads mid-run, and with them the order of float additions: each worker has a ledger of its
+# own (tests/test_cores.py tests the shared one).
+os.environ.setdefault("SFTFLOW_CORES_DIR", tempfile.mkdtemp(prefix="sftflow-cores-"))
 
 # Hypothesis profiles (tests/test_masking.py, tests/test_shapes.py). `ci`: derandomized, so a CI run
 # explores the same examples every time and a red build is the code's doing, never the draw's; no

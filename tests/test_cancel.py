@@ -95,9 +95,11 @@ def test_task_retry_resumes_training_from_the_last_checkpoint(tmp_path):
     assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss")] == [1, 2, 3, 4]
 
 
-def _start_training(tmp_path, own_server: bool = False, **popen) -> tuple[subprocess.Popen, str]:
-    """The CLI training until step 1; with `own_server`, on its temporary Prefect server."""
-    cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path))
+def _start_training(tmp_path, own_server: bool = False, nproc: int = 1, **popen) -> tuple[subprocess.Popen, str]:
+    """The CLI training until step 1 on `nproc` processes; with `own_server`, on its temporary Prefect server."""
+    cfg = tiny_config_dict(tmp_path)
+    cfg["actor"]["nproc_per_node"] = nproc
+    cfg_path = write_config(tmp_path, cfg)
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / ".prefect")}
     if own_server:
         env.pop("PREFECT_API_URL", None)
@@ -147,9 +149,10 @@ def test_ctrl_c_in_a_terminal_stops_everything_within_seconds(tmp_path):
 
 def test_killing_only_torchrun_stops_its_workers(tmp_path):
     """SIGKILL to torchrun's agent alone (not its process group): its workers stop too, and the CLI
-    reports the failure instead of waiting on workers that train unsupervised."""
+    reports the failure instead of waiting on workers that train unsupervised. (One process runs
+    without an agent: launch/one_process.py.)"""
     import psutil
-    proc, marker = _start_training(tmp_path)
+    proc, marker = _start_training(tmp_path, nproc=2)
     try:
         agents = [p for p in psutil.Process(proc.pid).children() if "local_torchrun" in " ".join(p.cmdline())]
         assert len(agents) == 1

@@ -23,6 +23,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from stages.core import cores
 from stages.core.config import SFTConfig
 from stages.core.errors import ConfigError, StageError
 from stages.core.process_env import apply_process_policy
@@ -31,11 +32,15 @@ from stages.core.proctree import descendants, signal_tree
 
 
 def torchrun_command(cfg: SFTConfig, spec_path: Path, module: str) -> list[str]:
-    """torchrun (for one machine through `local_torchrun`) `... -m <module> <spec_path>` for this node."""
+    """torchrun (for one machine through `local_torchrun`; one process through `one_process`, without an
+    agent) `... -m <module> <spec_path>` for this node."""
     a = cfg.actor
     nproc = f"--nproc_per_node={a.nproc_per_node}"
     logs = f"--log-dir={elastic_dir(spec_path)}"
-    if a.nnodes == 1 and not a.rdzv_endpoint:
+    if a.nnodes == 1 and not a.rdzv_endpoint and a.nproc_per_node == 1:
+        # one process: it is the rank itself, no agent to start (one_process.py)
+        cmd = [sys.executable, "-m", "stages.launch.one_process", logs]
+    elif a.nnodes == 1 and not a.rdzv_endpoint:
         # one machine: its stores and sockets on loopback only (torchrun --standalone binds `::`)
         cmd = [sys.executable, "-m", "stages.launch.local_torchrun", nproc, logs]
     else:
@@ -86,10 +91,16 @@ def recorded_failure(log_dir: Path, first_rank: int = 0) -> str | None:
     return text if kind in _project_errors() and text else f"rank {rank}: {message}"
 
 
-def worker_env(nproc_per_node: int = 1) -> dict[str, str]:
-    env = dict(os.environ)
-    # Share the cores among the ranks of this node, or they fight over them.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
+def worker_env(nproc_per_node: int = 1, claim: cores.Claim | None = None) -> dict[str, str]:
+    """The environment of a torchrun tree of `nproc_per_node` ranks on this machine. `claim`: the launch's
+    place in the machine's ledger (core/cores.py), which its ranks then follow while they train."""
+    env = {k: v for k, v in os.environ.items() if k != cores.ENV_CLAIM}  # never a claim of the caller's own
+    # Share the cores among the ranks of this node and of the other sftflow runs on this machine, or they
+    # fight over them; a user's own OMP_NUM_THREADS wins, and then nothing adapts.
+    if "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(cores.share(nproc_per_node, claim.id if claim else None).threads)
+        if claim is not None:
+            env.update(claim.env())
     # set before torchrun's interpreter starts, so before any process of the tree loads torch; the
     # caller may be a library user's process that never applied the policy to itself
     apply_process_policy(env)
@@ -165,11 +176,15 @@ def run_torchrun(cmd: list[str], log_path: Path, error: type[StageError], what: 
     raises `error` with "<what> failed (...): <root cause>"."""
     if stop_requested():
         raise KeyboardInterrupt("stop requested")
-    with open(log_path, "a", encoding="utf-8") as logf:
+    # the tree's ranks are in the machine's ledger of cores from before they start until it has stopped
+    with open(log_path, "a", encoding="utf-8") as logf, cores.claim(nproc_per_node) as claim:
         # its own session (one killpg stops the tree); through orphan_guard it dies with us
         guarded = [cmd[0], "-m", "stages.launch.orphan_guard", *cmd[1:]] if cmd[0] == sys.executable else cmd
+        child_env = {**worker_env(nproc_per_node, claim), **(env or {})}
+        if "OMP_NUM_THREADS" in (env or {}):  # the caller's own count: kept
+            child_env.pop(cores.ENV_CLAIM, None)
         proc = subprocess.Popen(guarded, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                env={**worker_env(nproc_per_node), **(env or {})}, start_new_session=True)
+                                env=child_env, start_new_session=True)
         lines: list[str] = []
         _running.add(proc)
         try:

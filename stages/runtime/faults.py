@@ -24,9 +24,11 @@ def inject(point: str, step: int) -> None:
     want = os.environ.get(ENV, "")
     if want != f"{point}:{step}" or dist.get_rank() != 0:
         return
-    agent = os.getppid()
+    # the launcher starts the tree in a session of its own: its leader is torchrun's agent, or this
+    # rank itself when one process runs without one (launch/one_process.py)
+    root = os.getsid(0)
     print(f"{ENV}: killing torchrun and its workers at {want}", flush=True)
-    for pid in [agent, *[p for p in descendants(agent) if p != os.getpid()], os.getpid()]:
+    for pid in dict.fromkeys([root, *[p for p in descendants(root) if p != os.getpid()], os.getpid()]):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:

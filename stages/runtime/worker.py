@@ -39,6 +39,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
 
 from stages.core.config import SFTConfig
+from stages.core.cores import follow_threads
 from stages.core.errors import ConfigError, StageError
 from stages.core.imports import import_object
 from stages.core.topology import backend
@@ -411,6 +412,7 @@ class SFTWorker:
                 f"attention {self.attn_implementation}, {'packed' if self.packing else 'padded'} micro-batches")
             reporter.write_runtime({"attn_implementation": self.attn_implementation, "precision": self.precision,
                                     "device": self.device.type, "packing": self.packing, "world_size": self.world})
+            threads = follow_threads(torch.set_num_threads, log)  # the share of the cores other sftflow runs leave
             while step < self.total_steps:
                 t0 = time.perf_counter()
                 batch_idx = self.sampler.global_batch(pos)
@@ -426,6 +428,7 @@ class SFTWorker:
                 if self.checkpointer.due(step, self.total_steps):
                     self.checkpointer.save(step, pos, self.model, self.optimizer, self.scheduler, self.world,
                                            self.total_steps)
+                threads.poll()
             reporter.close()
             self.export()
             dist.barrier()

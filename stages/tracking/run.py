@@ -33,6 +33,7 @@ from stages.core.artifacts import canonical_json, read_manifest
 from stages.core.config import SFTConfig, flatten
 
 from .live import read_metrics_file, sync_rows
+from .sqlite_store import create_sqlite_store
 
 __fingerprint__ = False
 
@@ -79,8 +80,7 @@ def ensure_experiment(uri: str, name: str, artifacts_path: Path) -> str:
     with FileLock(uri[len("sqlite:///"):] + ".lock") if sqlite else nullcontext():
         if sqlite and not Path(uri[len("sqlite:///"):]).exists():
             # the client's own store would create "Default" at ./mlruns/0 under the working directory
-            from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-            SqlAlchemyStore(uri, location)
+            create_sqlite_store(Path(uri[len("sqlite:///"):]), location)
         exp = mlflow.get_experiment_by_name(name)
         if exp is None:
             try:

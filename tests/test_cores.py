@@ -1,0 +1,193 @@
+"""Runs that share a machine share its cores (stages/core/cores.py): the launcher claims its ranks in a
+ledger, gives them `usable cores // every live run's ranks` threads each, and its ranks follow the
+ledger while they train. Each test has a ledger of its own (SFTFLOW_CORES_DIR in tmp_path)."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from stages.core import cores
+from stages.core.errors import StageError
+from stages.launch.launcher import run_torchrun, worker_env
+
+
+@pytest.fixture
+def ledger(tmp_path, monkeypatch) -> Path:
+    """A ledger of this test's own on a machine of 4 usable cores; no OMP_NUM_THREADS of the caller's."""
+    folder = tmp_path / "cores"
+    monkeypatch.setenv(cores.ENV_DIR, str(folder))
+    monkeypatch.delenv(cores.ENV_SWITCH, raising=False)
+    monkeypatch.delenv(cores.ENV_CLAIM, raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(cores, "usable_cores", lambda: 4)
+    return folder
+
+
+def claims(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob("*.json"))
+
+
+def test_two_claims_at_once_split_the_cores(ledger):
+    assert cores.share(1).threads == 4  # alone
+    with cores.claim(1) as first:
+        assert first is not None and len(claims(ledger)) == 1
+        assert cores.share(1, first.id) == cores.Share(threads=4, runs=1, ranks=1, cores=4)
+        with cores.claim(2) as second:
+            assert cores.share(1, first.id) == cores.Share(threads=1, runs=2, ranks=3, cores=4)
+            assert cores.share(2, second.id).threads == 1
+        assert cores.share(1, first.id).threads == 4  # the second one's cores come back
+    assert claims(ledger) == []
+
+
+def test_a_claim_of_a_dead_process_is_ignored_and_removed(ledger):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    with cores.claim(3, pid=dead.pid) as gone:
+        assert gone is not None and claims(ledger) == [gone.path.name]
+        assert cores.share(1) == cores.Share(threads=4, runs=1, ranks=1, cores=4)
+        assert claims(ledger) == []  # the reader swept it
+    # a recycled pid is not the claimant: a live pid whose start differs
+    ledger.joinpath("recycled.json").write_text(json.dumps({"pid": os.getpid(), "pid_started": 1.0, "ranks": 2}))
+    assert cores.share(1).threads == 4 and claims(ledger) == []
+
+
+def test_a_file_that_is_no_claim_is_left_alone(ledger):
+    ledger.mkdir(parents=True)
+    ledger.joinpath("notes.json").write_text("not json")
+    assert cores.share(2).threads == 2 and claims(ledger) == ["notes.json"]
+
+
+def test_the_launch_environment_carries_the_ledgers_threads(ledger):
+    with cores.claim(3):  # another run: 3 ranks
+        assert worker_env(1)["OMP_NUM_THREADS"] == "1"  # 4 cores // 4 ranks
+    with cores.claim(1):  # another run: 1 rank
+        assert worker_env(1)["OMP_NUM_THREADS"] == "2"
+        with cores.claim(1) as mine:
+            env = worker_env(1, mine)
+            assert env["OMP_NUM_THREADS"] == "2"  # its own claim counted once (twice: 4 // 3 = 1)
+            assert env[cores.ENV_CLAIM] == f"{mine.id}:1" and env[cores.ENV_DIR] == str(ledger)
+    with cores.claim(2) as alone:
+        env = worker_env(2, alone)
+        assert env["OMP_NUM_THREADS"] == "2"
+    assert cores.ENV_CLAIM not in worker_env(2)  # no claim: nothing to follow
+
+
+def test_an_explicit_omp_num_threads_wins(ledger, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    with cores.claim(1), cores.claim(2) as mine:
+        env = worker_env(2, mine)
+        assert env["OMP_NUM_THREADS"] == "3" and cores.ENV_CLAIM not in env
+        assert isinstance(cores.follow_threads(print, print, env), cores._Fixed)
+        assert len(claims(ledger)) == 2  # its ranks still count for the others
+
+
+def test_off_switch_divides_among_the_launchs_own_ranks(ledger, monkeypatch):
+    monkeypatch.setenv(cores.ENV_SWITCH, "off")
+    with cores.claim(2) as none:
+        assert none is None and not ledger.exists()
+        assert worker_env(2)["OMP_NUM_THREADS"] == "2"
+        assert cores.ENV_CLAIM not in worker_env(2)
+
+
+def test_a_rank_follows_its_share_as_runs_come_and_go(ledger):
+    applied, said = [], []
+    with cores.claim(2) as mine:
+        env = worker_env(2, mine)
+        assert env["OMP_NUM_THREADS"] == "2"
+        follower = cores.follow_threads(applied.append, said.append, env, min_interval=0)
+        assert follower.poll() is None and applied == []
+        with cores.claim(2):
+            assert follower.poll() == 1
+            assert said == ["threads: 2 -> 1 per rank (2 sftflow runs, 4 ranks, on 4 cores)"]
+            assert follower.poll() is None  # unchanged: nothing applied again
+        assert follower.poll() == 2
+    assert applied == [1, 2]
+    assert said[-1] == "threads: 1 -> 2 per rank (1 sftflow run, 2 ranks, on 4 cores)"
+
+
+def test_a_follower_reads_the_ledger_at_most_once_per_interval(ledger):
+    now = [0.0]
+    with cores.claim(1) as mine:
+        follower = cores.follow_threads(lambda n: None, lambda s: None, worker_env(1, mine), min_interval=1.0,
+                                        clock=lambda: now[0])
+        with cores.claim(1):
+            now[0] = 0.5
+            assert follower.poll() is None  # too soon: not read
+            now[0] = 1.0
+            assert follower.poll() == 2
+
+
+def test_a_launch_holds_its_claim_while_its_tree_runs(ledger):
+    probe = [sys.executable, "-c",
+             "import json, os; d = os.environ['SFTFLOW_CORES_DIR']; "
+             "print(json.dumps([os.environ['OMP_NUM_THREADS'], os.environ['SFTFLOW_CORES_CLAIM'], "
+             "sorted(f for f in os.listdir(d) if f.endswith('.json'))]))"]
+    lines: list[str] = []
+    with cores.claim(1):
+        run_torchrun(probe, ledger.parent / "probe.log", StageError, "probe", lines.append, nproc_per_node=1)
+    threads, claim, seen = json.loads(lines[-1])
+    assert threads == "2" and f"{claim.split(':')[0]}.json" in seen and len(seen) == 2
+    assert claims(ledger) == []  # released when the tree ended
+
+
+FOLLOWING_RANK = r"""
+import json, os, sys, time
+from pathlib import Path
+import torch
+from stages.core import cores
+said = []
+follower = cores.follow_threads(torch.set_num_threads, said.append, min_interval=0)
+me = os.environ[cores.ENV_CLAIM].split(":")[0]
+deadline = time.monotonic() + 120
+while cores.share(1, me).runs < 2 and time.monotonic() < deadline:  # the other run is in the ledger
+    time.sleep(0.05)
+follower.poll()
+print(json.dumps({"threads": torch.get_num_threads(), "started": int(os.environ["OMP_NUM_THREADS"]), "said": said}))
+sys.stdout.flush()
+Path(sys.argv[1]).touch()
+while not all(Path(p).exists() for p in sys.argv[2:]) and time.monotonic() < deadline:  # both have looked
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.slow
+def test_two_real_launches_at_once_each_get_their_share(tmp_path, monkeypatch):
+    """Two torchrun launches of one rank each through the launcher, with the machine's real cores."""
+    monkeypatch.setenv(cores.ENV_DIR, str(tmp_path / "cores"))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv(cores.ENV_SWITCH, raising=False)
+    n = cores.usable_cores()
+    marks = [str(tmp_path / "a.seen"), str(tmp_path / "b.seen")]
+    out: dict[str, list[str]] = {"a": [], "b": []}
+    errors = []
+
+    def launch(name: str, mark: str) -> None:
+        try:
+            run_torchrun([sys.executable, "-c", FOLLOWING_RANK, mark, *marks], tmp_path / f"{name}.log", StageError,
+                         name, out[name].append, nproc_per_node=1)
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+
+    first = threading.Thread(target=launch, args=("a", marks[0]))
+    first.start()
+    while not list((tmp_path / "cores").glob("*.json")):  # the first one holds its claim
+        assert first.is_alive(), out
+        time.sleep(0.05)
+    second = threading.Thread(target=launch, args=("b", marks[1]))
+    second.start()
+    first.join(300)
+    second.join(300)
+    assert not errors, errors
+    a, b = (json.loads(out[k][-1]) for k in ("a", "b"))
+    assert a["threads"] == b["threads"] == max(1, n // 2)
+    assert b["started"] == max(1, n // 2)  # the second launch started with its share
+    if max(1, n // 2) != n:  # the first one started with the whole machine and made room
+        assert a["started"] == n
+        assert a["said"] == [f"threads: {n} -> {max(1, n // 2)} per rank (2 sftflow runs, 2 ranks, on {n} cores)"]
+    assert list((tmp_path / "cores").glob("*.json")) == []
