@@ -45,13 +45,81 @@ def test_two_claims_at_once_split_the_cores(ledger):
     assert claims(ledger) == []
 
 
+def _claim_in_thread(ranks: int, events: list, **kw) -> threading.Thread:
+    """claim(ranks) in a thread that records when it was let in and holds it until `events` gets "release"."""
+    def body():
+        try:
+            with cores.claim(ranks, on_wait=lambda line: events.append(("waits", ranks, line)), poll=0.02, **kw):
+                events.append(("runs", ranks))
+                while ("release", ranks) not in events:
+                    time.sleep(0.01)
+        except KeyboardInterrupt:
+            events.append(("stopped", ranks))
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    return t
+
+
+def _until(condition, seconds: float = 20) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_runs_that_would_oversubscribe_queue_first_come_first_served(ledger):
+    """4 cores: 3 ranks running; a run of 2 waits (3 + 2 > 4, one thread per rank at least); a run of 1
+    that would fit waits behind it; each starts when its turn comes and its ranks fit."""
+    events: list = []
+    with cores.claim(3) as big:
+        two = _claim_in_thread(2, events)
+        _until(lambda: ("waits", 2) in [e[:2] for e in events])
+        time.sleep(0.05)
+        one = _claim_in_thread(1, events)
+        _until(lambda: ("waits", 1) in [e[:2] for e in events])
+        time.sleep(0.2)
+        assert ("runs", 2) not in events and ("runs", 1) not in events
+        waits = [e[2] for e in events if e[0] == "waits"]
+        assert waits[0] == ("cores: waiting for 3 rank(s) of 1 other sftflow run(s) on this machine's 4 core(s) "
+                            "to end before starting 2 (SFTFLOW_CORES=off runs at once)")
+        assert cores.share(3, big.id).threads == 1  # queued claims take no one's cores
+    _until(lambda: ("runs", 2) in events and ("runs", 1) in events)
+    assert events.index(("runs", 2)) < events.index(("runs", 1))
+    assert cores.share(0).ranks == 3  # 2 + 1 running together
+    events += [("release", 2), ("release", 1)]
+    two.join(10)
+    one.join(10)
+    assert claims(ledger) == []
+
+
+def test_a_run_larger_than_the_machine_runs_when_it_is_alone_and_queue_false_never_waits(ledger):
+    with cores.claim(8, on_wait=pytest.fail) as alone:
+        assert alone is not None and cores.share(8, alone.id).threads == 1
+        with cores.claim(2, on_wait=pytest.fail, queue=False) as node:  # a node of a multi-machine run
+            assert cores.share(2, node.id).ranks == 10
+
+
+def test_a_stop_request_while_queued_ends_the_wait_and_the_claim(ledger):
+    events: list = []
+    stop = threading.Event()
+    with cores.claim(4):
+        waiter = _claim_in_thread(1, events, stop=stop.is_set)
+        _until(lambda: ("waits", 1) in [e[:2] for e in events])
+        assert len(claims(ledger)) == 2
+        stop.set()
+        waiter.join(10)
+        assert ("stopped", 1) in events and ("runs", 1) not in events
+        assert len(claims(ledger)) == 1
+
+
 def test_a_claim_of_a_dead_process_is_ignored_and_removed(ledger):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    started = cores._process_start(dead.pid)
     dead.wait()
-    with cores.claim(3, pid=dead.pid) as gone:
-        assert gone is not None and claims(ledger) == [gone.path.name]
-        assert cores.share(1) == cores.Share(threads=4, runs=1, ranks=1, cores=4)
-        assert claims(ledger) == []  # the reader swept it
+    ledger.mkdir(parents=True, exist_ok=True)
+    ledger.joinpath("gone.json").write_text(json.dumps({"pid": dead.pid, "pid_started": started, "ranks": 3}))
+    assert cores.share(1) == cores.Share(threads=4, runs=1, ranks=1, cores=4)
+    assert claims(ledger) == []  # the reader swept it
     # a recycled pid is not the claimant: a live pid whose start differs
     ledger.joinpath("recycled.json").write_text(json.dumps({"pid": os.getpid(), "pid_started": 1.0, "ranks": 2}))
     assert cores.share(1).threads == 4 and claims(ledger) == []
@@ -163,6 +231,8 @@ def test_two_real_launches_at_once_each_get_their_share(tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv(cores.ENV_SWITCH, raising=False)
     n = cores.usable_cores()
+    if n < 2:
+        pytest.skip("two runs of one rank each queue on one core")
     marks = [str(tmp_path / "a.seen"), str(tmp_path / "b.seen")]
     out: dict[str, list[str]] = {"a": [], "b": []}
     errors = []

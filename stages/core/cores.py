@@ -148,7 +148,8 @@ def share(ranks: int = 0, claim_id: str | None = None, folder: Path | None = Non
     cores, others = usable_cores(), []
     if enabled(env):
         try:
-            others = [c for c in live_claims(folder or ledger_dir(env)) if c["id"] != claim_id]
+            others = [c for c in live_claims(folder or ledger_dir(env))
+                      if c["id"] != claim_id and not c.get("waiting")]
         except OSError:
             others = []
     total = ranks + sum(c["ranks"] for c in others)
@@ -166,30 +167,80 @@ def _locked(folder: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _write_claim(ranks: int, pid: int | None, env: Mapping[str, str] | None) -> Claim | None:
+def _write(made: Claim, record: dict) -> None:
+    tmp = made.folder / f".{made.id}.tmp"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, made.path)  # a reader sees the whole claim or none
+
+
+def _write_claim(ranks: int, pid: int | None, env: Mapping[str, str] | None) -> tuple[Claim, dict] | None:
+    """A claim in the queue (`waiting`): counted by no one's share until `_admitted` lets it run."""
     if not enabled(env):
         return None
     pid = os.getpid() if pid is None else pid
     try:
         folder = ledger_dir(env)
         made = Claim(folder, f"{pid}-{uuid.uuid4().hex[:12]}", ranks)
-        record = {"pid": pid, "pid_started": _process_start(pid), "ranks": ranks, "started": time.time()}
+        record = {"pid": pid, "pid_started": _process_start(pid), "ranks": ranks, "started": time.time(),
+                  "waiting": True}
         with _locked(folder):
             live_claims(folder)  # sweeps the claims of dead processes
-            tmp = folder / f".{made.id}.tmp"
-            tmp.write_text(json.dumps(record))
-            os.replace(tmp, made.path)  # a reader sees the whole claim or none
-        return made
+            _write(made, record)
+        return made, record
     except OSError:
         return None
 
 
+def _admitted(made: Claim, record: dict) -> Share | None:
+    """Lets the claim run when its ranks fit beside the running ones (one thread per rank at least), or
+    nothing runs; the queue is first come, first served. None: not yet, the share it would get is
+    for the message."""
+    cores = usable_cores()
+    with _locked(made.folder):
+        others = [c for c in live_claims(made.folder) if c["id"] != made.id]
+        running = sum(c["ranks"] for c in others if not c.get("waiting"))
+        ahead = [c for c in others if c.get("waiting") and (c["started"], c["id"]) < (record["started"], made.id)]
+        if ahead or (running and running + made.ranks > cores):
+            return None
+        record["waiting"] = False
+        _write(made, record)
+    return share(made.ranks, made.id, made.folder)
+
+
 @contextmanager
-def claim(ranks: int, pid: int | None = None, env: Mapping[str, str] | None = None) -> Iterator[Claim | None]:
+def claim(ranks: int, pid: int | None = None, env: Mapping[str, str] | None = None,
+          on_wait: Callable[[str], object] = print, stop: Callable[[], bool] = lambda: False,
+          poll: float = 1.0, queue: bool = True) -> Iterator[Claim | None]:
     """`ranks` ranks on this machine for as long as the block runs, held by process `pid` (this one by
-    default); None when the ledger is off or its folder can't be written (then nothing is shared)."""
-    made = _write_claim(ranks, pid, env)
+    default); None when the ledger is off or its folder can't be written (then nothing is shared).
+
+    Runs queue when even one thread per rank would oversubscribe the cores (two demo trainings of 2
+    processes each on 2 cores): the block starts when the ranks of the runs going and its own fit, or
+    none is going, first come first served; `on_wait` hears once why it waits. `stop()` true while
+    waiting raises KeyboardInterrupt (the launcher's stop request). `queue=False` runs at once."""
+    queued = _write_claim(ranks, pid, env)
+    made = queued[0] if queued else None
     try:
+        said = False
+        while queued is not None:
+            if not queue:
+                queued[1]["waiting"] = False
+                _write(*queued)
+                break
+            try:
+                if _admitted(*queued) is not None:
+                    break
+            except OSError:  # the ledger went away: run unshared
+                break
+            if stop():
+                raise KeyboardInterrupt("stop requested")
+            if not said:
+                going = [c for c in live_claims(made.folder) if c["id"] != made.id and not c.get("waiting")]
+                on_wait(f"cores: waiting for {sum(c['ranks'] for c in going)} rank(s) of {len(going)} other "
+                        f"sftflow run(s) on this machine's {usable_cores()} core(s) to end before starting "
+                        f"{ranks} (SFTFLOW_CORES=off runs at once)")
+                said = True
+            time.sleep(poll)
         yield made
     finally:
         if made is not None:

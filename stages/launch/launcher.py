@@ -176,8 +176,12 @@ def run_torchrun(cmd: list[str], log_path: Path, error: type[StageError], what: 
     raises `error` with "<what> failed (...): <root cause>"."""
     if stop_requested():
         raise KeyboardInterrupt("stop requested")
-    # the tree's ranks are in the machine's ledger of cores from before they start until it has stopped
-    with open(log_path, "a", encoding="utf-8") as logf, cores.claim(nproc_per_node) as claim:
+    # the tree's ranks are in the machine's ledger of cores from before they start until it has stopped; a
+    # node of a multi-machine run never queues (the other nodes would wait for it at the rendezvous)
+    several_nodes = any(x.startswith("--nnodes=") and x != "--nnodes=1" for x in cmd)
+    with open(log_path, "a", encoding="utf-8") as logf, \
+            cores.claim(nproc_per_node, on_wait=lambda line: (logf.write(line + "\n"), on_line(line)),
+                        stop=stop_requested, queue=not several_nodes) as claim:
         # its own session (one killpg stops the tree); through orphan_guard it dies with us
         guarded = [cmd[0], "-m", "stages.launch.orphan_guard", *cmd[1:]] if cmd[0] == sys.executable else cmd
         child_env = {**worker_env(nproc_per_node, claim), **(env or {})}
