@@ -650,7 +650,10 @@ def deploy(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesA
            name: str = typer.Option("sftflow-retrain", "--name", help="deployment name"),
            cron: Optional[str] = typer.Option(None, "--cron", help='cron schedule, e.g. "0 3 * * *"'),
            interval: Optional[float] = typer.Option(None, "--interval", help="seconds between runs"),
-           allow_override: list[str] = typer.Option([], "--allow-override", help="as for `serve`; repeatable")) -> None:
+           allow_override: list[str] = typer.Option([], "--allow-override", help="as for `serve`; repeatable"),
+           on_data: bool = typer.Option(False, "--on-data", help="also run when `sftflow notify` says new data "
+                                        "arrived (a Prefect event), on whichever worker takes it"),
+           within: float = typer.Option(60, "--within", min=0, help="as for `serve --on-data`")) -> None:
     """Deploy the flow to a Prefect work pool: `prefect worker start --pool NAME` runs it (needs PREFECT_API_URL)."""
     p = _plan_or_exit(config, overrides)  # a config that can't plan here is not deployed
     for key in allow_override:
@@ -663,11 +666,13 @@ def deploy(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesA
     try:
         if ensure_work_pool(pool):
             console.print(f"created work pool '{pool}' (type process)")
-        deployment = deploy_flow(str(config), overrides or [], name, pool, cron, interval, allow_override)
+        deployment = deploy_flow(str(config), overrides or [], name, pool, cron, interval, allow_override,
+                                 p.cfg.registry.model_name if on_data else None, within)
     except Exception as e:  # noqa: BLE001 - the server's answer, in one line
         _fail(f"deploy failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}", code=1)
     console.print(f"deployed '{deployment}' to work pool '{pool}'; start a worker with "
-                  f"`prefect worker start --pool {pool}`, run it with `prefect deployment run '{deployment}'`")
+                  f"`prefect worker start --pool {pool}`, run it with `prefect deployment run '{deployment}'`"
+                  + (" or `sftflow notify`" if on_data else ""))
 
 
 @app.command("stop-server")

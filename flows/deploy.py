@@ -33,8 +33,12 @@ def ensure_work_pool(name: str) -> bool:
 
 
 def deploy(config_path: str, overrides: list[str], name: str, pool: str, cron: str | None = None,
-           interval: float | None = None, allow_overrides: list[str] | None = None) -> str:
-    """Deploys the flow to `pool` (created as a `process` pool if missing); returns `<flow>/<name>`."""
+           interval: float | None = None, allow_overrides: list[str] | None = None,
+           on_data: str | None = None, within_s: float = 60) -> str:
+    """Deploys the flow to `pool` (created as a `process` pool if missing); returns `<flow>/<name>`.
+    `on_data`: a model name whose arrivals (`sftflow notify`, flows/events.py) also start a run, as
+    `serve --on-data` does for a served deployment."""
+    from flows.events import arrival_trigger
     from prefect import flow as load_flow
 
     from stages.core.config import SERVE_PROTECTED
@@ -48,5 +52,5 @@ def deploy(config_path: str, overrides: list[str], name: str, pool: str, cron: s
         parameters={"config_path": config, "overrides": overrides, "workdir": os.getcwd()},
         job_variables={"env": {SERVED_CONFIG_ENV: config, PROTECTED_ENV: protected}},
         description="sftflow: prepare -> train -> evaluate -> register; cached stages are skipped",
-        print_next_steps=False)
+        triggers=[arrival_trigger(on_data, within_s)] if on_data else None, print_next_steps=False)
     return f"{remote.name}/{name}"

@@ -1,11 +1,12 @@
 """A team's setup, for real: `python -m flows.team up` (PostgreSQL holding Prefect's and MLflow's stores,
 `prefect server start`, `mlflow server`, a work pool, two `prefect worker start --limit 1` in working
-folders of their own, one shared artifacts folder), the demo config deployed with `sftflow deploy --pool`,
-three runs with different learning rates started at once, and what they leave: every flow run Completed,
-one prepare folder, three MLflow runs and versions 1-3, and the champion alias where the promotion rules
-put it. Skips, saying why, where PostgreSQL's binaries, its drivers or the `postgres` user are missing."""
+folders of their own, one shared artifacts folder), the demo config deployed with `sftflow deploy --pool
+--on-data`, two deployment runs, a run `sftflow notify` starts and a sweep on this machine, all at once,
+and what they leave: every flow run Completed, each stage computed once, versions without gaps or
+duplicates, and the champion alias where the promotion rules put it. Skips, saying why, where PostgreSQL's binaries, its drivers or the `postgres` user are missing."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -69,17 +70,58 @@ def wait_final(api: str, ids: list[str], seconds: float) -> dict[str, str]:
         time.sleep(2)
 
 
-def test_three_runs_at_once_on_two_workers(team):
+def champion_chain(artifacts: Path, client, versions: list) -> tuple[list[str], dict]:
+    """The versions that took the alias, in order, checked: registers promote one at a time, so they form
+    a chain (the first found no champion, each later one was compared with the one before it), the alias
+    is on its last, and every other version was held back as challenger."""
+    decisions = {}
+    for manifest in (artifacts / "register").glob("*/manifest.json"):
+        m = json.loads(manifest.read_text())["metrics"]
+        compared = {c["version"] for c in (m.get("vs_champion") or {}).values()}
+        decisions[str(m["version"])] = (m["alias_decision"], m["alias_reason"], compared)
+    assert sorted(decisions) == sorted(v.version for v in versions), decisions
+    took = {v for v, d in decisions.items() if d[0] == "champion"}
+    first = [v for v in took if decisions[v][1] == "no champion yet"]
+    assert len(first) == 1, decisions
+    chain = first
+    while nxt := [v for v in took if decisions[v][2] == {chain[-1]}]:
+        assert len(nxt) == 1, decisions
+        chain.append(nxt[0])
+    assert set(chain) == took, decisions
+    assert all(d[0] == "challenger" for v, d in decisions.items() if v not in took), decisions
+    aliases = client.get_registered_model("tiny-chat-sft").aliases
+    assert aliases["champion"] == chain[-1], (aliases, decisions)
+    return chain, decisions
+
+
+def test_deployment_runs_a_notify_and_a_sweep_at_once_on_two_workers(team):
+    """Two deployment runs (lr 3e-3, 1e-2), a run the arrival event of `sftflow notify` starts (the config's
+    lr, 6e-3) on the two workers, and on this machine, at the same time, a sweep of lr 3e-3 and 6e-3 two at
+    a time: trainings the others already do are waited for and reused, never computed twice."""
     root, api, mlflow_url = Path(team["root"]), team["prefect"]["api"], team["mlflow"]["url"]
+    env = {"PREFECT_API_URL": api, "PREFECT_HOME": str(root / "deployer")}
     t0 = time.time()
-    deployed = sftflow("deploy", "-c", team["config"], "--pool", team["pool"], "--name", "team", cwd=ROOT,
-                       env={"PREFECT_API_URL": api, "PREFECT_HOME": str(root / "deployer")}, fresh=True)
+    deployed = sftflow("deploy", "-c", team["config"], *SHORT, "--pool", team["pool"], "--name", "team",
+                       "--on-data", cwd=ROOT, env=env, fresh=True)
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
     deployment = api_call(api, "/deployments/name/sft_pipeline/team")["id"]
     # a flow run whose worker dies is set Crashed by this automation (bench/team_faults.py, scenario kill)
     assert [a["name"] for a in api_call(api, "/automations/filter", {})] == [ZOMBIE_AUTOMATION]
     ids = [api_call(api, f"/deployments/{deployment}/create_flow_run",
-                    {"parameters": {"overrides": [f"actor.optim.lr={lr}", *SHORT]}})["id"] for lr in LRS]
+                    {"parameters": {"overrides": [f"actor.optim.lr={lr}", *SHORT]}})["id"] for lr in ("3e-3", "1e-2")]
+    told = sftflow("notify", "-c", team["config"], cwd=ROOT, env=env)
+    assert told.returncode == 0, told.stdout + told.stderr
+    sweep = sftflow("sweep", "-c", team["config"], "actor.optim.lr=3e-3,6e-3", *SHORT, "--max-parallel", "2",
+                    cwd=root, env={**env, "PREFECT_HOME": str(root / "sweeper")}, timeout=900)
+    assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
+    deadline = time.time() + 120
+    while len(runs := api_call(api, "/flow_runs/filter",
+                               {"deployments": {"id": {"any_": [deployment]}}})) < 3 and time.time() < deadline:
+        time.sleep(2)
+    started = [r for r in runs if r["id"] not in ids]
+    assert len(started) == 1, [(r["name"], r["parameters"]) for r in runs]  # the event's run, one
+    assert started[0]["parameters"]["overrides"] == SHORT  # the deployment's own parameters
+    ids.append(started[0]["id"])
     states = wait_final(api, ids, 600)
     elapsed = time.time() - t0
     logs = "\n".join(p.read_text()[-3000:] for p in sorted((root / "logs").glob("worker-*.log")))
@@ -92,37 +134,25 @@ def test_three_runs_at_once_on_two_workers(team):
         took_runs.append({i for i in ids if i in text and f"Aborted submission of flow run '{i}'" not in text})
     assert len(took_runs) == 2 and all(took_runs) and set().union(*took_runs) == set(ids), took_runs
 
+    # every stage computed once: one data preparation, one baseline, one training per learning rate (five
+    # runs asked for four trainings of two learning rates and one each of the third), nothing half-built
     artifacts = root / "artifacts"
-    prepared = [d for d in (artifacts / "prepare").iterdir() if (d / "manifest.json").is_file()]
-    assert len(prepared) == 1, prepared  # three runs, one data preparation
-    assert len([d for d in (artifacts / "train").iterdir() if (d / "manifest.json").is_file()]) == 3
+    for stage, n in (("prepare", 1), ("baseline", 1), ("train", 3)):
+        done = [d for d in (artifacts / stage).iterdir() if (d / "manifest.json").is_file()]
+        assert len(done) == n, (stage, done)
+        assert not list((artifacts / stage).glob(".*.partial")), stage
+    for folder in (artifacts / "train").glob("[!.]*"):
+        log = (folder / "train.log").read_text()
+        assert log.count("resumed from") == 0 and len(re.findall(r"training \d+ steps", log)) <= 1, folder
 
     from mlflow.tracking import MlflowClient
     client = MlflowClient(mlflow_url)
     versions = client.search_model_versions("name='tiny-chat-sft'")
-    assert sorted(int(v.version) for v in versions) == [1, 2, 3]  # no gap, no duplicate
-    lrs = {client.get_run(v.run_id).data.params["actor.optim.lr"] for v in versions}
-    assert len({v.run_id for v in versions}) == 3 and {float(x) for x in lrs} == {float(x) for x in LRS}, lrs
-
-    # The champion where the rules put it: registers promote one at a time, so the versions that took the alias
-    # form a chain: the first found no champion, each later one was compared with the one before it; the
-    # alias is on the chain's last; every other version was held back as challenger.
-    decisions = {}
-    for manifest in (artifacts / "register").glob("*/manifest.json"):
-        m = json.loads(manifest.read_text())["metrics"]
-        compared = {c["version"] for c in (m.get("vs_champion") or {}).values()}
-        decisions[str(m["version"])] = (m["alias_decision"], m["alias_reason"], compared)
-    assert sorted(decisions) == ["1", "2", "3"], decisions
-    took = {v for v, d in decisions.items() if d[0] == "champion"}
-    first = [v for v in took if decisions[v][1] == "no champion yet"]
-    assert len(first) == 1, decisions
-    chain = first
-    while nxt := [v for v in took if decisions[v][2] == {chain[-1]}]:
-        assert len(nxt) == 1, decisions
-        chain.append(nxt[0])
-    assert set(chain) == took, decisions
-    assert all(d[0] == "challenger" for v, d in decisions.items() if v not in took), decisions
-    aliases = client.get_registered_model("tiny-chat-sft").aliases
-    assert aliases["champion"] == chain[-1], (aliases, decisions)
+    numbers = sorted(int(v.version) for v in versions)
+    assert numbers == list(range(1, len(numbers) + 1)) and len(numbers) >= 3, numbers  # no gap, no duplicate
+    lrs = [float(client.get_run(v.run_id).data.params["actor.optim.lr"]) for v in versions]
+    assert len({v.run_id for v in versions}) == len(versions) and set(lrs) == {3e-3, 1e-2, 6e-3}, lrs
+    chain, decisions = champion_chain(artifacts, client, versions)
     assert not client.search_registered_models("name LIKE '%promotion-lock%'")  # every lock released
-    print(f"3 runs on 2 workers: {elapsed:.0f} s after deploy; champion chain {chain}; {decisions}")
+    print(f"2 deployment runs + 1 notify run on 2 workers and a 2-trial sweep here: {elapsed:.0f} s after deploy; "
+          f"versions {numbers}; champion chain {chain}; {decisions}")
