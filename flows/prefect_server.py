@@ -37,6 +37,8 @@ from typing import Callable, Iterator
 import psutil
 from filelock import FileLock
 
+from flows import prefect_database
+
 KEEP_ENV = "SFTFLOW_KEEP_SERVER"
 DEFAULT_KEEP_S = 600.0
 # Set by the CLI around a server that has no UI (a temporary one): links to its pages would be dead.
@@ -187,6 +189,9 @@ def local_server(host: str, port: int, home: Path, log_path: Path, timeout: floa
     home.mkdir(parents=True, exist_ok=True)
     cmd, env = _server_command(host, port, home, ui)
     with FileLock(str(home / "server-start.lock")):
+        # a new home starts from the database an earlier server of this Prefect version built (its
+        # migrations are most of a first call's server start); a server that builds one leaves it
+        building = not (home / prefect_database.DATABASE).exists() and not prefect_database.seed(home, env)
         with open(log_path, "a") as log:
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                     cwd=str(Path(__file__).resolve().parents[1]))
@@ -200,6 +205,8 @@ def local_server(host: str, port: int, home: Path, log_path: Path, timeout: floa
         except BaseException:
             _stop(proc)
             raise
+        if building:
+            prefect_database.keep_template(home, env)
     marker = home / RUNNING_SERVER
     before = _marker(home) if shared else None  # a kept server's, announced again once this one stops
     ours = {"api": api, "pid": proc.pid}

@@ -37,8 +37,10 @@ os.environ["SFTFLOW_KEEP_SERVER"] = "0"
 os.environ.pop("PREFECT_API_URL", None)
 # The machine's ledger of cores (stages/core/cores.py) would let the other pytest worker's trainings change
 # this one's threads mid-run, and with them the order of float additions: each worker has a ledger of its
-# own (tests/test_cores.py tests the shared one).
-os.environ.setdefault("SFTFLOW_CORES_DIR", tempfile.mkdtemp(prefix="sftflow-cores-"))
+# own (tests/test_cores.py tests the shared one). Set in every worker, not by default: xdist's workers
+# inherit the environment of the process that started them, which imported this file first.
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+os.environ["SFTFLOW_CORES_DIR"] = tempfile.mkdtemp(prefix=f"sftflow-cores-{_worker}-")
 
 # Hypothesis profiles (tests/test_masking.py, tests/test_shapes.py). `ci`: derandomized, so a CI run
 # explores the same examples every time and a red build is the code's doing, never the draw's; no

@@ -49,8 +49,11 @@ def _claim_in_thread(ranks: int, events: list, **kw) -> threading.Thread:
     """claim(ranks) in a thread that records when it was let in and holds it until `events` gets "release"."""
     def body():
         try:
-            with cores.claim(ranks, on_wait=lambda line: events.append(("waits", ranks, line)), poll=0.02, **kw):
+            with cores.claim(ranks, on_wait=lambda line: events.append(("waits", ranks, line)), poll=0.02, **kw) as c:
+                running = sorted(x["ranks"] for x in cores.live_claims(c.folder) if x["id"] != c.id
+                                 and not x.get("waiting"))
                 events.append(("runs", ranks))
+                events.append(("beside", ranks, running))  # the other runs going when it was let in
                 while ("release", ranks) not in events:
                     time.sleep(0.01)
         except KeyboardInterrupt:
@@ -84,7 +87,8 @@ def test_runs_that_would_oversubscribe_queue_first_come_first_served(ledger):
                             "to end before starting 2 (SFTFLOW_CORES=off runs at once)")
         assert cores.share(3, big.id).threads == 1  # queued claims take no one's cores
     _until(lambda: ("runs", 2) in events and ("runs", 1) in events)
-    assert events.index(("runs", 2)) < events.index(("runs", 1))
+    beside = {e[1]: e[2] for e in events if e[0] == "beside"}
+    assert beside == {2: [], 1: [2]}, events  # the run of 2 first (the 3 had ended), the 1 beside it
     assert cores.share(0).ranks == 3  # 2 + 1 running together
     events += [("release", 2), ("release", 1)]
     two.join(10)

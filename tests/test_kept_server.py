@@ -265,17 +265,32 @@ def _flow_run_count(db) -> int:
 
 
 def test_a_users_first_call_builds_the_database_that_test_homes_start_from(tmp_path):
-    """A call on the config's own Prefect home (a user's first call: nothing seeds it) has its server
-    build the database, block types included; its schema and migration are those of the copy the
-    suite's homes start from, so tests run on the database users get. A seeded home's server runs
-    on the copy (its block types, not new ones) and records the run in it."""
+    """A call on the config's own Prefect home on a machine with no copy yet (a user's very first call:
+    nothing seeds it) has its server build the database, block types included, and leaves a copy in the
+    user's cache (flows/prefect_database.py); its schema and migration are those of the copy the suite's
+    homes start from, so tests run on the database users get. A call in a new artifacts folder then
+    starts from the cache's copy (its block types, not new ones), and a seeded test home's server from
+    the suite's; each records its run in it."""
+    from flows.prefect_database import DATABASE
+    cache = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
     cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path))
-    first = sftflow("stage", "prepare", "-c", str(cfg_path), cwd=tmp_path, env={"PREFECT_HOME": None})
+    first = sftflow("stage", "prepare", "-c", str(cfg_path), cwd=tmp_path, env={"PREFECT_HOME": None, **cache})
     assert first.returncode == 0, first.stderr[-3000:]
     built = tmp_path / "artifacts" / ".prefect" / PREFECT_DATABASE
     assert _schema(built) == _schema(prefect_database()) and _flow_run_count(built) == 1
     assert _block_type_ids(built) and _block_type_ids(built).isdisjoint(_block_type_ids(prefect_database())), \
         "built by its own server, not a copy"
+    kept = list((tmp_path / "cache" / "sftflow").glob("prefect-*.db"))
+    assert len(kept) == 1 and _block_type_ids(kept[0]) == _block_type_ids(built) and _flow_run_count(kept[0]) == 0
+
+    other = tmp_path / "other"
+    other.mkdir()
+    cfg_other = write_config(other, tiny_config_dict(other))
+    copied = sftflow("stage", "prepare", "-c", str(cfg_other), cwd=other, env={"PREFECT_HOME": None, **cache})
+    assert copied.returncode == 0, copied.stderr[-3000:]
+    db = other / "artifacts" / ".prefect" / DATABASE
+    assert _block_type_ids(db) == _block_type_ids(built) and _flow_run_count(db) == 1
+    assert _flow_run_count(kept[0]) == 0  # the copy's run went into the copy
 
     again = sftflow("stage", "prepare", "-c", str(cfg_path), "--force", cwd=tmp_path)  # a new home: seeded
     assert again.returncode == 0, again.stderr[-3000:]

@@ -48,7 +48,7 @@ def deployed(tmp_path_factory, prefect_api_module):
     raw["artifacts_dir"] = "artifacts"  # relative: resolved against the folder `deploy` ran in
     cfg_path = write_config(tmp, raw)
     pool, name = f"pool-{uuid.uuid4().hex[:6]}", "retrain"
-    proc = sftflow("deploy", "-c", str(cfg_path), "--pool", pool, "--name", name, cwd=tmp)
+    proc = sftflow("deploy", "-c", str(cfg_path), "--pool", pool, "--name", name, "--on-data", cwd=tmp)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     env = {**os.environ, "PREFECT_HOME": str(tmp / "worker-home")}
     worker = subprocess.Popen([str(Path(sys.executable).with_name("prefect")), "worker", "start", "--pool", pool,
@@ -85,6 +85,22 @@ def test_a_worker_runs_the_deployment_and_a_second_run_is_all_cache_hits(deploye
     done = wait_until(lambda: (r := flow_run(second.id)).state.is_final() and r, 300, "the second run")
     assert done.state.is_completed() and done.tags[0] == "cached"
     assert len(versions(tmp)) == 1
+
+
+def test_deploy_on_data_makes_notify_start_a_run_of_the_pool_deployment(deployed):
+    """`deploy --on-data` gives the work-pool deployment the arrival trigger `serve --on-data` gives a served
+    one: Prefect holds it as an automation that runs this deployment on `sftflow.data.arrived` for the model."""
+    from prefect.client.orchestration import get_client
+    tmp, deployment = deployed
+    with get_client(sync_client=True) as client:
+        dep = client.read_deployment_by_name(deployment)
+        automations = [a for a in client.read_automations()
+                       if any(getattr(act, "deployment_id", None) == dep.id for act in a.actions)]
+    assert len(automations) == 1, automations
+    trig = automations[0].trigger
+    assert trig.expect == {"sftflow.data.arrived"} and trig.threshold == 1
+    match = getattr(trig.match, "root", trig.match)
+    assert match["prefect.resource.id"] == "sftflow.data.test-model"
 
 
 def test_cancelling_a_run_through_the_api_stops_torchrun_on_the_worker(deployed):

@@ -21,13 +21,11 @@ import time
 from contextlib import closing
 from pathlib import Path
 
+from stages.core.user_cache import cache_dir
+
 __fingerprint__ = False  # how the tracking store is made never changes a stage folder
 
 DEFAULT_EXPERIMENT_ID = 0  # MLflow's SqlAlchemyStore.DEFAULT_EXPERIMENT_ID
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sftflow"
 
 
 def template_path() -> Path:
