@@ -314,6 +314,10 @@ EDITS = {
     "tracking/live.py": {"register"},   # live metrics never change a trained model
     "tracking/run.py": {"register"},
     "core/config.py": {"register"},     # the schema's values are hashed as data
+    "core/config_fields.py": {"register"},  # the config's sections, split by part of the config
+    "core/actor_config.py": {"register"},
+    "core/data_config.py": {"register"},
+    "core/eval_config.py": {"register"},
 }
 ENTRIES = ("prepare", "train", "evaluate", "register", "models.builtin")
 

