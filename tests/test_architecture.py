@@ -225,7 +225,7 @@ FLOWS_MAY_IMPORT_LAZILY = {
     "stages.retention": "`sftflow gc` and the policy after a flow run: what is kept, what is freed",
 }
 # The lazy imports that load torch, and the only functions they may be in.
-FLOWS_TORCH_IMPORTS = {"stages.inference.generation": {("cli.py", "chat")}}
+FLOWS_TORCH_IMPORTS = {"stages.inference.generation": {("cli_registry.py", "chat")}}
 
 
 def _allowed(module: str, allowed) -> bool:
