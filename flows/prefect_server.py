@@ -396,6 +396,8 @@ def _start_ui_server(home: Path, port: int, deadline: float, tries: int = 3) -> 
     ui`, open while it runs), and its API URL. The UI is given that URL when it starts, so the port
     is picked before (not `--port 0`), and another process may take it first: the server then exits
     at once ("Port N is already in use") and is started again on another free port."""
+    # start_kept_server holds the home's start lock meanwhile: seeding it is as safe as in local_server
+    building = not (home / prefect_database.DATABASE).exists() and not prefect_database.seed(home, os.environ)
     for attempt in range(tries):
         api = f"http://127.0.0.1:{port}/api"
         cmd, env = _server_command("127.0.0.1", port, home, ui=True)
@@ -410,6 +412,8 @@ def _start_ui_server(home: Path, port: int, deadline: float, tries: int = 3) -> 
                 raise
         else:
             if listening_port(proc.pid) == port:  # not another process's server answering on it
+                if building:
+                    prefect_database.keep_template(home, env)
                 return proc, api
             _stop(proc)
             if attempt == tries - 1:
