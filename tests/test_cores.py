@@ -265,3 +265,21 @@ def test_two_real_launches_at_once_each_get_their_share(tmp_path, monkeypatch):
         assert a["started"] == n
         assert a["said"] == [f"threads: {n} -> {max(1, n // 2)} per rank (2 sftflow runs, 2 ranks, on {n} cores)"]
     assert list((tmp_path / "cores").glob("*.json")) == []
+
+
+def test_an_evaluation_in_this_process_claims_one_rank_and_takes_its_share(ledger, monkeypatch):
+    """Evaluation with one process runs in the stage's own process: it claims like a launch of one rank,
+    runs on min(its threads, its share) and gives its threads back; alone it keeps what it has."""
+    calls: list[int] = []
+    with cores.in_this_process(calls.append, 4) as threads:
+        assert threads == 4 and calls == [] and len(claims(ledger)) == 1  # alone: unchanged
+    assert claims(ledger) == []
+    with cores.claim(1):
+        with cores.in_this_process(calls.append, 4) as threads:
+            assert threads == 2 and calls == [2] and len(claims(ledger)) == 2
+        assert calls == [2, 4]  # restored
+        with cores.in_this_process(calls.append, 1) as threads:  # never more than it had
+            assert threads == 1 and calls == [2, 4]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    with cores.claim(1), cores.in_this_process(calls.append, 4) as threads:
+        assert threads == 4 and calls == [2, 4] and len(claims(ledger)) == 1  # the user's count: no claim

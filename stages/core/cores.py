@@ -247,6 +247,28 @@ def claim(ranks: int, pid: int | None = None, env: Mapping[str, str] | None = No
             made.path.unlink(missing_ok=True)
 
 
+@contextmanager
+def in_this_process(apply: Callable[[int], object], current: int, on_wait: Callable[[str], object] = print,
+                    env: Mapping[str, str] | None = None) -> Iterator[int]:
+    """One rank's work done in the calling process (an evaluation of one process, which runs in the
+    stage's own process): claimed like a launch of one rank, queued like one, and run on
+    `min(current, its share)` threads (`apply`: torch.set_num_threads), restored afterwards. Alone on the
+    machine it keeps the threads it has. A user's OMP_NUM_THREADS wins; the ledger off changes nothing."""
+    env = os.environ if env is None else env
+    if "OMP_NUM_THREADS" in env or not enabled(env):
+        yield current
+        return
+    with claim(1, on_wait=on_wait, env=env) as made:
+        threads = min(current, share(1, made.id if made else None, env=env).threads)
+        if threads != current:
+            apply(threads)
+        try:
+            yield threads
+        finally:
+            if threads != current:
+                apply(current)
+
+
 class Follower:
     """A rank's threads, kept at its share of the machine: `poll` between optimizer steps re-reads the
     ledger at most every `min_interval` seconds and, when the share changed, applies it (`apply`:

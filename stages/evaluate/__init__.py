@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from stages.chatdata.shards import count_rows
+from stages.core import cores
 from stages.core.artifacts import StageBuild, canonical_json, read_manifest, sha256_text
 from stages.core.config import SFTConfig
 from stages.core.narrow import with_sets
@@ -107,8 +108,11 @@ def _score(cfg: SFTConfig, out: Path, base_model: str, model: dict, prepare_dir:
     spec_path = out / "spec.json"
     spec_path.write_text(spec.model_dump_json(indent=2))
     if cfg.actor.world_size == 1:
+        import torch
+
         from .runner import evaluate_spec
-        with _IN_PROCESS:
+        # the machine's cores are shared with the other sftflow runs on it, as a launch's are
+        with _IN_PROCESS, cores.in_this_process(torch.set_num_threads, torch.get_num_threads(), on_line):
             evaluate_spec(spec)
     else:
         run_torchrun(torchrun_command(cfg, spec_path, module="stages.evaluate"), out / "eval.log",
