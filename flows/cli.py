@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -29,7 +30,7 @@ from stages.core.quarantine import note as quarantine_note
 from stages.evaluate.report import COLUMNS, table_cells
 from stages.launch.launcher import request_stop, stop_requested
 from stages.pipeline import (KEY_METRIC, STAGES, Plan, check_launch, check_memory, launch_report, replay_file,
-                             require_upstream, train_memory, upstream)
+                             require_upstream, train_memory, upstream, warm_imports)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
@@ -139,7 +140,7 @@ def run(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
         _fail("eval.model is for `sftflow stage evaluate --model`: the flow registers the model it trains")
     _check_launch(p)
     _prefect_home(p.cfg)
-    with _on_prefect("flows.sft", "sft_pipeline") as sft_pipeline:
+    with _on_prefect("flows.sft", "sft_pipeline", warm=partial(warm_imports, p)) as sft_pipeline:
         results = sft_pipeline(config_path=str(config), overrides=overrides or [], force=force, planned=p.to_dict())
     _summary(results)
 
@@ -177,7 +178,7 @@ def stage(name: str = typer.Argument(..., help="replay | prepare | prepare_eval 
     if name == "train":
         _check_launch(p)
     _prefect_home(p.cfg)
-    with _on_prefect("flows.sft", "sft_stage") as sft_stage:
+    with _on_prefect("flows.sft", "sft_stage", warm=partial(warm_imports, p)) as sft_stage:
         results = sft_stage(stage=name, config_path=str(config), overrides=overrides or [], force=force,
                             with_upstream=with_upstream, planned=p.to_dict())
     _summary(results, scored=model or "tuned")

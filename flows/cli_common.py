@@ -74,15 +74,20 @@ def _say(message: str) -> None:
 
 
 @contextmanager
-def _on_prefect(module: str, name: str) -> Iterator[Callable]:
+def _on_prefect(module: str, name: str, warm: Callable[[], object] | None = None) -> Iterator[Callable]:
     """The flow `module.name`, to be called on the Prefect API `prefect_api` picks (PREFECT_API_URL,
     else a local server on PREFECT_HOME: flows/prefect_server.py); its failure ends as one line
     (Prefect's log above has the details). Importing the flow (Prefect: seconds) happens while a
-    server starts rather than before it."""
+    server starts rather than before it, and so does `warm` (the imports of the stages the run computes)."""
     def load_flow() -> Callable:
         return getattr(importlib.import_module(module), name)
+
+    def meanwhile() -> None:
+        load_flow()
+        if warm is not None:
+            warm()
     try:
-        with prefect_api(Path(os.environ["PREFECT_HOME"]), meanwhile=load_flow, say=_say):
+        with prefect_api(Path(os.environ["PREFECT_HOME"]), meanwhile=meanwhile, say=_say):
             flow = load_flow()
             try:
                 yield flow

@@ -34,7 +34,7 @@ from stages.core.errors import ConfigError, DataError
 from stages.core.process_env import apply_process_policy
 from stages.evaluate.report import COLUMNS, table_cells
 from stages.launch.launcher import request_stop
-from stages.pipeline import KEY_METRIC, STAGES, UPSTREAM, Plan, plan, requires, run_stage, upstream
+from stages.pipeline import KEY_METRIC, STAGES, UPSTREAM, Plan, launch_ahead, plan, requires, run_stage, upstream
 
 
 def tell_torchrun_on_sigterm() -> None:
@@ -473,12 +473,13 @@ def sft_pipeline(config_path: str | None = None, overrides: list[str] | None = N
     _name_flow_run(p, config_path)
     forced = set(force or [])
     results, states = [], {}
-    for stage in p.stages:
-        # forcing a stage changes nothing upstream but redoes everything downstream of it
-        redo = stage in forced or any(u in forced for u in UPSTREAM[stage])
-        results.append(run_stage_task(stage, p, redo, states))
-        if redo:
-            forced.add(stage)
+    with launch_ahead(p, forced=set(forced)):
+        for stage in p.stages:
+            # forcing a stage changes nothing upstream but redoes everything downstream of it
+            redo = stage in forced or any(u in forced for u in UPSTREAM[stage])
+            results.append(run_stage_task(stage, p, redo, states))
+            if redo:
+                forced.add(stage)
     _publish_summary(results)
     _publish_versions(p, results)
     _tag_flow_run(p, results, config_path)
@@ -509,11 +510,11 @@ def sft_stage(stage: str, config_path: str | None = None, overrides: list[str] |
         raise ConfigError(f"this config has no {stage} stage (stages: {', '.join(p.stages)})")
     _name_flow_run(p, config_path, stage)
     results, states = [], {}
-    if with_upstream:
-        needed = requires(p, stage)  # evaluate --model needs no training
+    needed = requires(p, stage) if with_upstream else set()  # evaluate --model needs no training
+    with launch_ahead(p, runs=needed | {stage}, forced={stage} if force else set()):
         for up in (s for s in p.stages if s in needed):
             results.append(run_stage_task(up, p, False, states))
-    results.append(run_stage_task(stage, p, force, states))
+        results.append(run_stage_task(stage, p, force, states))
     _publish_summary(results)
     _publish_versions(p, results)
     _tag_flow_run(p, results, config_path, stage)

@@ -20,10 +20,11 @@ unset, `registry.promote` is `if_better` and the registry has one that another t
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from .core.artifacts import (StageResult, cached_result, damage, deferred_digest_memos, fingerprint, input_digest,
                              is_complete, stage_dir, stage_lock)
@@ -39,6 +40,7 @@ from .models.base import model_config_json, model_fingerprint, resolve_model
 from .models.refs import eval_model_identity
 from .models.start import KEY as KEY_INIT_FROM
 from .models.start import caught_up, rehearsal, resolve_start, start_folder, start_tag
+from .launch.launcher import start_ahead
 from .planning import memory_plan
 from .inference.harness import chosen, lm_eval_version, resolve_task
 from .tracking.registry import REGISTRY_PREFIX, current_champion, version_state
@@ -645,6 +647,47 @@ def evaluate_call(p: Plan, stage: str, dirs: dict, on_line: Callable[[str], None
 def register_call(p: Plan, stage: str, dirs: dict, on_line: Callable[[str], None], tags: dict | None):
     from .register import run_register
     return partial(run_register, p.cfg, p.fingerprints[stage], p.lineage(dirs, tags))
+
+
+def warm_imports(p: Plan) -> None:
+    """Imports now the libraries the stages this plan computes import first in this process (torch,
+    transformers and the model's modeling code to build a builtin model and tokenize; MLflow's SQL store):
+    seconds on a cold interpreter, which a caller with time to spare (the CLI while a Prefect server
+    starts) spends here instead of on the run's path. A fully cached plan imports nothing."""
+    import importlib
+    if all(p.status(s) == "complete" for s in p.stages):
+        return
+    found = model_config_json(p.cfg, p.fingerprints["models"])
+    model_type = found[0].get("model_type") if found else None
+    names = ["torch", "transformers.models.auto.tokenization_auto", "transformers.models.auto.modeling_auto",
+             "mlflow.store.tracking.sqlalchemy_store"]
+    if model_type and model_type.isidentifier():
+        names.append(f"transformers.models.{model_type}.modeling_{model_type}")
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the stage that needs it imports it again and says why
+            pass
+
+
+@contextmanager
+def launch_ahead(p: Plan, runs: set[str] | None = None,
+                 forced: set[str] | frozenset[str] = frozenset()) -> Iterator[None]:
+    """Around a flow's stages (`runs`: those it may run, default all): when they will train on one process
+    of this machine (train not complete, or forced, or downstream of a forced stage), its rank starts now
+    and imports while the stages before train run (launch/ahead.py); stopped at the end if no launch took it."""
+    trains = "train" in p.stages and "train" in (p.stages if runs is None else runs)
+    redo = trains and (p.status("train") != "complete" or bool(forced & ({"train"} | requires(p, "train"))))
+    handle = None
+    if redo and not p.cfg.actor.worker:  # a custom worker's imports are its own
+        from .train import warm_modules
+        found = model_config_json(p.cfg, p.fingerprints["models"])
+        handle = start_ahead(p.cfg, warm_modules(found[0].get("model_type") if found else None))
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.close()
 
 
 def run_stage(p: Plan, stage: str, force: bool = False, on_line: Callable[[str], None] = print,

@@ -1,5 +1,7 @@
+import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,6 +43,7 @@ os.environ.pop("PREFECT_API_URL", None)
 # inherit the environment of the process that started them, which imported this file first.
 _worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
 os.environ["SFTFLOW_CORES_DIR"] = tempfile.mkdtemp(prefix=f"sftflow-cores-{_worker}-")
+atexit.register(shutil.rmtree, os.environ["SFTFLOW_CORES_DIR"], True)  # a worker leaves no ledger in /tmp
 
 # Hypothesis profiles (tests/test_masking.py, tests/test_shapes.py). `ci`: derandomized, so a CI run
 # explores the same examples every time and a red build is the code's doing, never the draw's; no
@@ -322,7 +325,6 @@ def prefect_database() -> Path:
 
 def seed_prefect_home(home: Path) -> Path:
     """`home`, made, with a copy of `prefect_database()` unless it has a database already; the copy."""
-    import shutil
     home.mkdir(parents=True, exist_ok=True)
     db = home / PREFECT_DATABASE
     if not db.exists():

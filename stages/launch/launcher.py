@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from stages.core import cores
+from stages.launch import ahead
 from stages.core.config import SFTConfig
 from stages.core.errors import ConfigError, StageError
 from stages.core.process_env import apply_process_policy
@@ -37,7 +38,7 @@ def torchrun_command(cfg: SFTConfig, spec_path: Path, module: str) -> list[str]:
     a = cfg.actor
     nproc = f"--nproc_per_node={a.nproc_per_node}"
     logs = f"--log-dir={elastic_dir(spec_path)}"
-    if a.nnodes == 1 and not a.rdzv_endpoint and a.nproc_per_node == 1:
+    if one_process(cfg):
         # one process: it is the rank itself, no agent to start (one_process.py)
         cmd = [sys.executable, "-m", "stages.launch.one_process", logs]
     elif a.nnodes == 1 and not a.rdzv_endpoint:
@@ -49,6 +50,18 @@ def torchrun_command(cfg: SFTConfig, spec_path: Path, module: str) -> list[str]:
                f"--node_rank={a.node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={a.rdzv_endpoint}",
                f"--rdzv-id=sftflow-{spec_path.parent.name}"]
     return cmd + ["-m", module, str(spec_path)]
+
+
+def one_process(cfg: SFTConfig) -> bool:
+    """Whether this node's ranks are a single process that `one_process` runs without an agent."""
+    a = cfg.actor
+    return a.nnodes == 1 and not a.rdzv_endpoint and a.nproc_per_node == 1
+
+
+def start_ahead(cfg: SFTConfig, warm: list[str]) -> ahead.Ahead | None:
+    """For a config trained on one process: its rank, started now, importing `warm` (ahead.py) until
+    `run_torchrun` takes it; None for any other launch."""
+    return ahead.start(worker_env(1), warm) if one_process(cfg) else None
 
 
 def elastic_dir(spec_path: Path) -> Path:
@@ -187,8 +200,12 @@ def run_torchrun(cmd: list[str], log_path: Path, error: type[StageError], what: 
         child_env = {**worker_env(nproc_per_node, claim), **(env or {})}
         if "OMP_NUM_THREADS" in (env or {}):  # the caller's own count: kept
             child_env.pop(cores.ENV_CLAIM, None)
-        proc = subprocess.Popen(guarded, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                env=child_env, start_new_session=True)
+        proc = ahead.take(guarded, child_env)
+        if proc is not None:  # in the log only: the run's output is the same either way
+            logf.write(f"launch: the rank (pid {proc.pid}) was started ahead of the stage (launch/ahead.py)\n")
+        else:
+            proc = subprocess.Popen(guarded, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, bufsize=1, env=child_env, start_new_session=True)
         lines: list[str] = []
         _running.add(proc)
         try:

@@ -1,0 +1,130 @@
+"""A one-process rank started ahead: its interpreter imports torch, transformers and the loop while
+the flow still prepares data, scores the baseline and opens the MLflow run, then waits for its command.
+
+A run of one process (`one_process.py`) spends 4-5 s of a short run importing before its first step;
+the flow knows at its start that it will train (the plan), so that time can overlap the stages before
+train instead of following them. The launcher takes the waiting process when it starts the rank
+(`take`), sends it the command line and the environment, and from then on it is the rank exactly as a
+fresh `python -m stages.launch.one_process ...` would be: the same session of its own, the same
+parent-death guard, output on the same pipe, the same command after `-m`.
+
+Only what a library reads while it is imported must already be right when it waits: the environment is
+compared, except for the variables the rank reads when it runs (`RUN_TIME_ENV`: its share of the cores,
+its MLflow run). Any other difference, a process that ended, or SFTFLOW_LAUNCH_AHEAD=0: the launcher
+starts the rank fresh, and the waiting one is stopped. One that no launch takes is stopped when the flow
+ends (`Ahead.close`) or, at the latest, with this process (its parent-death guard).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+
+ENV_SWITCH = "SFTFLOW_LAUNCH_AHEAD"
+# Read by the rank when it runs, not by a module it imports while it waits, so they may differ from the
+# environment it was started with: its threads (set from OMP_NUM_THREADS once the command arrives), its
+# place in the ledger of cores and sftflow's other switches, MLflow's run and experiment (MLflow is not
+# imported ahead), and the compile cache folder torch writes into its caller's environment on first use.
+RUN_TIME_ENV = ("OMP_NUM_THREADS", "SFTFLOW_", "MLFLOW_", "TORCHINDUCTOR_CACHE_DIR")
+PREFIX = ("-m", "stages.launch.orphan_guard", "-m", "stages.launch.one_process")  # after sys.executable
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def _import_time(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if not k.startswith(RUN_TIME_ENV)}
+
+
+@dataclass
+class Ahead:
+    """One waiting rank: taken by a launch whose command and environment it fits, or closed."""
+
+    proc: subprocess.Popen
+    env: dict[str, str]
+    taken: bool = field(default=False)
+
+    def fits(self, cmd: list[str], env: dict[str, str]) -> bool:
+        return (cmd[:len(PREFIX) + 1] == [sys.executable, *PREFIX] and self.proc.poll() is None
+                and _import_time(env) == _import_time(self.env))
+
+    def close(self) -> None:
+        """Stops it unless a launch took it (then the launcher owns the process)."""
+        with _lock:
+            if self in _waiting:
+                _waiting.remove(self)
+        if not self.taken and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None and not self.taken:
+                pipe.close()
+
+    def __enter__(self) -> "Ahead":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+_lock = threading.Lock()
+_waiting: list[Ahead] = []
+
+
+def start(env: dict[str, str], warm: list[str]) -> Ahead | None:
+    """Starts a rank that imports the modules `warm` and waits; None when switched off."""
+    if not enabled():
+        return None
+    proc = subprocess.Popen([sys.executable, *PREFIX, "--ahead=" + ",".join(warm)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
+                            start_new_session=True)
+    ahead = Ahead(proc, dict(env))
+    with _lock:
+        _waiting.append(ahead)
+    return ahead
+
+
+def take(cmd: list[str], env: dict[str, str]) -> subprocess.Popen | None:
+    """A waiting rank that fits `cmd` (the guarded one-process command) and `env`, now running `cmd`;
+    None when none fits (the caller starts one)."""
+    with _lock:
+        ahead = next((a for a in _waiting if a.fits(cmd, env)), None)
+        if ahead is None:
+            return None
+        _waiting.remove(ahead)
+    try:
+        ahead.proc.stdin.write(json.dumps({"argv": cmd[len(PREFIX) + 1:], "env": env}) + "\n")
+        ahead.proc.stdin.close()
+    except OSError:  # it ended meanwhile: start one fresh
+        ahead.close()
+        return None
+    ahead.taken = True
+    return ahead.proc
+
+
+def wait_for_command(warm: list[str]) -> list[str]:
+    """In the waiting rank: imports `warm` (a failure is left for the real import to report), then
+    takes the command's arguments and environment from stdin; exits quietly when stdin ends first."""
+    import importlib
+    for name in warm:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the module the command runs imports it again and says why
+            pass
+    line = sys.stdin.readline()
+    if not line:
+        raise SystemExit(0)
+    call = json.loads(line)
+    null = os.open(os.devnull, os.O_RDONLY)  # the rank reads nothing: as the launcher's fresh ones
+    os.dup2(null, 0)
+    os.close(null)
+    os.environ.clear()
+    os.environ.update(call["env"])
+    if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    return call["argv"]
