@@ -25,12 +25,12 @@ from flows.cli_common import (RULE_WIDTH, ConfigOpt, OverridesArg, _fail, _on_pr
                               _say, console, err)
 from stages.core.config import ConfigError, SFTConfig, flatten
 from stages.core.errors import MissingUpstream, StageError
-from stages.core.process_env import apply_process_policy
+from stages.core.process_env import apply_process_policy, exit_without_full_collections
 from stages.core.quarantine import note as quarantine_note
 from stages.evaluate.report import COLUMNS, table_cells
 from stages.launch.launcher import request_stop, stop_requested
 from stages.pipeline import (KEY_METRIC, STAGES, Plan, check_launch, check_memory, launch_report, replay_file,
-                             require_upstream, train_memory, upstream, warm_imports)
+                             require_upstream, requires, train_memory, upstream, warm_imports)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
@@ -140,7 +140,7 @@ def run(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg,
         _fail("eval.model is for `sftflow stage evaluate --model`: the flow registers the model it trains")
     _check_launch(p)
     _prefect_home(p.cfg)
-    with _on_prefect("flows.sft", "sft_pipeline", warm=partial(warm_imports, p)) as sft_pipeline:
+    with _on_prefect("flows.sft", "sft_pipeline", warm=partial(warm_imports, p, forced=set(force))) as sft_pipeline:
         results = sft_pipeline(config_path=str(config), overrides=overrides or [], force=force, planned=p.to_dict())
     _summary(results)
 
@@ -178,7 +178,9 @@ def stage(name: str = typer.Argument(..., help="replay | prepare | prepare_eval 
     if name == "train":
         _check_launch(p)
     _prefect_home(p.cfg)
-    with _on_prefect("flows.sft", "sft_stage", warm=partial(warm_imports, p)) as sft_stage:
+    runs = {name, *(requires(p, name) if with_upstream else ())}
+    with _on_prefect("flows.sft", "sft_stage", warm=partial(warm_imports, p, runs, {name} if force else set())) \
+            as sft_stage:
         results = sft_stage(stage=name, config_path=str(config), overrides=overrides or [], force=force,
                             with_upstream=with_upstream, planned=p.to_dict())
     _summary(results, scored=model or "tuned")
@@ -278,6 +280,7 @@ def _stop(signum, frame) -> None:
 
 def main() -> None:
     import signal
+    exit_without_full_collections()
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
     try:
@@ -290,13 +293,6 @@ def main() -> None:
             err.print("interrupted")
             sys.exit(130)
         raise
-    finally:
-        # The process ends here: Python's finalization would then run full garbage collections over
-        # everything torch, transformers, Prefect and MLflow built (2-6 s on 2 cores, measured in
-        # docs/benchmarks.md "A run's fixed cost"). Frozen objects are left out of them; atexit handlers
-        # (Prefect's log and event flush, temporary files) still run, after this.
-        import gc
-        gc.freeze()
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from flows.prefect_server import TEMPORARY_SERVER_ENV
 from stages.core.quarantine import note as quarantine_note
 from stages.core.config import check_overrides_allowed, load_config
 from stages.core.errors import ConfigError, DataError
-from stages.core.process_env import apply_process_policy
+from stages.core.process_env import apply_process_policy, exit_without_full_collections
 from stages.evaluate.report import COLUMNS, table_cells
 from stages.launch.launcher import request_stop
 from stages.pipeline import KEY_METRIC, STAGES, UPSTREAM, Plan, launch_ahead, plan, requires, run_stage, upstream
@@ -112,6 +112,7 @@ def at_flow_start() -> None:
     """What a flow run needs of its process, done as each flow starts: a deployment's run starts in a
     process of its own that no CLI entry prepared, and importing this module changes nothing."""
     apply_process_policy(os.environ)
+    exit_without_full_collections()
     tell_torchrun_on_sigterm()
     for name in ("prefect.task_runs", "prefect.flow_runs"):
         logger = logging.getLogger(name)

@@ -649,16 +649,27 @@ def register_call(p: Plan, stage: str, dirs: dict, on_line: Callable[[str], None
     return partial(run_register, p.cfg, p.fingerprints[stage], p.lineage(dirs, tags))
 
 
-def warm_imports(p: Plan) -> None:
+def _trains_here(p: Plan, runs: set[str] | None = None, forced: set[str] | frozenset[str] = frozenset()) -> bool:
+    """Whether the stages `runs` (default all) of this plan train, and with sftflow's own worker (a custom
+    worker's imports are its own)."""
+    trains = "train" in p.stages and "train" in (p.stages if runs is None else runs) and not p.cfg.actor.worker
+    return trains and (p.status("train") != "complete" or bool(forced & ({"train"} | requires(p, "train"))))
+
+
+def warm_imports(p: Plan, runs: set[str] | None = None, forced: set[str] | frozenset[str] = frozenset()) -> None:
     """Imports now the libraries the stages this plan computes import first in this process (torch,
     transformers and the model's modeling code to build a builtin model and tokenize; MLflow's SQL store):
     seconds on a cold interpreter, which a caller with time to spare (the CLI while a Prefect server
-    starts) spends here instead of on the run's path. A fully cached plan imports nothing."""
+    starts) spends here instead of on the run's path. A fully cached plan imports nothing. `runs` and
+    `forced` as for `launch_ahead`."""
     import importlib
     if all(p.status(s) == "complete" for s in p.stages):
         return
     found = model_config_json(p.cfg, p.fingerprints["models"])
     model_type = found[0].get("model_type") if found else None
+    if _trains_here(p, runs, forced):  # its rank imports alongside: the flow's `launch_ahead` then finds it waiting
+        from .train import warm_modules
+        start_ahead(p.cfg, warm_modules(model_type))
     names = ["torch", "transformers.models.auto.tokenization_auto", "transformers.models.auto.modeling_auto",
              "mlflow.store.tracking.sqlalchemy_store"]
     if model_type and model_type.isidentifier():
@@ -676,10 +687,8 @@ def launch_ahead(p: Plan, runs: set[str] | None = None,
     """Around a flow's stages (`runs`: those it may run, default all): when they will train on one process
     of this machine (train not complete, or forced, or downstream of a forced stage), its rank starts now
     and imports while the stages before train run (launch/ahead.py); stopped at the end if no launch took it."""
-    trains = "train" in p.stages and "train" in (p.stages if runs is None else runs)
-    redo = trains and (p.status("train") != "complete" or bool(forced & ({"train"} | requires(p, "train"))))
     handle = None
-    if redo and not p.cfg.actor.worker:  # a custom worker's imports are its own
+    if _trains_here(p, runs, forced):
         from .train import warm_modules
         found = model_config_json(p.cfg, p.fingerprints["models"])
         handle = start_ahead(p.cfg, warm_modules(found[0].get("model_type") if found else None))

@@ -28,8 +28,9 @@ ENV_SWITCH = "SFTFLOW_LAUNCH_AHEAD"
 # Read by the rank when it runs, not by a module it imports while it waits, so they may differ from the
 # environment it was started with: its threads (set from OMP_NUM_THREADS once the command arrives), its
 # place in the ledger of cores and sftflow's other switches, MLflow's run and experiment (MLflow is not
-# imported ahead), and the compile cache folder torch writes into its caller's environment on first use.
-RUN_TIME_ENV = ("OMP_NUM_THREADS", "SFTFLOW_", "MLFLOW_", "TORCHINDUCTOR_CACHE_DIR")
+# imported ahead), Prefect's API (a rank never imports Prefect; the CLI may start the rank before its
+# server answers), and the compile cache folder torch writes into its caller's environment on first use.
+RUN_TIME_ENV = ("OMP_NUM_THREADS", "SFTFLOW_", "MLFLOW_", "PREFECT_", "TORCHINDUCTOR_CACHE_DIR")
 PREFIX = ("-m", "stages.launch.orphan_guard", "-m", "stages.launch.one_process")  # after sys.executable
 
 
@@ -47,6 +48,7 @@ class Ahead:
 
     proc: subprocess.Popen
     env: dict[str, str]
+    warm: list[str]
     taken: bool = field(default=False)
 
     def fits(self, cmd: list[str], env: dict[str, str]) -> bool:
@@ -74,19 +76,36 @@ class Ahead:
 
 _lock = threading.Lock()
 _waiting: list[Ahead] = []
+_at_exit: list[bool] = []
 
 
 def start(env: dict[str, str], warm: list[str]) -> Ahead | None:
-    """Starts a rank that imports the modules `warm` and waits; None when switched off."""
+    """A rank that imports the modules `warm` and waits: one already waiting for a launch with this
+    environment (the CLI starts it while a Prefect server starts, the flow then finds it), else a new
+    one; None when switched off."""
     if not enabled():
         return None
+    with _lock:
+        waiting = next((a for a in _waiting if a.warm == warm and a.proc.poll() is None
+                        and _import_time(a.env) == _import_time(env)), None)
+    if waiting is not None:
+        return waiting
+    if not _at_exit:
+        import atexit
+        atexit.register(_close_all)  # a process that ends before its flow does leaves none waiting
+        _at_exit.append(True)
     proc = subprocess.Popen([sys.executable, *PREFIX, "--ahead=" + ",".join(warm)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
                             start_new_session=True)
-    ahead = Ahead(proc, dict(env))
+    ahead = Ahead(proc, dict(env), list(warm))
     with _lock:
         _waiting.append(ahead)
     return ahead
+
+
+def _close_all() -> None:
+    for ahead in list(_waiting):
+        ahead.close()
 
 
 def take(cmd: list[str], env: dict[str, str]) -> subprocess.Popen | None:

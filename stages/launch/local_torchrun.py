@@ -21,6 +21,8 @@ import os
 import socket
 import sys
 
+from stages.core.process_env import exit_without_full_collections
+
 
 def loopback_interface() -> str | None:
     """The loopback interface's name on Linux ("lo"), else None (leave gloo/NCCL to their defaults)."""
@@ -28,6 +30,7 @@ def loopback_interface() -> str | None:
 
 
 def main(argv: list[str]) -> None:
+    exit_without_full_collections()  # the agent's exit follows its ranks' on every launch's path
     import torch.distributed as dist
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.launcher.api import elastic_launch
