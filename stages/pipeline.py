@@ -40,7 +40,6 @@ from .models.base import model_config_json, model_fingerprint, resolve_model
 from .models.refs import eval_model_identity
 from .models.start import KEY as KEY_INIT_FROM
 from .models.start import caught_up, rehearsal, resolve_start, start_folder, start_tag
-from .launch.launcher import start_ahead
 from .planning import memory_plan
 from .inference.harness import chosen, lm_eval_version, resolve_task
 from .tracking.registry import REGISTRY_PREFIX, current_champion, version_state
@@ -668,8 +667,8 @@ def warm_imports(p: Plan, runs: set[str] | None = None, forced: set[str] | froze
     found = model_config_json(p.cfg, p.fingerprints["models"])
     model_type = found[0].get("model_type") if found else None
     if _trains_here(p, runs, forced):  # its rank imports alongside: the flow's `launch_ahead` then finds it waiting
-        from .train import warm_modules
-        start_ahead(p.cfg, warm_modules(model_type))
+        from .train import start_rank_ahead
+        start_rank_ahead(p.cfg, p.fingerprints["train"], model_type)
     names = ["torch", "transformers.models.auto.tokenization_auto", "transformers.models.auto.modeling_auto",
              "mlflow.store.tracking.sqlalchemy_store"]
     if model_type and model_type.isidentifier():
@@ -689,9 +688,9 @@ def launch_ahead(p: Plan, runs: set[str] | None = None,
     and imports while the stages before train run (launch/ahead.py); stopped at the end if no launch took it."""
     handle = None
     if _trains_here(p, runs, forced):
-        from .train import warm_modules
+        from .train import start_rank_ahead
         found = model_config_json(p.cfg, p.fingerprints["models"])
-        handle = start_ahead(p.cfg, warm_modules(found[0].get("model_type") if found else None))
+        handle = start_rank_ahead(p.cfg, p.fingerprints["train"], found[0].get("model_type") if found else None)
     try:
         yield
     finally:

@@ -68,9 +68,10 @@ def _launch(tmp, start_env, take_env):
     from stages.launch import ahead
     (tmp / "probe.py").write_text("import json, os, torch\n"
                                   "print(json.dumps({'threads': torch.get_num_threads(), 'x': os.environ.get('X')}))\n")
-    handle = ahead.start(start_env, ["torch"])
+    cmd = [sys.executable, *ahead.ENTRY, f"--log-dir={tmp / 'logs'}", "-m", "probe"]
+    handle = ahead.start(cmd, start_env, ["torch"])
     try:
-        cmd = [sys.executable, *ahead.PREFIX, f"--log-dir={tmp / 'logs'}", "-m", "probe"]
+        assert ahead.take([*cmd[:-1], "other"], take_env) is None  # another command: not this rank
         proc = ahead.take(cmd, take_env)
         taken = proc is not None
         if proc is None:

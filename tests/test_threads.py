@@ -126,3 +126,22 @@ def test_a_launched_child_gets_the_policy_from_a_process_that_never_applied_it(b
     run_torchrun(probe, tmp_path / "probe.log", StageError, "probe", lines.append)
     assert json.loads(lines[-1]) == {**DEFAULTS, "GOMP_SPINCOUNT": SPIN_COUNT, "OMP_WAIT_POLICY": None}
     assert all(os.environ.get(k) is None for k in POLICY)  # the parent itself was left alone
+
+
+@pytest.mark.parametrize("entry", ["flows.cli.main", "flows.sft.at_flow_start"])
+def test_a_process_sftflow_starts_exits_with_its_objects_frozen_after_its_atexit_handlers(entry, tmp_path: Path):
+    """Python's finalization then skips full collections over torch's and Prefect's objects (seconds); the
+    process's own atexit handlers, registered before, still run, and see the objects frozen."""
+    module, name = entry.rsplit(".", 1)
+    seen = tmp_path / "seen"
+    code = ("import atexit, gc, sys\n"
+            "from pathlib import Path\n"
+            f"atexit.register(lambda: Path({str(seen)!r}).write_text(str(gc.get_freeze_count())))\n"
+            f"import {module}\n"
+            + (f"sys.argv = ['sftflow', '--help']\n{module}.{name}()\n" if name == "main"
+               else f"{module}.{name}(); {module}.{name}()\n"))
+    proc = subprocess.run([sys.executable, "-c", code], env=_bare_env(), cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(seen.read_text()) > 10_000  # every module's objects, not a handful
+    assert "Exception ignored" not in proc.stderr

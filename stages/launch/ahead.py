@@ -1,18 +1,19 @@
 """A one-process rank started ahead: its interpreter imports torch, transformers and the loop while
-the flow still prepares data, scores the baseline and opens the MLflow run, then waits for its command.
+the flow still prepares data, scores the baseline and opens the MLflow run, then waits to be let go.
 
 A run of one process (`one_process.py`) spends 4-5 s of a short run importing before its first step;
-the flow knows at its start that it will train (the plan), so that time can overlap the stages before
-train instead of following them. The launcher takes the waiting process when it starts the rank
-(`take`), sends it the command line and the environment, and from then on it is the rank exactly as a
-fresh `python -m stages.launch.one_process ...` would be: the same session of its own, the same
-parent-death guard, output on the same pipe, the same command after `-m`.
+the flow knows at its start that it will train and where (the plan: the stage's folder, so its spec's
+path), so that time can overlap the stages before train instead of following them. The rank starts with
+the command line a fresh start would have, plus `--ahead=<modules>` (so `ps` shows the stage's folder and
+module either way), imports the modules, and waits on stdin. The launcher takes it when it starts that
+command (`take`) and sends the environment; from then on it is the rank a fresh start would be: the
+same session of its own, parent-death guard, output pipe and arguments.
 
 Only what a library reads while it is imported must already be right when it waits: the environment is
-compared, except for the variables the rank reads when it runs (`RUN_TIME_ENV`: its share of the cores,
-its MLflow run). Any other difference, a process that ended, or SFTFLOW_LAUNCH_AHEAD=0: the launcher
-starts the rank fresh, and the waiting one is stopped. One that no launch takes is stopped when the flow
-ends (`Ahead.close`) or, at the latest, with this process (its parent-death guard).
+compared, except for the variables the rank reads when it runs (`RUN_TIME_ENV`). Any other difference,
+another command, a process that ended, or SFTFLOW_LAUNCH_AHEAD=0: the launcher starts the rank fresh.
+One that no launch takes is stopped when its flow ends (`Ahead.close`), at this process's exit, or with
+this process (its parent-death guard).
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from dataclasses import dataclass, field
 
 ENV_SWITCH = "SFTFLOW_LAUNCH_AHEAD"
 # Read by the rank when it runs, not by a module it imports while it waits, so they may differ from the
-# environment it was started with: its threads (set from OMP_NUM_THREADS once the command arrives), its
-# place in the ledger of cores and sftflow's other switches, MLflow's run and experiment (MLflow is not
-# imported ahead), Prefect's API (a rank never imports Prefect; the CLI may start the rank before its
-# server answers), and the compile cache folder torch writes into its caller's environment on first use.
+# environment it was started with: its threads (set from OMP_NUM_THREADS once it is let go), its place in
+# the ledger of cores and sftflow's other switches, MLflow's run and experiment (MLflow is not imported
+# ahead), Prefect's API (a rank never imports Prefect; the CLI may start the rank before its server
+# answers), and the compile cache folder torch writes into its caller's environment on first use.
 RUN_TIME_ENV = ("OMP_NUM_THREADS", "SFTFLOW_", "MLFLOW_", "PREFECT_", "TORCHINDUCTOR_CACHE_DIR")
-PREFIX = ("-m", "stages.launch.orphan_guard", "-m", "stages.launch.one_process")  # after sys.executable
+ENTRY = ("-m", "stages.launch.orphan_guard", "-m", "stages.launch.one_process")  # after sys.executable
+FLAG = "--ahead="
 
 
 def enabled() -> bool:
@@ -44,27 +46,28 @@ def _import_time(env: dict[str, str]) -> dict[str, str]:
 
 @dataclass
 class Ahead:
-    """One waiting rank: taken by a launch whose command and environment it fits, or closed."""
+    """One waiting rank: taken by the launch of its command with an environment it fits, or closed."""
 
     proc: subprocess.Popen
+    cmd: list[str]  # the guarded command it will run (without --ahead)
     env: dict[str, str]
-    warm: list[str]
     taken: bool = field(default=False)
 
     def fits(self, cmd: list[str], env: dict[str, str]) -> bool:
-        return (cmd[:len(PREFIX) + 1] == [sys.executable, *PREFIX] and self.proc.poll() is None
-                and _import_time(env) == _import_time(self.env))
+        return cmd == self.cmd and self.proc.poll() is None and _import_time(env) == _import_time(self.env)
 
     def close(self) -> None:
         """Stops it unless a launch took it (then the launcher owns the process)."""
         with _lock:
             if self in _waiting:
                 _waiting.remove(self)
-        if not self.taken and self.proc.poll() is None:
+        if self.taken:
+            return
+        if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
         for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None and not self.taken:
+            if pipe is not None:
                 pipe.close()
 
     def __enter__(self) -> "Ahead":
@@ -79,14 +82,19 @@ _waiting: list[Ahead] = []
 _at_exit: list[bool] = []
 
 
-def start(env: dict[str, str], warm: list[str]) -> Ahead | None:
-    """A rank that imports the modules `warm` and waits: one already waiting for a launch with this
-    environment (the CLI starts it while a Prefect server starts, the flow then finds it), else a new
-    one; None when switched off."""
-    if not enabled():
+def guarded(cmd: list[str]) -> bool:
+    """Whether `cmd` is a one-process launch through the parent-death guard (what can start ahead)."""
+    return cmd[:len(ENTRY) + 1] == [sys.executable, *ENTRY]
+
+
+def start(cmd: list[str], env: dict[str, str], warm: list[str]) -> Ahead | None:
+    """The rank of the guarded one-process command `cmd`, started now: it imports `warm` and waits. One
+    already waiting for the same command and environment is returned instead (the CLI starts it while a
+    Prefect server starts; the flow then finds it). None when switched off."""
+    if not enabled() or not guarded(cmd):
         return None
     with _lock:
-        waiting = next((a for a in _waiting if a.warm == warm and a.proc.poll() is None
+        waiting = next((a for a in _waiting if a.cmd == cmd and a.proc.poll() is None
                         and _import_time(a.env) == _import_time(env)), None)
     if waiting is not None:
         return waiting
@@ -94,10 +102,11 @@ def start(env: dict[str, str], warm: list[str]) -> Ahead | None:
         import atexit
         atexit.register(_close_all)  # a process that ends before its flow does leaves none waiting
         _at_exit.append(True)
-    proc = subprocess.Popen([sys.executable, *PREFIX, "--ahead=" + ",".join(warm)], stdin=subprocess.PIPE,
+    at = len(ENTRY) + 1
+    proc = subprocess.Popen([*cmd[:at], FLAG + ",".join(warm), *cmd[at:]], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
                             start_new_session=True)
-    ahead = Ahead(proc, dict(env), list(warm))
+    ahead = Ahead(proc, list(cmd), dict(env))
     with _lock:
         _waiting.append(ahead)
     return ahead
@@ -109,15 +118,15 @@ def _close_all() -> None:
 
 
 def take(cmd: list[str], env: dict[str, str]) -> subprocess.Popen | None:
-    """A waiting rank that fits `cmd` (the guarded one-process command) and `env`, now running `cmd`;
-    None when none fits (the caller starts one)."""
+    """The waiting rank of `cmd` (the guarded one-process command) if its environment fits `env`, let go
+    with `env`; None when none fits (the caller starts one)."""
     with _lock:
         ahead = next((a for a in _waiting if a.fits(cmd, env)), None)
         if ahead is None:
             return None
         _waiting.remove(ahead)
     try:
-        ahead.proc.stdin.write(json.dumps({"argv": cmd[len(PREFIX) + 1:], "env": env}) + "\n")
+        ahead.proc.stdin.write(json.dumps({"env": env}) + "\n")
         ahead.proc.stdin.close()
     except OSError:  # it ended meanwhile: start one fresh
         ahead.close()
@@ -126,9 +135,9 @@ def take(cmd: list[str], env: dict[str, str]) -> subprocess.Popen | None:
     return ahead.proc
 
 
-def wait_for_command(warm: list[str]) -> list[str]:
-    """In the waiting rank: imports `warm` (a failure is left for the real import to report), then
-    takes the command's arguments and environment from stdin; exits quietly when stdin ends first."""
+def wait_to_go(warm: list[str]) -> None:
+    """In the waiting rank: imports `warm` (a failure is left for the real import to report), then takes
+    its environment from stdin; exits quietly when stdin ends first (no launch took it)."""
     import importlib
     for name in warm:
         try:
@@ -138,12 +147,11 @@ def wait_for_command(warm: list[str]) -> list[str]:
     line = sys.stdin.readline()
     if not line:
         raise SystemExit(0)
-    call = json.loads(line)
-    null = os.open(os.devnull, os.O_RDONLY)  # the rank reads nothing: as the launcher's fresh ones
+    env = json.loads(line)["env"]
+    null = os.open(os.devnull, os.O_RDONLY)  # the rank reads nothing: as a fresh start's stdin
     os.dup2(null, 0)
     os.close(null)
     os.environ.clear()
-    os.environ.update(call["env"])
+    os.environ.update(env)
     if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS", "").isdigit():
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    return call["argv"]

@@ -58,10 +58,17 @@ def one_process(cfg: SFTConfig) -> bool:
     return a.nnodes == 1 and not a.rdzv_endpoint and a.nproc_per_node == 1
 
 
-def start_ahead(cfg: SFTConfig, warm: list[str]) -> ahead.Ahead | None:
-    """For a config trained on one process: its rank, started now, importing `warm` (ahead.py) until
-    `run_torchrun` takes it; None for any other launch."""
-    return ahead.start(worker_env(1), warm) if one_process(cfg) else None
+def start_ahead(cfg: SFTConfig, spec_path: Path, module: str, warm: list[str]) -> ahead.Ahead | None:
+    """For a config trained on one process: the rank of `torchrun_command(cfg, spec_path, module)`,
+    started now, importing `warm` (ahead.py) until `run_torchrun` takes it; None for any other launch."""
+    if not one_process(cfg):
+        return None
+    return ahead.start(_guarded(torchrun_command(cfg, spec_path, module)), worker_env(1), warm)
+
+
+def _guarded(cmd: list[str]) -> list[str]:
+    """`cmd` through the parent-death guard (orphan_guard.py) when it is a Python module's."""
+    return [cmd[0], "-m", "stages.launch.orphan_guard", *cmd[1:]] if cmd[0] == sys.executable else cmd
 
 
 def elastic_dir(spec_path: Path) -> Path:
@@ -196,7 +203,7 @@ def run_torchrun(cmd: list[str], log_path: Path, error: type[StageError], what: 
             cores.claim(nproc_per_node, on_wait=lambda line: (logf.write(line + "\n"), on_line(line)),
                         stop=stop_requested, queue=not several_nodes) as claim:
         # its own session (one killpg stops the tree); through orphan_guard it dies with us
-        guarded = [cmd[0], "-m", "stages.launch.orphan_guard", *cmd[1:]] if cmd[0] == sys.executable else cmd
+        guarded = _guarded(cmd)
         child_env = {**worker_env(nproc_per_node, claim), **(env or {})}
         if "OMP_NUM_THREADS" in (env or {}):  # the caller's own count: kept
             child_env.pop(cores.ENV_CLAIM, None)

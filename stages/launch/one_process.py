@@ -9,8 +9,8 @@ on loopback itself, as `local_torchrun` does, and runs `<module>` as `python -m`
 code (`init_process_group("env://")`, `rank_entry`'s error file) takes the same road as under
 torchrun, and the launcher reads a failure from the same place (`<DIR>/one/attempt_0/0/error.json`).
 Two processes or more, or several machines, always go through torchrun (launcher.torchrun_command).
-`--ahead=MODULES` first: started before the flow reached train, it imports MODULES and waits for the
-rest of its command line on stdin (launch/ahead.py).
+`--ahead=MODULES` first: started before the flow reached train, it imports MODULES and waits on stdin
+for the launcher to let it go, with the environment (launch/ahead.py).
 """
 
 from __future__ import annotations
@@ -42,9 +42,10 @@ def rank_environment(log_dir: Path, port: int) -> dict[str, str]:
 
 
 def main(argv: list[str]) -> None:
-    if argv and argv[0].startswith("--ahead="):  # started ahead (ahead.py): warm up, then the command
-        from stages.launch.ahead import wait_for_command
-        argv = wait_for_command([m for m in argv[0].split("=", 1)[1].split(",") if m])
+    if argv and argv[0].startswith("--ahead="):  # started ahead (ahead.py): warm up, wait to be let go
+        from stages.launch.ahead import wait_to_go
+        wait_to_go([m for m in argv[0].split("=", 1)[1].split(",") if m])
+        argv = argv[1:]
     if len(argv) < 3 or not argv[0].startswith("--log-dir=") or argv[1] != "-m":
         raise SystemExit("usage: python -m stages.launch.one_process --log-dir=DIR -m MODULE [ARGS...]")
     import torch.distributed as dist

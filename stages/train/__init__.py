@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Callable
 
 from stages.chatdata.shards import count_rows
-from stages.core.artifacts import StageBuild, read_manifest
+from stages.core.artifacts import StageBuild, partial_dir, read_manifest
 from stages.core.config import SFTConfig
 from stages.core.errors import StageError
-from stages.launch.launcher import run_torchrun, torchrun_command
+from stages.launch.ahead import Ahead
+from stages.launch.launcher import run_torchrun, start_ahead, torchrun_command
 from stages.core import model_card
 from stages.runtime.mixture import describe, new_data_epoch
 from stages.runtime.reporting import RUNTIME_FILE
@@ -39,11 +40,20 @@ WARM_MODULES = ("torch", "torch.distributed.checkpoint", "stages.runtime.distrib
                 "transformers.models.auto.modeling_auto")
 
 
+SPEC, RANK_MODULE = "spec.json", "stages.train"  # the ranks run `-m stages.train <partial>/spec.json`
+
+
 def warm_modules(model_type: str | None) -> list[str]:
     """`WARM_MODULES`, and the model's own modeling module when its Hugging Face `model_type` is known."""
     if not (model_type and model_type.isidentifier()):
         return list(WARM_MODULES)
     return [*WARM_MODULES, f"transformers.models.{model_type}.modeling_{model_type}"]
+
+
+def start_rank_ahead(cfg: SFTConfig, fp: str, model_type: str | None) -> Ahead | None:
+    """The one-process rank of the training with fingerprint `fp`, started before the stage runs
+    (launch/ahead.py); None when it trains on more processes."""
+    return start_ahead(cfg, partial_dir(cfg.artifacts_path, "train", fp) / SPEC, RANK_MODULE, warm_modules(model_type))
 
 
 class TrainingFailed(StageError):
@@ -71,7 +81,7 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
     spec = WorkerSpec(config=cfg, model_path=model_path, out_dir=str(build.partial),
                       train_dir=str(Path(prepare_dir) / "train"), val_dir=str(val) if val.is_dir() else None, mix=mix,
                       epoch_samples=total or 0, kl_rows_from=kl_from)
-    spec_path = spec.write(build.partial / "spec.json")
+    spec_path = spec.write(build.partial / SPEC)
     metrics_file = build.partial / "metrics.jsonl"
     topology = f"topology: {cfg.actor.topology}"
     with open(build.partial / "train.log", "a", encoding="utf-8") as log:
@@ -79,7 +89,7 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
     on_line(topology)
     with training_run(cfg, lineage, on_line, metrics_file) as env:
         mlflow_run_id = env.get("MLFLOW_RUN_ID") or None
-        run_torchrun(torchrun_command(cfg, spec_path, module="stages.train"), build.partial / "train.log",
+        run_torchrun(torchrun_command(cfg, spec_path, module=RANK_MODULE), build.partial / "train.log",
                      TrainingFailed, "training", on_line, cfg.actor.nproc_per_node, env)
         runtime_file = build.partial / RUNTIME_FILE
         runtime = json.loads(runtime_file.read_text()) if runtime_file.is_file() else {}
