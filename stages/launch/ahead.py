@@ -70,12 +70,6 @@ class Ahead:
             if pipe is not None:
                 pipe.close()
 
-    def __enter__(self) -> "Ahead":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 _lock = threading.Lock()
 _waiting: list[Ahead] = []
