@@ -29,7 +29,9 @@ answers right) with the same model, greedy decoding and the `contains` scorer:
                              engine people compare with. Its own kernels round differently, so
                              its replies may differ (the check column counts them).
 
-`--methods` picks and orders them (naive, stage1, stage2, batched, stage-generate, llama.cpp);
+`--methods` picks and orders them (naive, stage1, stage2, stage2-in, stage2-auto, batched, stage-generate,
+llama.cpp; stage2-in and stage2-auto: a 2-process config scored in the stage's process, and where
+`eval.launch: auto` puts it, stages/evaluate/placement.py);
 the first is the reference of the "vs" and "same replies" columns.
 
 Throughput is generated tokens (each reply up to its stop token) per second of wall time,
@@ -65,7 +67,7 @@ def write_prompts(path: Path, n: int, source: Path) -> Path:
     return path
 
 
-def config(tmp: Path, args, nproc: int):
+def config(tmp: Path, args, nproc: int, launch: str = "auto"):
     from stages.core.config import config_from_dict
     model = {}
     if args.model == "smollm2":
@@ -82,16 +84,16 @@ def config(tmp: Path, args, nproc: int):
                  "max_length": 2048 if args.model else 512},
         "eval": {"model": "base", "eval_base": False, "batch_size": args.batch_size,
                  "max_new_tokens": args.max_new_tokens, "scorer": "contains",
-                 "precision": getattr(args, "precision", "fp32")},
+                 "precision": getattr(args, "precision", "fp32"), "launch": launch},
     })
 
 
-def run_stage_method(tmp: Path, args, nproc: int, loop: str = "auto") -> dict:
+def run_stage_method(tmp: Path, args, nproc: int, loop: str = "auto", launch: str = "auto") -> dict:
     import functools
 
     import stages.evaluate.runner as runner
     from stages.pipeline import plan, run_stage
-    p = plan(config(tmp, args, nproc))
+    p = plan(config(tmp, args, nproc, launch))
     run_stage(p, "prepare", on_line=lambda _: None)
     ours = runner.generate
     runner.generate = functools.partial(ours, loop=loop)  # in-process only: nproc 1
@@ -238,7 +240,12 @@ def main() -> None:
         methods = {
             "naive": ("naive loop (per prompt)", lambda: run_naive(work, args)),
             "stage1": ("evaluate stage, 1 process", lambda: run_stage_method(work, args, 1)),
-            "stage2": ("evaluate stage, 2 processes", lambda: run_stage_method(work, args, 2)),
+            "stage2": ("evaluate stage, 2 processes (torchrun)",
+                       lambda: run_stage_method(work, args, 2, launch="torchrun")),
+            "stage2-in": ("evaluate stage, 2-process config scored in the stage's process",
+                          lambda: run_stage_method(work, args, 2, launch="in_process")),
+            "stage2-auto": ("evaluate stage, 2-process config, eval.launch auto",
+                            lambda: run_stage_method(work, args, 2)),
             "batched": (f"transformers `generate`, batches of {args.batch_size}", lambda: run_batched(work, args)),
             "stage-generate": ("evaluate stage, 1 process, former path (`generate` per batch)",
                                lambda: run_stage_method(work, args, 1, loop="generate")),

@@ -32,6 +32,7 @@ from .core.codeversion import code_version
 from .core.config import CORPUS, REHEARSE, REPLAY_PROMPTS, SCORER_NAMES, SFTConfig, eval_split, mix_split
 from .core.errors import ConfigError, MissingUpstream, StageError
 from .core.imports import import_identity, import_object
+from .core.imports import warm as import_now
 from .core.inputs import HUB_PREFIX
 from .core.narrow import with_sets
 from .core.quarantine import check_folder
@@ -661,23 +662,21 @@ def warm_imports(p: Plan, runs: set[str] | None = None, forced: set[str] | froze
     seconds on a cold interpreter, which a caller with time to spare (the CLI while a Prefect server
     starts) spends here instead of on the run's path. A fully cached plan imports nothing. `runs` and
     `forced` as for `launch_ahead`."""
-    import importlib
     if all(p.status(s) == "complete" for s in p.stages):
         return
-    found = model_config_json(p.cfg, p.fingerprints["models"])
-    model_type = found[0].get("model_type") if found else None
+    from .train import start_rank_ahead, warm_modules
+    model_type = _model_type(p)
     if _trains_here(p, runs, forced):  # its rank imports alongside: the flow's `launch_ahead` then finds it waiting
-        from .train import start_rank_ahead
         start_rank_ahead(p.cfg, p.fingerprints["train"], model_type)
-    names = ["torch", "transformers.models.auto.tokenization_auto", "transformers.models.auto.modeling_auto",
-             "mlflow.store.tracking.sqlalchemy_store"]
-    if model_type and model_type.isidentifier():
-        names.append(f"transformers.models.{model_type}.modeling_{model_type}")
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - the stage that needs it imports it again and says why
-            pass
+    # what this process builds and tokenizes with (the model's own modeling code included), and MLflow's store
+    import_now(["torch", *[m for m in warm_modules(model_type) if m.startswith("transformers.")],
+                "mlflow.store.tracking.sqlalchemy_store"])
+
+
+def _model_type(p: Plan) -> str | None:
+    """The Hugging Face `model_type` of the plan's base model, when its config can be read without loading it."""
+    found = model_config_json(p.cfg, p.fingerprints["models"])
+    return found[0].get("model_type") if found else None
 
 
 @contextmanager
@@ -689,8 +688,7 @@ def launch_ahead(p: Plan, runs: set[str] | None = None,
     handle = None
     if _trains_here(p, runs, forced):
         from .train import start_rank_ahead
-        found = model_config_json(p.cfg, p.fingerprints["models"])
-        handle = start_rank_ahead(p.cfg, p.fingerprints["train"], found[0].get("model_type") if found else None)
+        handle = start_rank_ahead(p.cfg, p.fingerprints["train"], _model_type(p))
     try:
         yield
     finally:

@@ -204,8 +204,9 @@ def read_manifest(path) -> dict:
 @pytest.mark.slow
 def test_two_processes_equal_the_naive_loop_and_one_process(setup):
     one = config(setup, "one.yaml", actor={"nproc_per_node": 1}, eval={"model": str(setup["model_dir"])})
+    # torchrun's ranks, as on GPUs (auto scores so small an evaluation in the stage's process on CPU)
     two = config(setup, "two.yaml", actor={"nproc_per_node": 2}, eval={"model": str(setup["model_dir"]),
-                                                                       "eval_base": False})
+                                                                       "eval_base": False, "launch": "torchrun"})
     assert plan(two).fingerprints["evaluate"] != plan(one).fingerprints["evaluate"]  # eval_base differs
     result, records = evaluate(two)
     check_against_naive(setup, result.metrics, records)

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from .config_fields import _Section, hashed_unless_default
+from .config_fields import _Section, hashed_unless_default, unhashed
 from .imports import is_import_path
 
 # Its effect on results is the config values, which every fingerprint hashes as data; editing
@@ -120,6 +120,11 @@ class EvalConfig(_Section):
                             "accuracy do not depend on eval.batch_size or the process count; bf16 is faster, but "
                             "its greedy replies follow the batch's rounding (docs/evaluation.md, 'Replies, batch "
                             "size and precision')")
+    launch: Literal["auto", "in_process", "torchrun"] = unhashed(
+        "auto", description="with actor.nproc_per_node > 1, where evaluate, baseline and champion score: under "
+                            "torchrun, one rank per training process, or in the stage's process. auto: in the "
+                            "stage's process on a machine without GPUs when the evaluation is small (torchrun's "
+                            "start would cost more than its ranks save: stages/evaluate/placement.py), else torchrun")
     max_samples: int = Field(0, description="<= 0: every held-out sample; else this many, spread evenly over the set")
     eval_base: bool = Field(True, description="also score the untrained base model (base_accuracy)")
     scorer: str = Field("exact", description="exact | normalized | contains | regex | numeric | 'pkg.module:fn'")

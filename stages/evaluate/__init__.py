@@ -44,6 +44,7 @@ from stages.launch.launcher import run_torchrun, torchrun_command
 
 from . import pieces
 from .errors import EvaluationError
+from .placement import place
 from .sets import BASE_KEYS, EvalSpec, eval_samples, eval_set_fingerprint, prepared_sets, set_dir
 
 __all__ = ["BASE_KEYS", "EvalSpec", "EvaluationError", "compare_with_base", "eval_samples", "guard_sets",
@@ -100,14 +101,19 @@ def _check_sets(cfg: SFTConfig, prepare_dir: str) -> None:
 
 
 def _score(cfg: SFTConfig, out: Path, base_model: str, model: dict, prepare_dir: str,
-           on_line: Callable[[str], None]) -> dict:
+           on_line: Callable[[str], None]) -> tuple[dict, int]:
     """Scores one resolved model on every eval set into `out` (metrics.json, predictions.jsonl),
-    in this process or under torchrun; returns each set's numbers."""
+    in this process or under torchrun (placement.py); returns each set's numbers and how many processes
+    scored them."""
     spec = EvalSpec(config=cfg, prepare_dir=prepare_dir, out_dir=str(out), base_model=base_model,
                     models={"model": model})
     spec_path = out / "spec.json"
     spec_path.write_text(spec.model_dump_json(indent=2))
-    if cfg.actor.world_size == 1:
+    where = place(cfg, model, prepare_dir)
+    if cfg.actor.world_size > 1:  # why the actor's processes are or are not used: worth a line
+        on_line(f"scoring {'in this process' if where.in_process else f'on {where.processes} torchrun processes'} "
+                f"({where.why})")
+    if where.in_process:
         import torch
 
         from .runner import evaluate_spec
@@ -117,7 +123,7 @@ def _score(cfg: SFTConfig, out: Path, base_model: str, model: dict, prepare_dir:
     else:
         run_torchrun(torchrun_command(cfg, spec_path, module="stages.evaluate"), out / "eval.log",
                      EvaluationError, "evaluation", on_line, cfg.actor.nproc_per_node)
-    return json.loads((out / "metrics.json").read_text())["sets"]
+    return json.loads((out / "metrics.json").read_text())["sets"], where.processes
 
 
 def _set_fingerprints(cfg: SFTConfig, prepare_dir: str, sets: dict[str, dict], folder: Path) -> dict[str, str]:
@@ -138,9 +144,10 @@ def _set_fingerprints(cfg: SFTConfig, prepare_dir: str, sets: dict[str, dict], f
 
 def _score_missing(cfg: SFTConfig, stage: str, build: StageBuild, base_model: str, model_ref: str,
                    identity: dict | None, prepare_dir: str, set_keys: dict[str, str] | None,
-                   on_line: Callable[[str], None]) -> tuple[dict, dict]:
-    """(each set's numbers, the model scored: kind and source), the predictions in `build.partial`: sets
-    with a piece (pieces.py) from it, the others scored (narrowed to them) and kept as pieces."""
+                   on_line: Callable[[str], None]) -> tuple[dict, dict, int | None]:
+    """(each set's numbers, the model scored: kind and source, how many processes scored; None: every set
+    came from a piece), the predictions in `build.partial`: sets with a piece (pieces.py) from it, the others
+    scored (narrowed to them) and kept as pieces."""
     root, names = cfg.artifacts_path, cfg.eval.set_names
     found = {n: pieces.read(root, stage, (set_keys or {}).get(n)) for n in names}
     todo = [n for n in names if found[n] is None]
@@ -148,14 +155,16 @@ def _score_missing(cfg: SFTConfig, stage: str, build: StageBuild, base_model: st
         on_line(f"{stage}: {', '.join(n for n in names if n not in todo)} scored before (same model, files and "
                 f"scoring); scoring {', '.join(todo) or 'nothing'}")
     model = next((f[2] for f in found.values() if f is not None), None)
+    processes = None
     if todo:
         out = build.partial / ".scoring" if set_keys else build.partial
         out.mkdir(exist_ok=True)
         with tempfile.TemporaryDirectory(dir=build.partial, prefix=".download-") as tmp:  # models:/ downloads
             model = resolve_eval_model(cfg, model_ref, Path(tmp), base_model, identity)
-            scored = _score(with_sets(cfg, todo) if set_keys else cfg, out, base_model, model, prepare_dir, on_line)
+            scored, processes = _score(with_sets(cfg, todo) if set_keys else cfg, out, base_model, model,
+                                       prepare_dir, on_line)
         if not set_keys:
-            return scored, model
+            return scored, model, processes
         lines = pieces.lines_by_set(out / "predictions.jsonl")
         for n in todo:
             pieces.write(root, stage, set_keys[n], n, scored[n], lines.get(n, []), model)
@@ -166,7 +175,7 @@ def _score_missing(cfg: SFTConfig, stage: str, build: StageBuild, base_model: st
         shutil.rmtree(out)
     with open(build.partial / "predictions.jsonl", "w", encoding="utf-8") as f:
         f.writelines(line + "\n" for n in names for line in found[n][1])
-    return {n: found[n][0] for n in names}, model
+    return {n: found[n][0] for n in names}, model, processes
 
 
 def run_reference(cfg: SFTConfig, stage: str, fp: str, base_model: str, model_ref: str, identity: dict | None,
@@ -178,13 +187,14 @@ def run_reference(cfg: SFTConfig, stage: str, fp: str, base_model: str, model_re
     model the same way is read from its piece rather than scored again (pieces.py)."""
     _check_sets(cfg, prepare_dir)
     build = StageBuild(cfg.artifacts_path, stage, fp)
-    sets, model = _score_missing(cfg, stage, build, base_model, model_ref, identity, prepare_dir, set_keys, on_line)
+    sets, model, processes = _score_missing(cfg, stage, build, base_model, model_ref, identity, prepare_dir,
+                                            set_keys, on_line)
     metrics = by_set(sets, cfg.eval.set_names[0])
     build.commit({"metrics": metrics, "eval_sets": _set_fingerprints(cfg, prepare_dir, sets, build.partial),
                   "model": model_ref, "model_dir": model["source"], "model_kind": model["kind"],
                   **({"version": identity["version"], "model_name": identity["name"],
                       "train_fingerprint": identity.get("train_fingerprint", "")} if identity else {}),
-                  "base_model": base_model, "prepare_dir": prepare_dir, "world_size": cfg.actor.world_size})
+                  "base_model": base_model, "prepare_dir": prepare_dir, "world_size": processes})
     return metrics
 
 
@@ -198,7 +208,7 @@ def run_evaluate(cfg: SFTConfig, fp: str, base_model: str, model_ref: str, prepa
     build = StageBuild(cfg.artifacts_path, "evaluate", fp)
     with tempfile.TemporaryDirectory(dir=build.partial, prefix=".download-") as tmp:  # models:/ downloads
         model = resolve_eval_model(cfg, model_ref, Path(tmp), base_model, model_identity)
-        sets = _score(cfg, build.partial, base_model, model, prepare_dir, on_line)
+        sets, processes = _score(cfg, build.partial, base_model, model, prepare_dir, on_line)
     if cfg.eval.eval_base and cfg.eval.model == "base":  # the base model *is* the model
         for m in sets.values():
             m.update({f"base_{k}": m[k] for k in BASE_KEYS if k in m}, delta=0.0)
@@ -209,5 +219,5 @@ def run_evaluate(cfg: SFTConfig, fp: str, base_model: str, model_ref: str, prepa
     build.commit({"metrics": metrics, "eval_set_fingerprint": set_fps[cfg.eval.set_names[0]], "eval_sets": set_fps,
                   "model": cfg.eval.model or "trained", "model_dir": model["source"], "model_kind": model["kind"],
                   "baseline": baseline, "base_model": base_model, "prepare_dir": prepare_dir,
-                  "world_size": cfg.actor.world_size})
+                  "world_size": processes})
     return metrics

@@ -1,0 +1,88 @@
+"""Where an evaluation runs: in the stage's own process, or under torchrun with one rank per training process.
+
+Ranks of an evaluation share no work (each holds the whole model and scores a slice of the samples), so
+more processes only add throughput, and on CPU they pay for it first: torchrun's agent and every rank
+import torch and transformers (~7 s on 2 cores) before the first sample. For the demo's model that is
+15x its whole evaluation in one process (docs/benchmarks.md, "Evaluation in the stage's process").
+So `eval.launch: auto` scores in the stage's process on a machine without GPUs when the work is small,
+and under torchrun otherwise (every GPU run, a large evaluation on CPU, several machines). The work is
+weight bytes x samples x new tokens: a forward's cost grows with the weights, and a sample costs up
+to `max_new_tokens` of them. The replies and the accuracy do not depend on the choice in fp32
+(tests/test_evaluate.py); it is unhashed like the process count itself.
+
+Torch-free: the stage decides before anything is imported or launched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from stages.chatdata.shards import count_rows
+from stages.core.config import SFTConfig
+
+from .sets import prepared_sets, sample_indices, set_dir
+
+# Below this much work (weight bytes x samples x max new tokens) one process on CPU ends before torchrun's
+# ranks would have started: SmolLM2-135M (540 MB in fp32) on 16 prompts of 48 new tokens is 4.1e11, about 20 s
+# in one process on 2 cores, where two ranks take ~7 s to start and then save about a third of the rest.
+IN_PROCESS_WORK = 4e11
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".distcp", ".gguf")
+
+
+@dataclass(frozen=True)
+class Placement:
+    processes: int  # 1: in the stage's process; more: torchrun ranks
+    why: str
+
+    @property
+    def in_process(self) -> bool:
+        return self.processes == 1
+
+
+def weight_bytes(model: dict) -> int | None:
+    """The bytes of the scored model's weight files (`resolve_eval_model`'s folder); None when it is not a
+    local folder (a Hub id) or holds none."""
+    folder = Path(model.get("path") or "")
+    if not folder.is_dir():
+        return None
+    total = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and f.suffix in WEIGHT_SUFFIXES)
+    return total or None
+
+
+def samples(cfg: SFTConfig, prepare_dir: str) -> int:
+    """How many prepared samples the evaluation scores (each set after `eval.max_samples`); harness sets
+    (lm-eval runs them on rank 0 alone) add nothing a second process could share."""
+    named = bool(cfg.eval.sets)
+    return sum(len(sample_indices(count_rows(set_dir(prepare_dir, n, named), f"eval set '{n}' samples"),
+                                  cfg.eval.max_samples)) for n in prepared_sets(cfg))
+
+
+def place(cfg: SFTConfig, model: dict, prepare_dir: str, has_gpu: bool | None = None) -> Placement:
+    """Where `model` is scored on `cfg`'s eval sets (`eval.launch`; the module's docstring says why)."""
+    a, how = cfg.actor, cfg.eval.launch
+    if a.world_size == 1:
+        return Placement(1, "one process")
+    if how == "torchrun":
+        return Placement(a.world_size, "eval.launch=torchrun")
+    if how == "in_process":
+        return Placement(1, "eval.launch=in_process")
+    if a.nnodes > 1 or a.rdzv_endpoint:
+        return Placement(a.world_size, "several machines")
+    if has_gpu is None:
+        from stages.core.topology import inventory
+        has_gpu = bool(inventory().gpus)
+    if has_gpu:
+        return Placement(a.world_size, "GPUs")
+    if cfg.actor.worker:  # a custom worker's own eval data: its size is unknown here
+        return Placement(a.world_size, "actor.worker scores its own eval data")
+    size = weight_bytes(model)
+    if size is None:
+        return Placement(a.world_size, "the model's size is unknown here")
+    work = size * samples(cfg, prepare_dir) * cfg.eval.max_new_tokens
+    if work < IN_PROCESS_WORK:
+        return Placement(1, f"CPU, a small evaluation ({work:.1e} < {IN_PROCESS_WORK:.0e} weight bytes x samples "
+                            f"x new tokens): torchrun's start would cost more than its {a.world_size} ranks save")
+    return Placement(a.world_size, f"CPU, a large evaluation ({work:.1e} >= {IN_PROCESS_WORK:.0e} weight bytes x "
+                                   "samples x new tokens)")

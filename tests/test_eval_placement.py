@@ -1,0 +1,103 @@
+"""Where an evaluation of a multi-process config runs (stages/evaluate/placement.py): in the stage's
+process on CPU when it is small, under torchrun on GPUs, for large work, custom workers, several machines,
+and as `eval.launch` says. What is scored is the same either way: tests/test_evaluate.py holds a torchrun
+evaluation equal to one process and to a naive loop, record by record."""
+
+import os
+
+import pytest
+
+from conftest import tiny_config_dict
+from fake_gpu import H100, simulated_machine
+from stages.core import topology
+from stages.core.config import config_from_dict
+from stages.evaluate.placement import IN_PROCESS_WORK, place, samples, weight_bytes
+from stages.pipeline import plan, run_stage
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """A two-process config's prepared val split (12 rows) and a model folder of `size` bytes of weights."""
+    tmp = tmp_path_factory.mktemp("placement")
+    raw = tiny_config_dict(tmp, actor={"nproc_per_node": 2})
+    p = plan(config_from_dict(raw))
+    return raw, run_stage(p, "prepare", on_line=lambda line: None).path, tmp
+
+
+def model_of(tmp, size: int) -> dict:
+    """`resolve_eval_model`'s answer for a folder holding `size` bytes of weights (a sparse file)."""
+    folder = tmp / f"model-{size}"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text("{}")
+    with open(folder / "model.safetensors", "wb") as f:
+        f.truncate(size)
+    return {"kind": "hf", "path": str(folder), "source": str(folder)}
+
+
+def cfg_of(raw, **changes):
+    raw = {**raw, **{k: {**raw.get(k, {}), **v} for k, v in changes.items()}}
+    return config_from_dict(raw)
+
+
+def test_samples_and_weights_are_read_from_the_stage_folders(prepared):
+    raw, prep, tmp = prepared
+    assert samples(config_from_dict(raw), prep) == 12
+    assert samples(cfg_of(raw, eval={"max_samples": 5}), prep) == 5
+    assert weight_bytes(model_of(tmp, 4_000_000)) == 4_000_000
+    assert weight_bytes({"kind": "hf", "path": "HuggingFaceTB/SmolLM2-135M-Instruct"}) is None  # a Hub id
+
+
+def test_a_small_evaluation_on_cpu_runs_in_the_stage_and_a_large_one_under_torchrun(prepared):
+    raw, prep, tmp = prepared
+    cfg = cfg_of(raw)  # 12 samples x 8 new tokens
+    per_byte = 12 * 8
+    small = place(cfg, model_of(tmp, int(IN_PROCESS_WORK / per_byte) - 1), prep, has_gpu=False)
+    assert small.processes == 1 and "CPU, a small evaluation" in small.why
+    large = place(cfg, model_of(tmp, int(IN_PROCESS_WORK / per_byte) + 1), prep, has_gpu=False)
+    assert large.processes == 2 and "CPU, a large evaluation" in large.why
+    # the same model, more samples scored: the work grows with them
+    assert place(cfg_of(raw, eval={"max_samples": 1}), model_of(tmp, int(IN_PROCESS_WORK / 8) - 1), prep,
+                 has_gpu=False).processes == 1
+    assert place(cfg_of(raw, eval={"max_new_tokens": 800}), model_of(tmp, 400_000_000), prep,
+                 has_gpu=False).processes == 2
+
+
+def test_gpus_several_machines_custom_workers_and_unknown_sizes_stay_on_torchrun(prepared):
+    raw, prep, tmp = prepared
+    tiny = model_of(tmp, 1000)
+    assert place(cfg_of(raw), tiny, prep, has_gpu=True).processes == 2
+    two_nodes = cfg_of(raw, actor={"nnodes": 2, "node_rank": 0, "rdzv_endpoint": "127.0.0.1:29400"})
+    assert place(two_nodes, tiny, prep, has_gpu=False).processes == 4
+    worker = cfg_of(raw, actor={"worker": "custom_model:MLPWorker"})
+    assert "actor.worker" in place(worker, tiny, prep, has_gpu=False).why
+    assert place(cfg_of(raw), {"kind": "hf", "path": "org/model"}, prep, has_gpu=False).processes == 2
+
+
+def test_eval_launch_overrides_auto_and_one_process_is_always_in_the_stage(prepared):
+    raw, prep, tmp = prepared
+    tiny, huge = model_of(tmp, 1000), model_of(tmp, 10**12)
+    assert place(cfg_of(raw, eval={"launch": "torchrun"}), tiny, prep, has_gpu=False).processes == 2
+    assert place(cfg_of(raw, eval={"launch": "in_process"}), huge, prep, has_gpu=True).processes == 1
+    assert place(cfg_of(raw, actor={"nproc_per_node": 1}, eval={"launch": "torchrun"}), huge, prep,
+                 has_gpu=True).processes == 1
+    with pytest.raises(Exception, match="eval.launch"):
+        cfg_of(raw, eval={"launch": "sometimes"})
+
+
+def test_auto_asks_the_machine_a_simulated_gpu_machine_keeps_torchrun(prepared, monkeypatch):
+    raw, prep, tmp = prepared
+    tiny = model_of(tmp, 1000)
+    topology._smi_gpus.cache_clear()
+    assert place(cfg_of(raw), tiny, prep).processes == 1  # this machine: no GPU
+    monkeypatch.setattr(topology, "torch_build", lambda: "cuda")
+    monkeypatch.setattr(topology, "_torch_gpus", lambda visible: ())
+    monkeypatch.setenv("PATH", simulated_machine(tmp / "h100", [H100, H100])["PATH"])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    topology._smi_gpus.cache_clear()
+    try:
+        found = place(cfg_of(raw), tiny, prep)
+    finally:
+        monkeypatch.undo()
+        topology._smi_gpus.cache_clear()
+    assert (found.processes, found.why) == (2, "GPUs")
+    assert os.environ.get("PATH") and topology.inventory().gpus == ()
