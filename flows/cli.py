@@ -231,6 +231,7 @@ def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg
                   f"evaluation in {escape(launch['eval_precision_why'])}; attention "
                   f"{launch['attn_implementation'] or '-'}" + (f" ({escape(dev['note'])})" if dev["note"] else ""),
                   highlight=False)
+    console.print(f"evaluation runs {escape(launch['eval_launch'])}", highlight=False)
     _memory_table(p)
     if launch["refused"]:
         err.print(f"[bold red]would not launch:[/] {escape(launch['refused'])}", highlight=False, soft_wrap=True)

@@ -305,6 +305,7 @@ def launch_report(p: Plan, device: memory_plan.Device | None = None, memory: boo
     first check that does, in its order) or warn of (torch-free: the worker's rules, on what
     planning sees). `memory=False` leaves the memory plan out (`sftflow show` prints its own table)."""
     from .core.topology import backend, inventory, rank_gpu
+    from .evaluate.placement import describe as describe_eval_launch
     device = device or memory_plan.visible_device()
     a, inv = p.cfg.actor, inventory()
     precision = device.precision(a.precision)
@@ -321,6 +322,7 @@ def launch_report(p: Plan, device: memory_plan.Device | None = None, memory: boo
                           for r in range(a.nproc_per_node)],
         "eval_devices": [f"cuda:{rank_gpu(r, device.count, shared=True)}" if device.kind == "cuda" else "cpu"
                          for r in range(a.nproc_per_node)],
+        "eval_launch": describe_eval_launch(p.cfg, device.kind == "cuda"),
         "memory": None, "warnings": [], "refused": None, "refused_by": None,
     }
     try:

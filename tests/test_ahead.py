@@ -57,8 +57,19 @@ def test_an_ahead_rank_no_launch_takes_is_stopped_when_the_flow_ends(tmp_path, p
     raw = tiny_config_dict(tmp_path)
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "no reply"}]}] * 20)
     raw["data"]["train_data_paths"] = [str(bad)]
-    proc = sftflow("run", "-c", str(write_config(tmp_path, raw)), cwd=tmp_path)
+    # every Python process the run starts with `--ahead=` in its command line leaves its pid here, from
+    # outside the code under test (a sitecustomize on the children's PYTHONPATH)
+    hook, marks = tmp_path / "hook", tmp_path / "ahead-pids.txt"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, sys\n"
+        "if any(a.startswith('--ahead=') for a in sys.argv):\n"
+        "    open(os.environ['AHEAD_MARKS'], 'a').write(f'{os.getpid()}\\n')\n")
+    path = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
+    proc = sftflow("run", "-c", str(write_config(tmp_path, raw)), cwd=tmp_path,
+                   env={"PYTHONPATH": path, "AHEAD_MARKS": str(marks)})
     assert proc.returncode != 0
+    assert marks.is_file() and marks.read_text().split(), "no rank was started ahead: the test proves nothing"
     assert live_processes_mentioning(str(tmp_path)) == [] and _ahead_ranks(tmp_path) == []
     assert not list((tmp_path / "artifacts").glob("train/*")), "prepare failed: nothing trained"
 

@@ -25,7 +25,7 @@ def test_default_config_learns_the_demo(tmp_path):
     # trained on 2 processes; scored in the stage's own (eval.launch: auto, a small evaluation on CPU)
     base = next((tmp_path / "artifacts" / "baseline").glob("[!.]*"))
     assert [json.loads((d / "manifest.json").read_text())["world_size"] for d in (ev, base)] == [1, 1]
-    assert "scoring in this process (CPU, a small evaluation" in proc.stdout
+    assert "scoring in this process (CPU, a small evaluation" in proc.stderr  # the run's log
     assert metrics["total"] == 60
     assert metrics["base_accuracy"] <= 0.1
     assert metrics["accuracy"] >= 0.9, metrics  # the README's promise (docs/benchmarks.md: 20 runs, all >= 0.9)

@@ -11,7 +11,7 @@ from conftest import tiny_config_dict
 from fake_gpu import H100, simulated_machine
 from stages.core import topology
 from stages.core.config import config_from_dict
-from stages.evaluate.placement import IN_PROCESS_WORK, place, samples, weight_bytes
+from stages.evaluate.placement import IN_PROCESS_WORK, describe, place, samples, weight_bytes
 from stages.pipeline import plan, run_stage
 
 
@@ -101,3 +101,12 @@ def test_auto_asks_the_machine_a_simulated_gpu_machine_keeps_torchrun(prepared, 
         topology._smi_gpus.cache_clear()
     assert (found.processes, found.why) == (2, "GPUs")
     assert os.environ.get("PATH") and topology.inventory().gpus == ()
+
+
+def test_show_says_where_evaluations_will_run(prepared):
+    raw, _, _ = prepared
+    assert describe(cfg_of(raw), has_gpu=True) == "on 2 torchrun processes (eval.launch=auto: GPUs)"
+    assert describe(cfg_of(raw), has_gpu=False).startswith("in the stage's process when small, else on 2 torchrun")
+    assert describe(cfg_of(raw, eval={"launch": "torchrun"}), has_gpu=False) == \
+        "on 2 torchrun processes (eval.launch=torchrun)"
+    assert describe(cfg_of(raw, actor={"nproc_per_node": 1}), has_gpu=True) == "in the stage's process (one process)"

@@ -133,9 +133,11 @@ def test_a_count_the_gpus_cannot_run_is_refused_before_anything_runs(tmp_path):
     assert launch["nproc_per_node"] == 1 and launch["refused"] is None
     launch = show(tmp_path / "two", [H100], "actor.nproc_per_node=2", env={"CUDA_VISIBLE_DEVICES": None})
     assert launch["refused_by"] == "processes" and launch["eval_devices"] == ["cuda:0", "cuda:0"]
+    assert launch["eval_launch"] == "on 2 torchrun processes (eval.launch=auto: GPUs)"  # never the CPU's rule
     launch = show(tmp_path / "cpu", [], "actor.nproc_per_node=4", "actor.micro_batch_size=8",
                   env={"CUDA_VISIBLE_DEVICES": ""})
     assert launch["nproc_per_node"] == 4 and launch["refused"] is None
+    assert launch["eval_launch"].startswith("in the stage's process when small, else on 4 torchrun processes")
 
 
 # --------------------------------------------------------------------------- in process

@@ -3,7 +3,7 @@
 Ranks of an evaluation share no work (each holds the whole model and scores a slice of the samples), so
 more processes only add throughput, and on CPU they pay for it first: torchrun's agent and every rank
 import torch and transformers (~7 s on 2 cores) before the first sample. For the demo's model that is
-15x its whole evaluation in one process (docs/benchmarks.md, "Evaluation in the stage's process").
+12x its whole evaluation in one process (docs/benchmarks.md, "Evaluation in the stage's process").
 So `eval.launch: auto` scores in the stage's process on a machine without GPUs when the work is small,
 and under torchrun otherwise (every GPU run, a large evaluation on CPU, several machines). The work is
 weight bytes x samples x new tokens: a forward's cost grows with the weights, and a sample costs up
@@ -23,10 +23,11 @@ from stages.core.config import SFTConfig
 
 from .sets import prepared_sets, sample_indices, set_dir
 
-# Below this much work (weight bytes x samples x max new tokens) one process on CPU ends before torchrun's
-# ranks would have started: SmolLM2-135M (540 MB in fp32) on 16 prompts of 48 new tokens is 4.1e11, about 20 s
-# in one process on 2 cores, where two ranks take ~7 s to start and then save about a third of the rest.
-IN_PROCESS_WORK = 4e11
+# Below this much work (weight bytes x samples x max new tokens) one process on CPU is at least as fast as torchrun's
+# ranks, whose start (~6 s of importing on 2 cores) it skips: SmolLM2-135M (540 MB in fp32) at 48 new tokens took
+# 8.8 s in one process against 17.0 s for 2 ranks on 32 prompts (8.3e11), and 41.0 against 41.8 s on 128 (3.3e12),
+# on a 2-core Xeon (docs/benchmarks.md, "Evaluation in the stage's process").
+IN_PROCESS_WORK = 2e12
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".distcp", ".gguf")
 
@@ -86,3 +87,18 @@ def place(cfg: SFTConfig, model: dict, prepare_dir: str, has_gpu: bool | None = 
                             f"x new tokens): torchrun's start would cost more than its {a.world_size} ranks save")
     return Placement(a.world_size, f"CPU, a large evaluation ({work:.1e} >= {IN_PROCESS_WORK:.0e} weight bytes x "
                                    "samples x new tokens)")
+
+
+def describe(cfg: SFTConfig, has_gpu: bool) -> str:
+    """Where evaluations will run, as planning can tell before any model or sample exists (`sftflow show`)."""
+    a, how = cfg.actor, cfg.eval.launch
+    if a.world_size == 1:
+        return "in the stage's process (one process)"
+    if how != "auto":
+        return ("in the stage's process" if how == "in_process" else f"on {a.world_size} torchrun processes") + \
+            f" (eval.launch={how})"
+    if a.nnodes > 1 or a.rdzv_endpoint or has_gpu or cfg.actor.worker:
+        return f"on {a.world_size} torchrun processes (eval.launch=auto: " + \
+            ("several machines)" if a.nnodes > 1 or a.rdzv_endpoint else "GPUs)" if has_gpu else "a custom worker)")
+    return (f"in the stage's process when small, else on {a.world_size} torchrun processes (eval.launch=auto on CPU: "
+            f"weight bytes x samples x eval.max_new_tokens under {IN_PROCESS_WORK:.0e}; the log says which)")
