@@ -32,7 +32,6 @@ from .core.codeversion import code_version
 from .core.config import CORPUS, REHEARSE, REPLAY_PROMPTS, SCORER_NAMES, SFTConfig, eval_split, mix_split
 from .core.errors import ConfigError, MissingUpstream, StageError
 from .core.imports import import_identity, import_object
-from .core.imports import warm as import_now
 from .core.inputs import HUB_PREFIX
 from .core.narrow import with_sets
 from .core.quarantine import check_folder
@@ -664,6 +663,7 @@ def warm_imports(p: Plan, runs: set[str] | None = None, forced: set[str] | froze
     seconds on a cold interpreter, which a caller with time to spare (the CLI while a Prefect server
     starts) spends here instead of on the run's path. A fully cached plan imports nothing. `runs` and
     `forced` as for `launch_ahead`."""
+    import importlib
     if all(p.status(s) == "complete" for s in p.stages):
         return
     from .train import start_rank_ahead, warm_modules
@@ -671,8 +671,12 @@ def warm_imports(p: Plan, runs: set[str] | None = None, forced: set[str] | froze
     if _trains_here(p, runs, forced):  # its rank imports alongside: the flow's `launch_ahead` then finds it waiting
         start_rank_ahead(p.cfg, p.fingerprints["train"], model_type)
     # what this process builds and tokenizes with (the model's own modeling code included), and MLflow's store
-    import_now(["torch", *[m for m in warm_modules(model_type) if m.startswith("transformers.")],
-                "mlflow.store.tracking.sqlalchemy_store"])
+    for name in ["torch", *[m for m in warm_modules(model_type) if m.startswith("transformers.")],
+                 "mlflow.store.tracking.sqlalchemy_store"]:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the stage that needs it imports it again and says why
+            pass
 
 
 def _model_type(p: Plan) -> str | None:

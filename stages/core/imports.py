@@ -13,16 +13,6 @@ from typing import Any
 from .errors import ConfigError
 
 
-def warm(names: list[str] | tuple[str, ...]) -> None:
-    """Imports `names` now, to have them loaded before they are needed; a failure is left to the code that
-    imports the module for real, which then says why."""
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - see the docstring
-            pass
-
-
 def is_import_path(text: str) -> bool:
     module, _, name = text.partition(":")
     return bool(module and name)

@@ -23,6 +23,8 @@ from stages.core.config import SFTConfig
 
 from .sets import prepared_sets, sample_indices, set_dir
 
+__fingerprint__ = False  # where the scoring runs never changes a result (fp32; eval.launch is unhashed too)
+
 # Below this much work (weight bytes x samples x max new tokens) one process on CPU is at least as fast as torchrun's
 # ranks, whose start (~6 s of importing on 2 cores) it skips: SmolLM2-135M (540 MB in fp32) at 48 new tokens took
 # 8.8 s in one process against 17.0 s for 2 ranks on 32 prompts (8.3e11), and 41.0 against 41.8 s on 128 (3.3e12),
