@@ -2,7 +2,7 @@
 
 Ranks of an evaluation share no work (each holds the whole model and scores a slice of the samples), so
 more processes only add throughput, and on CPU they pay for it first: torchrun's agent and every rank
-import torch and transformers (~7 s on 2 cores) before the first sample. For the demo's model that is
+import torch and transformers (6-8 s on 2 cores) before the first sample. For the demo's model that is
 12x its whole evaluation in one process (docs/benchmarks.md, "Evaluation in the stage's process").
 So `eval.launch: auto` scores in the stage's process on a machine without GPUs when the work is small,
 and under torchrun otherwise (every GPU run, a large evaluation on CPU, several machines). The work is
@@ -26,7 +26,7 @@ from .sets import prepared_sets, sample_indices, set_dir
 __fingerprint__ = False  # where the scoring runs never changes a result (fp32; eval.launch is unhashed too)
 
 # Below this much work (weight bytes x samples x max new tokens) one process on CPU is at least as fast as torchrun's
-# ranks, whose start (~6 s of importing on 2 cores) it skips: SmolLM2-135M (540 MB in fp32) at 48 new tokens took
+# ranks, whose start (6-8 s on 2 cores) it skips: SmolLM2-135M (540 MB in fp32) at 48 new tokens took
 # 8.8 s in one process against 17.0 s for 2 ranks on 32 prompts (8.3e11), and 41.0 against 41.8 s on 128 (3.3e12),
 # on a 2-core Xeon (docs/benchmarks.md, "Evaluation in the stage's process").
 IN_PROCESS_WORK = 2e12
