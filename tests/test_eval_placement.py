@@ -11,8 +11,17 @@ from conftest import tiny_config_dict
 from fake_gpu import H100, simulated_machine
 from stages.core import topology
 from stages.core.config import config_from_dict
-from stages.evaluate.placement import IN_PROCESS_WORK, describe, place, samples, weight_bytes
+from stages.evaluate import placement
+from stages.evaluate.placement import describe, place, samples, weight_bytes
 from stages.pipeline import plan, run_stage
+
+
+@pytest.fixture(autouse=True)
+def bound(monkeypatch):
+    """A bound of 1e6 (weight bytes x samples x new tokens) instead of 2e12, so the model folders here hold
+    kilobytes, not the hundreds of gigabytes the real bound would take to cross."""
+    monkeypatch.setattr(placement, "IN_PROCESS_WORK", 1e6)
+    return 1e6
 
 
 @pytest.fixture(scope="module")
@@ -43,22 +52,22 @@ def test_samples_and_weights_are_read_from_the_stage_folders(prepared):
     raw, prep, tmp = prepared
     assert samples(config_from_dict(raw), prep) == 12
     assert samples(cfg_of(raw, eval={"max_samples": 5}), prep) == 5
-    assert weight_bytes(model_of(tmp, 4_000_000)) == 4_000_000
+    assert weight_bytes(model_of(tmp, 4000)) == 4000
     assert weight_bytes({"kind": "hf", "path": "HuggingFaceTB/SmolLM2-135M-Instruct"}) is None  # a Hub id
 
 
-def test_a_small_evaluation_on_cpu_runs_in_the_stage_and_a_large_one_under_torchrun(prepared):
+def test_a_small_evaluation_on_cpu_runs_in_the_stage_and_a_large_one_under_torchrun(prepared, bound):
     raw, prep, tmp = prepared
     cfg = cfg_of(raw)  # 12 samples x 8 new tokens
     per_byte = 12 * 8
-    small = place(cfg, model_of(tmp, int(IN_PROCESS_WORK / per_byte) - 1), prep, has_gpu=False)
+    small = place(cfg, model_of(tmp, int(bound / per_byte) - 1), prep, has_gpu=False)
     assert small.processes == 1 and "CPU, a small evaluation" in small.why
-    large = place(cfg, model_of(tmp, int(IN_PROCESS_WORK / per_byte) + 1), prep, has_gpu=False)
+    large = place(cfg, model_of(tmp, int(bound / per_byte) + 1), prep, has_gpu=False)
     assert large.processes == 2 and "CPU, a large evaluation" in large.why
-    # the same model, more samples scored: the work grows with them
-    assert place(cfg_of(raw, eval={"max_samples": 1}), model_of(tmp, int(IN_PROCESS_WORK / 8) - 1), prep,
+    # the same model scored on fewer samples, or with more new tokens: the work follows them
+    assert place(cfg_of(raw, eval={"max_samples": 1}), model_of(tmp, int(bound / per_byte) + 1), prep,
                  has_gpu=False).processes == 1
-    assert place(cfg_of(raw, eval={"max_new_tokens": 800}), model_of(tmp, 400_000_000), prep,
+    assert place(cfg_of(raw, eval={"max_new_tokens": 100}), model_of(tmp, int(bound / per_byte) - 1), prep,
                  has_gpu=False).processes == 2
 
 
@@ -75,7 +84,7 @@ def test_gpus_several_machines_custom_workers_and_unknown_sizes_stay_on_torchrun
 
 def test_eval_launch_overrides_auto_and_one_process_is_always_in_the_stage(prepared):
     raw, prep, tmp = prepared
-    tiny, huge = model_of(tmp, 1000), model_of(tmp, 10**12)
+    tiny, huge = model_of(tmp, 1000), model_of(tmp, 10**6)
     assert place(cfg_of(raw, eval={"launch": "torchrun"}), tiny, prep, has_gpu=False).processes == 2
     assert place(cfg_of(raw, eval={"launch": "in_process"}), huge, prep, has_gpu=True).processes == 1
     assert place(cfg_of(raw, actor={"nproc_per_node": 1}, eval={"launch": "torchrun"}), huge, prep,
