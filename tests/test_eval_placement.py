@@ -26,7 +26,7 @@ def bound(monkeypatch):
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    """A two-process config's prepared val split (12 rows) and a model folder of `size` bytes of weights."""
+    """A two-process config (raw), its prepared folder (a val split of 12 rows) and a folder for models."""
     tmp = tmp_path_factory.mktemp("placement")
     raw = tiny_config_dict(tmp, actor={"nproc_per_node": 2})
     p = plan(config_from_dict(raw))
