@@ -445,8 +445,10 @@ def _publish_summary(results: list[dict]) -> None:
 def _publish_versions(p: Plan, results: list[dict]) -> None:
     """After a run that registered: every version of the config's model as `sftflow models` shows it (the
     day, the data it added, tokens trained, the decision and why, the disk), the month at a glance on the
-    flow run's page. The run never fails over it: MLflow may be unreachable by now."""
-    if not any(r["stage"] == "register" for r in results):
+    flow run's page. The run never fails over it: MLflow may be unreachable by now. A reused register
+    registered nothing, so the table is the one an earlier run published, and reading it would cost a
+    cached run most of its time (importing MLflow and opening its store: ~6 s of CPU)."""
+    if not any(r["stage"] == "register" and not r["cached"] for r in results):
         return
     from stages.tracking.registry import VERSION_COLUMNS, list_versions, version_cells
     name = p.cfg.registry.model_name
@@ -484,18 +486,20 @@ def sft_pipeline(config_path: str | None = None, overrides: list[str] | None = N
     _publish_summary(results)
     _publish_versions(p, results)
     _tag_flow_run(p, results, config_path)
-    _apply_retention(p)
+    _apply_retention(p, results)
     return results
 
 
-def _apply_retention(p: Plan) -> None:
+def _apply_retention(p: Plan, results: list[dict] | None = None) -> None:
     """`retention.auto`: the disk policy after a run (stages/retention.py), keeping this run's folders,
-    so that `serve` keeps itself tidy. Tidying is not the run's result: a failure is said, not raised."""
+    so that `serve` keeps itself tidy. Tidying is not the run's result: a failure is said, not raised.
+    `results`: the run's stages; when register ran from cache, the registry holds no new version."""
     if not p.cfg.retention.auto:
         return
     from stages.retention import collect
+    added = results is None or any(r["stage"] == "register" and not r["cached"] for r in results)
     try:
-        collect(p.cfg, protect=dict(p.fingerprints), delete=True, on_line=print, used=True)
+        collect(p.cfg, protect=dict(p.fingerprints), delete=True, on_line=print, used=True, versions_added=added)
     except Exception as e:  # noqa: BLE001 - the run trained and registered; only the tidying failed
         print(f"retention: not applied ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
 

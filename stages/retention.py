@@ -217,9 +217,27 @@ def _last_used(path: Path, lock: Path | None) -> float:
 # --------------------------------------------------------------------------- the policy
 
 
-def plan_drops(cfg: SFTConfig, protect: dict[str, str] | None = None, now: float | None = None) -> Report:
+def _stale(root: Path, protect: dict[str, str], keep_days: float, now: float) -> bool:
+    """Whether some stage folder outside `protect` is unused for `keep_days`: one only a kept version's
+    lineage could keep (stat calls only; True where unsure, which just asks the registry)."""
+    for stage in STAGES:
+        folder = root / stage
+        for path in folder.iterdir() if folder.is_dir() else []:
+            fp = path.name[1:].split(".", 1)[0] if path.name.startswith(".") else path.name
+            if not path.is_dir() or (protect.get(stage) == fp and not path.name.startswith(".")):
+                continue
+            if now - _last_used(path, _lock_file(root, stage, fp)) >= keep_days * DAY:
+                return True
+    return False
+
+
+def plan_drops(cfg: SFTConfig, protect: dict[str, str] | None = None, now: float | None = None,
+               versions_added: bool = True) -> Report:
     """What the policy would free now, and why (nothing is touched). `protect`: stage -> fingerprint of
-    folders kept whatever their age (the plan a run just used, the config `gc` was given)."""
+    folders kept whatever their age (the plan a run just used, the config `gc` was given).
+    `versions_added=False` (the policy after a run that registered nothing) asks the registry only when a
+    folder is old enough to need a version's lineage: the versions are those the last policy left, and
+    opening MLflow's store would be most of a cached run's time (`sftflow gc` always asks)."""
     r, root = cfg.retention, cfg.artifacts_path
     now = time.time() if now is None else now
     report = Report()
@@ -228,7 +246,8 @@ def plan_drops(cfg: SFTConfig, protect: dict[str, str] | None = None, now: float
         if stage in kept_fps:
             kept_fps[stage][fp] = "the current plan's"
 
-    versions = registered(cfg)
+    ask = versions_added or _stale(root, protect or {}, r.keep_days, now)
+    versions = registered(cfg) if ask else []
     if versions:
         client = _client(cfg)
         name = cfg.registry.model_name
@@ -433,12 +452,14 @@ def mark_used(cfg: SFTConfig, fingerprints: dict[str, str]) -> None:
 
 
 def collect(cfg: SFTConfig, protect: dict[str, str] | None = None, delete: bool = False,
-            on_line: Callable[[str], None] = print, now: float | None = None, used: bool = False) -> Report:
+            on_line: Callable[[str], None] = print, now: float | None = None, used: bool = False,
+            versions_added: bool = True) -> Report:
     """`sftflow gc` and the automatic policy: what would be freed (printed), and with `delete` freed.
-    `used`: `protect` names the folders a run just used (the policy after a flow run), stamped so."""
+    `used`: `protect` names the folders a run just used (the policy after a flow run), stamped so.
+    `versions_added`: whether that run registered a version (`plan_drops`)."""
     if used and protect:
         mark_used(cfg, protect)
-    report = plan_drops(cfg, protect, now)
+    report = plan_drops(cfg, protect, now, versions_added)
     if delete:
         return apply(cfg, report, on_line, quiet=used)
     for line in report.lines(cfg.artifacts_path):

@@ -474,8 +474,10 @@ def test_the_road_from_the_cli_to_the_loop_is_walked_as_written():
         elif row["calls"] == "Popen":  # torchrun runs `-m <module> spec.json`; run_train names stages.train
             import stages.train
 
-            def named(node) -> object:  # a literal, or a module-level constant of stages/train
-                return node.value if isinstance(node, ast.Constant) else getattr(stages.train, node.id, None)
+            def named(node) -> object:  # a literal, or a module-level constant of stages/train; else None
+                if isinstance(node, ast.Constant):
+                    return node.value
+                return getattr(stages.train, node.id, None) if isinstance(node, ast.Name) else None
             assert any(named(k.value) == "stages.train"
                        for c in _calls(_body(ROOT / "stages" / "train" / "__init__.py", "run_train"))
                        for k in c.keywords if k.arg == "module")

@@ -171,3 +171,41 @@ def test_a_run_marks_what_it_used_and_keep_days_counts_from_there(cfg):
     assert collect(cfg, delete=True, on_line=lambda line: None).drops == [] and used.is_dir()
     later = collect(cfg, now=time.time() + 8 * DAY, on_line=lambda line: None)
     assert [d.path for d in later.drops] == [used]
+
+
+def test_a_run_that_registered_nothing_opens_the_registry_only_for_an_old_folder(cfg, monkeypatch):
+    """The policy after a fully cached run: the registry holds what the last policy left, so MLflow's
+    store (most of such a run's time) is opened only when a folder is old enough that a version's
+    lineage alone could keep it, and then that lineage keeps it. A run that registered asks always."""
+    import stages.retention as retention
+    from mlflow.tracking import MlflowClient
+
+    from flows.sft import _apply_retention
+    client = MlflowClient(tracking_uri=cfg.resolved_tracking_uri)
+    client.create_registered_model("test-model")
+    client.create_model_version("test-model", source=str(cfg.artifacts_path),
+                                tags={f"{retention.TAG}evaluate_fingerprint": "e_named"})
+    asked = []
+    real = retention.registered
+    monkeypatch.setattr(retention, "registered", lambda c: asked.append(1) or real(c))
+    quiet = {"on_line": lambda line: None, "delete": True, "used": True}
+
+    recent = folder(cfg, "evaluate", "e1", {"predictions.jsonl": b"p"}, age_days=1)
+    assert collect(cfg, protect={"evaluate": "e1"}, versions_added=False, **quiet).drops == [] and asked == []
+    collect(cfg, protect={"evaluate": "e1"}, versions_added=True, **quiet)
+    assert asked == [1]
+
+    named = folder(cfg, "evaluate", "e_named", {"predictions.jsonl": b"p"}, age_days=30)
+    unnamed = folder(cfg, "evaluate", "e_unnamed", {"predictions.jsonl": b"p"}, age_days=30)
+    report = collect(cfg, protect={"evaluate": "e1"}, versions_added=False, **quiet)
+    assert asked == [1, 1] and [d.path for d in report.drops] == [unnamed]
+    assert named.is_dir() and recent.is_dir() and not unnamed.exists()
+
+    # the flow's policy knows from the run's stages whether register registered
+    p = plan(cfg)
+    seen = []
+    monkeypatch.setattr(retention, "collect", lambda *a, **kw: seen.append(kw["versions_added"]))
+    for results in (None, [{"stage": "register", "cached": False}], [{"stage": "register", "cached": True}],
+                    [{"stage": "evaluate", "cached": False}]):
+        _apply_retention(p, results)
+    assert seen == [True, True, False, False]

@@ -62,45 +62,50 @@ def samples(cfg: SFTConfig, prepare_dir: str) -> int:
                                   cfg.eval.max_samples)) for n in prepared_sets(cfg))
 
 
-def place(cfg: SFTConfig, model: dict, prepare_dir: str, has_gpu: bool | None = None) -> Placement:
-    """Where `model` is scored on `cfg`'s eval sets (`eval.launch`; the module's docstring says why)."""
+def _settled(cfg: SFTConfig, has_gpu: bool | None) -> tuple[bool, str] | None:
+    """The rules that need neither the model nor the samples, in order: (in the stage's process?, why), or
+    None when the size of the work decides. `place` and `describe` both read them, so `sftflow show` words
+    the same rule the stage applies; `has_gpu=None` asks the machine only when a rule needs it."""
     a, how = cfg.actor, cfg.eval.launch
     if a.world_size == 1:
-        return Placement(1, "one process")
-    if how == "torchrun":
-        return Placement(a.world_size, "eval.launch=torchrun")
-    if how == "in_process":
-        return Placement(1, "eval.launch=in_process")
+        return True, "one process"
+    if how != "auto":
+        return how == "in_process", f"eval.launch={how}"
     if a.nnodes > 1 or a.rdzv_endpoint:
-        return Placement(a.world_size, "several machines")
+        return False, "several machines"
     if has_gpu is None:
         from stages.core.topology import inventory
         has_gpu = bool(inventory().gpus)
     if has_gpu:
-        return Placement(a.world_size, "GPUs")
-    if cfg.actor.worker:  # a custom worker's own eval data: its size is unknown here
-        return Placement(a.world_size, "actor.worker scores its own eval data")
+        return False, "GPUs"
+    if a.worker:  # a custom worker's own eval data: its size is unknown here
+        return False, "actor.worker scores its own eval data"
+    return None
+
+
+def place(cfg: SFTConfig, model: dict, prepare_dir: str, has_gpu: bool | None = None) -> Placement:
+    """Where `model` is scored on `cfg`'s eval sets (`eval.launch`; the module's docstring says why)."""
+    n = cfg.actor.world_size
+    if (rule := _settled(cfg, has_gpu)) is not None:
+        in_process, why = rule
+        return Placement(1 if in_process else n, why)
     size = weight_bytes(model)
     if size is None:
-        return Placement(a.world_size, "the model's size is unknown here")
+        return Placement(n, "the model's size is unknown here")
     work = size * samples(cfg, prepare_dir) * cfg.eval.max_new_tokens
     if work < IN_PROCESS_WORK:
         return Placement(1, f"CPU, a small evaluation ({work:.1e} < {IN_PROCESS_WORK:.0e} weight bytes x samples "
-                            f"x new tokens): torchrun's start would cost more than its {a.world_size} ranks save")
-    return Placement(a.world_size, f"CPU, a large evaluation ({work:.1e} >= {IN_PROCESS_WORK:.0e} weight bytes x "
-                                   "samples x new tokens)")
+                            f"x new tokens): torchrun's start would cost more than its {n} ranks save")
+    return Placement(n, f"CPU, a large evaluation ({work:.1e} >= {IN_PROCESS_WORK:.0e} weight bytes x "
+                        "samples x new tokens)")
 
 
 def describe(cfg: SFTConfig, has_gpu: bool) -> str:
     """Where evaluations will run, as planning can tell before any model or sample exists (`sftflow show`)."""
-    a, how = cfg.actor, cfg.eval.launch
-    if a.world_size == 1:
-        return "in the stage's process (one process)"
-    if how != "auto":
-        return ("in the stage's process" if how == "in_process" else f"on {a.world_size} torchrun processes") + \
-            f" (eval.launch={how})"
-    if a.nnodes > 1 or a.rdzv_endpoint or has_gpu or cfg.actor.worker:
-        return f"on {a.world_size} torchrun processes (eval.launch=auto: " + \
-            ("several machines)" if a.nnodes > 1 or a.rdzv_endpoint else "GPUs)" if has_gpu else "a custom worker)")
-    return (f"in the stage's process when small, else on {a.world_size} torchrun processes (eval.launch=auto on CPU: "
+    n, how = cfg.actor.world_size, cfg.eval.launch
+    if (rule := _settled(cfg, has_gpu)) is not None:
+        in_process, why = rule
+        where = "in the stage's process" if in_process else f"on {n} torchrun processes"
+        return f"{where} ({why})" if how != "auto" or n == 1 else f"{where} (eval.launch=auto: {why})"
+    return (f"in the stage's process when small, else on {n} torchrun processes (eval.launch=auto on CPU: "
             f"weight bytes x samples x eval.max_new_tokens under {IN_PROCESS_WORK:.0e}; the log says which)")
