@@ -305,8 +305,12 @@ def launch_report(p: Plan, device: memory_plan.Device | None = None, memory: boo
     planning sees). `memory=False` leaves the memory plan out (`sftflow show` prints its own table)."""
     from .core.topology import backend, inventory, rank_gpu
     from .evaluate.placement import describe as describe_eval_launch
+    from .evaluate.placement import settled as settled_eval_launch
     device = device or memory_plan.visible_device()
     a, inv = p.cfg.actor, inventory()
+    # scoring in the stage's process uses one device; where the work's size decides, list the ranks' devices
+    eval_rule = settled_eval_launch(p.cfg, device.kind == "cuda")
+    eval_ranks = 1 if eval_rule is not None and eval_rule[0] else a.nproc_per_node
     precision = device.precision(a.precision)
     report: dict = {
         "device": {"kind": device.kind, "name": device.name, "count": device.count,
@@ -320,7 +324,7 @@ def launch_report(p: Plan, device: memory_plan.Device | None = None, memory: boo
         "train_devices": [f"cuda:{rank_gpu(r, device.count)}" if device.kind == "cuda" else "cpu"
                           for r in range(a.nproc_per_node)],
         "eval_devices": [f"cuda:{rank_gpu(r, device.count, shared=True)}" if device.kind == "cuda" else "cpu"
-                         for r in range(a.nproc_per_node)],
+                         for r in range(eval_ranks)],
         "eval_launch": describe_eval_launch(p.cfg, device.kind == "cuda"),
         "memory": None, "warnings": [], "refused": None, "refused_by": None,
     }

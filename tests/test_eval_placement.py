@@ -119,3 +119,20 @@ def test_show_says_where_evaluations_will_run(prepared):
     assert describe(cfg_of(raw, eval={"launch": "torchrun"}), has_gpu=False) == \
         "on 2 torchrun processes (eval.launch=torchrun)"
     assert describe(cfg_of(raw, actor={"nproc_per_node": 1}), has_gpu=True) == "in the stage's process (one process)"
+
+
+def test_show_lists_one_evaluation_device_where_the_stage_scores_in_its_process(prepared):
+    """`show --json`'s eval_devices: one per rank under torchrun (they may share a GPU), one where the rule
+    settles on the stage's process before any model exists; on CPU, where the work's size decides, the ranks'."""
+    from stages.pipeline import launch_report
+    from stages.planning.memory_plan import Device
+    raw, _, _ = prepared
+    h100 = Device("cuda", "NVIDIA H100 80GB HBM3", 80 * 2**30, (9, 0), count=1)
+    cpu = Device("cpu", "cpu", 24 * 2**30, count=0)
+
+    def devices(device, **sections):
+        return launch_report(plan(cfg_of(raw, **sections)), device, memory=False)["eval_devices"]
+    assert devices(h100) == ["cuda:0", "cuda:0"]
+    assert devices(h100, eval={"launch": "in_process"}) == ["cuda:0"]
+    assert devices(h100, actor={"nproc_per_node": 1}) == ["cuda:0"]
+    assert devices(cpu) == ["cpu", "cpu"] and devices(cpu, eval={"launch": "in_process"}) == ["cpu"]

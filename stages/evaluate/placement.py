@@ -62,10 +62,10 @@ def samples(cfg: SFTConfig, prepare_dir: str) -> int:
                                   cfg.eval.max_samples)) for n in prepared_sets(cfg))
 
 
-def _settled(cfg: SFTConfig, has_gpu: bool | None) -> tuple[bool, str] | None:
+def settled(cfg: SFTConfig, has_gpu: bool | None) -> tuple[bool, str] | None:
     """The rules that need neither the model nor the samples, in order: (in the stage's process?, why), or
-    None when the size of the work decides. `place` and `describe` both read them, so `sftflow show` words
-    the same rule the stage applies; `has_gpu=None` asks the machine only when a rule needs it."""
+    None when the size of the work decides. `place`, `describe` and `show`'s device list read them, so
+    `sftflow show` words the rule the stage applies; `has_gpu=None` asks the machine only when a rule needs it."""
     a, how = cfg.actor, cfg.eval.launch
     if a.world_size == 1:
         return True, "one process"
@@ -86,7 +86,7 @@ def _settled(cfg: SFTConfig, has_gpu: bool | None) -> tuple[bool, str] | None:
 def place(cfg: SFTConfig, model: dict, prepare_dir: str, has_gpu: bool | None = None) -> Placement:
     """Where `model` is scored on `cfg`'s eval sets (`eval.launch`; the module's docstring says why)."""
     n = cfg.actor.world_size
-    if (rule := _settled(cfg, has_gpu)) is not None:
+    if (rule := settled(cfg, has_gpu)) is not None:
         in_process, why = rule
         return Placement(1 if in_process else n, why)
     size = weight_bytes(model)
@@ -103,7 +103,7 @@ def place(cfg: SFTConfig, model: dict, prepare_dir: str, has_gpu: bool | None = 
 def describe(cfg: SFTConfig, has_gpu: bool) -> str:
     """Where evaluations will run, as planning can tell before any model or sample exists (`sftflow show`)."""
     n, how = cfg.actor.world_size, cfg.eval.launch
-    if (rule := _settled(cfg, has_gpu)) is not None:
+    if (rule := settled(cfg, has_gpu)) is not None:
         in_process, why = rule
         where = "in the stage's process" if in_process else f"on {n} torchrun processes"
         return f"{where} ({why})" if how != "auto" or n == 1 else f"{where} (eval.launch=auto: {why})"
