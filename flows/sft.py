@@ -447,7 +447,7 @@ def _publish_versions(p: Plan, results: list[dict]) -> None:
     day, the data it added, tokens trained, the decision and why, the disk), the month at a glance on the
     flow run's page. The run never fails over it: MLflow may be unreachable by now. A reused register
     registered nothing, so the table is the one an earlier run published, and reading it would cost a
-    cached run most of its time (importing MLflow and opening its store: ~6 s of CPU)."""
+    cached run most of its time (importing MLflow and opening its store: ~2 s of CPU)."""
     if not any(r["stage"] == "register" and not r["cached"] for r in results):
         return
     from stages.tracking.registry import VERSION_COLUMNS, list_versions, version_cells
