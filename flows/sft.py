@@ -442,13 +442,18 @@ def _publish_summary(results: list[dict]) -> None:
     create_markdown_artifact("\n".join(lines), key="sftflow-summary", description="sftflow run summary")
 
 
+def _registered(results: list[dict]) -> bool:
+    """Whether this run registered a version (its register stage ran, not reused)."""
+    return any(r["stage"] == "register" and not r["cached"] for r in results)
+
+
 def _publish_versions(p: Plan, results: list[dict]) -> None:
     """After a run that registered: every version of the config's model as `sftflow models` shows it (the
     day, the data it added, tokens trained, the decision and why, the disk), the month at a glance on the
     flow run's page. The run never fails over it: MLflow may be unreachable by now. A reused register
     registered nothing, so the table is the one an earlier run published, and reading it would cost a
     cached run most of its time (importing MLflow and opening its store: ~2 s of CPU)."""
-    if not any(r["stage"] == "register" and not r["cached"] for r in results):
+    if not _registered(results):
         return
     from stages.tracking.registry import VERSION_COLUMNS, list_versions, version_cells
     name = p.cfg.registry.model_name
@@ -497,7 +502,7 @@ def _apply_retention(p: Plan, results: list[dict] | None = None) -> None:
     if not p.cfg.retention.auto:
         return
     from stages.retention import collect
-    added = results is None or any(r["stage"] == "register" and not r["cached"] for r in results)
+    added = results is None or _registered(results)
     try:
         collect(p.cfg, protect=dict(p.fingerprints), delete=True, on_line=print, used=True, versions_added=added)
     except Exception as e:  # noqa: BLE001 - the run trained and registered; only the tidying failed

@@ -217,13 +217,18 @@ def _last_used(path: Path, lock: Path | None) -> float:
 # --------------------------------------------------------------------------- the policy
 
 
+def _fingerprint_of(name: str) -> str:
+    """A stage folder's fingerprint: `<fp>`, or `.<fp>.partial`, `.<fp>.old.*`, `.<fp>.*.trash`."""
+    return name[1:].split(".", 1)[0] if name.startswith(".") else name
+
+
 def _stale(root: Path, protect: dict[str, str], keep_days: float, now: float) -> bool:
     """Whether some stage folder outside `protect` is unused for `keep_days`: one only a kept version's
     lineage could keep (stat calls only; True where unsure, which just asks the registry)."""
     for stage in STAGES:
         folder = root / stage
         for path in folder.iterdir() if folder.is_dir() else []:
-            fp = path.name[1:].split(".", 1)[0] if path.name.startswith(".") else path.name
+            fp = _fingerprint_of(path.name)
             if not path.is_dir() or (protect.get(stage) == fp and not path.name.startswith(".")):
                 continue
             if now - _last_used(path, _lock_file(root, stage, fp)) >= keep_days * DAY:
@@ -277,7 +282,7 @@ def plan_drops(cfg: SFTConfig, protect: dict[str, str] | None = None, now: float
             if not path.is_dir():
                 continue
             name = path.name
-            fp = name[1:].split(".", 1)[0] if name.startswith(".") else name
+            fp = _fingerprint_of(name)
             lock = _lock_file(root, stage, fp)
             if name.startswith("."):  # .<fp>.partial (train's resumable work), .<fp>.old.*, .<fp>.*.trash
                 if fp in kept_fps[stage] and name.endswith(".partial"):
