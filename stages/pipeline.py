@@ -422,7 +422,7 @@ def _build_plan(cfg: SFTConfig) -> Plan:
         `start`: a version's rehearsal changes what prepare reads (models/start.py `rehearsal`)."""
         cfg.pin_inputs(pinned)
         cfg._rehearsal = None
-        cfg.actor.__dict__["kl_to_base"] = kl
+        cfg.actor.kl_to_base = kl  # the configured weight again (a start planned before may have pinned another)
         here = dict(inputs)
         found = rehearsal(cfg, start, inputs["train"], others)
         if found is not None:

@@ -221,3 +221,20 @@ def test_a_config_error_names_where_its_value_came_from(tmp_path):
     raw["data"]["train_data_paths"] = [str(tmp_path / "gone.jsonl")]
     assert error(path=write_config(tmp_path, raw, "gone.yaml")).startswith(
         f"{tmp_path / 'gone.yaml'}: data.train_data_paths: '{tmp_path / 'gone.jsonl'}' does not exist")
+
+
+def test_a_rehearsal_kl_weight_is_validated_as_actor_kl_to_base(tmp_path):
+    """`pin_rehearsal` makes data.rehearsal.kl_to_base the weight that trains (actor.kl_to_base) through the
+    schema's checks: without LoRA it is refused with one line naming the key, and the config is left as it was;
+    with LoRA it is set and checked like a value from the file."""
+    plain = config_from_dict(tiny_config_dict(tmp_path, data={"rehearsal": {"kl_to_base": 0.5}}))
+    with pytest.raises(ConfigError) as e:
+        plain.pin_rehearsal([], plain.inputs()["train"])
+    assert "data.rehearsal.kl_to_base" in str(e.value) and "needs LoRA" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert plain.actor.kl_to_base == 0.0
+    lora = config_from_dict(tiny_config_dict(tmp_path, data={"rehearsal": {"kl_to_base": 0.5}},
+                                             actor={"lora": {"r": 4}}))
+    lora.pin_rehearsal([], lora.inputs()["train"])
+    assert lora.actor.kl_to_base == 0.5 and lora.actor.lora.r == 4
+    assert lora.actor.world_size == 1 and lora.actor.topology == plain.actor.topology

@@ -174,8 +174,16 @@ class SFTConfig(_Section):
         the `rehearse` source's files, `new_train` the train files its version has not trained on; and
         `data.rehearsal.kl_to_base`, when set, is the KL weight training uses (actor.kl_to_base), so the
         fingerprint, the worker's spec and train.log all see the weight that trains."""
-        if self.data.rehearsal.kl_to_base is not None:
-            self.actor.__dict__["kl_to_base"] = self.data.rehearsal.kl_to_base  # no re-validation round
+        kl = self.data.rehearsal.kl_to_base
+        if kl is not None:
+            # through the schema's checks (the KL needs LoRA), on a copy: a refused weight leaves the actor as it was
+            actor = self.actor.model_copy()
+            try:
+                actor.kl_to_base = kl
+            except ValidationError as e:
+                raise ConfigError(f"data.rehearsal.kl_to_base={kl:g} trains as actor.kl_to_base: "
+                                  f"{_first_error_line(e)}") from None
+            self.actor = actor
         inputs = self.inputs()
         inputs.setdefault(CORPUS, inputs["train"])  # a builtin tokenizer is still built from every train file
         inputs["train"] = list(new_train)
