@@ -6,6 +6,8 @@ Kept:
     newest, with every stage folder their lineage names (the `sftflow.<stage>_fingerprint` tags of the
     version and of its MLflow run: replay, prepare, prepare_eval, train, baseline, champion, evaluate,
     register), and the prepare pieces those prepare folders were assembled from;
+  - every version of the store's other registered models with its lineage (configs sharing one
+    artifacts folder: their keep rules are theirs, so all their versions count as kept);
   - the folders of the plan given as `protect` (the run that just finished, the config `gc` was given):
     what the next run reuses;
   - every stage folder used in the last `retention.keep_days` days (its mtime: the policy after a flow
@@ -137,6 +139,28 @@ def registered(cfg: SFTConfig) -> list:
     except Exception:  # noqa: BLE001 - no such model yet: nothing registered
         return []
     return sorted(versions, key=lambda v: -int(v.version))
+
+
+def _all_versions(client) -> list:
+    """Every version of every registered model in the store (a search without a filter, page by page)."""
+    out, token = [], None
+    while True:
+        page = client.search_model_versions(max_results=1000, page_token=token)
+        out += list(page)
+        token = page.token
+        if not token:
+            return out
+
+
+def others_versions(cfg: SFTConfig, client) -> list:
+    """The versions of the store's other registered models: their folders share `artifacts_dir` (two configs,
+    one folder) and their keep rules are their configs', which this one does not know, so every one of
+    them is kept with its lineage; only that model's own gc removes its versions."""
+    try:
+        found = _all_versions(client)
+    except Exception:  # noqa: BLE001 - a store without a registry yet: no other model
+        return []
+    return sorted((v for v in found if v.name != cfg.registry.model_name), key=lambda v: (v.name, -int(v.version)))
 
 
 def lineage(client, version) -> dict[str, str]:
@@ -273,6 +297,15 @@ def plan_drops(cfg: SFTConfig, protect: dict[str, str] | None = None, now: float
             report.versions.append(f"{name} v{v.version} ({why}) and its lineage")
             for stage, fp in lineage(client, v).items():
                 kept_fps[stage].setdefault(fp, f"v{v.version}'s lineage")
+    if ask and _has_store(cfg):
+        client = _client(cfg)
+        by_model: dict[str, list[str]] = {}
+        for v in others_versions(cfg, client):
+            by_model.setdefault(v.name, []).append(f"v{v.version}")
+            for stage, fp in lineage(client, v).items():
+                kept_fps[stage].setdefault(fp, f"{v.name} v{v.version}'s lineage (another registered model)")
+        report.versions += [f"{other} {', '.join(vs)} (another registered model in this store: all its versions) "
+                            "and their lineage" for other, vs in by_model.items()]
 
     for stage in STAGES:
         folder = root / stage

@@ -209,3 +209,41 @@ def test_a_run_that_registered_nothing_opens_the_registry_only_for_an_old_folder
                     [{"stage": "evaluate", "cached": False}]):
         _apply_retention(p, results)
     assert seen == [True, True, False, False]
+
+
+def test_two_models_in_one_folder_keep_each_others_lineage(tmp_path):
+    """Two configs share one artifacts folder and MLflow store: gc of one frees its own old version and
+    the folders only that version named, never a folder any version of the other model names in its
+    lineage (the version's tags or its run's), whatever its age."""
+    from mlflow.tracking import MlflowClient
+
+    from stages.tracking.run import TAG
+    cfg = config_from_dict(tiny_config_dict(tmp_path, retention={"keep_versions": 1, "keep_days": 0},
+                                            registry={"model_name": "day-model"}))
+    client = MlflowClient(tracking_uri=cfg.resolved_tracking_uri)
+    experiment = client.create_experiment("shared")
+    for model in ("day-model", "other-model"):
+        client.create_registered_model(model)
+    trains = {fp: folder(cfg, "train", fp, {"model/model.safetensors": b"m" * 100}, age_days=30)
+              for fp in ("t_day1", "t_day2", "t_other1", "t_other2", "t_other_run")}
+    evals = {fp: folder(cfg, "evaluate", fp, {"predictions.jsonl": b"p"}, age_days=30) for fp in ("e_day1", "e_other1")}
+    client.create_model_version("day-model", source=str(tmp_path),
+                                tags={f"{TAG}train_fingerprint": "t_day1", f"{TAG}evaluate_fingerprint": "e_day1"})
+    client.create_model_version("day-model", source=str(tmp_path), tags={f"{TAG}train_fingerprint": "t_day2"})
+    client.set_registered_model_alias("day-model", "champion", "2")
+    client.create_model_version("other-model", source=str(tmp_path),
+                                tags={f"{TAG}train_fingerprint": "t_other1", f"{TAG}evaluate_fingerprint": "e_other1"})
+    run = client.create_run(experiment, tags={f"{TAG}train_fingerprint": "t_other_run"})  # named by its run only
+    client.create_model_version("other-model", source=str(tmp_path), run_id=run.info.run_id,
+                                tags={f"{TAG}prepare_fingerprint": "p_other"})
+    client.create_model_version("other-model", source=str(tmp_path), tags={f"{TAG}train_fingerprint": "t_other2"})
+    lines = []
+
+    report = collect(cfg, delete=True, on_line=lines.append)
+    assert not trains["t_day1"].exists() and not evals["e_day1"].exists()
+    assert all(trains[fp].is_dir() for fp in ("t_day2", "t_other1", "t_other2", "t_other_run"))
+    assert evals["e_other1"].is_dir()
+    assert [str(v.version) for v in client.search_model_versions("name = 'day-model'")] == ["2"]
+    assert sorted(str(v.version) for v in client.search_model_versions("name = 'other-model'")) == ["1", "2", "3"]
+    assert "other-model v3, v2, v1 (another registered model in this store: all its versions)" in "\n".join(lines)
+    assert report.kept[str(trains["t_other_run"])] == "other-model v2's lineage (another registered model)"

@@ -4,6 +4,7 @@ epoch sized by the new rows (runtime/mixture.py `new_data_epoch`). In-process an
 a registered version is tests/test_init_from.py."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -70,6 +71,59 @@ def test_a_file_the_lineage_names_that_is_gone_or_changed_is_one_line(world):
     with pytest.raises(ConfigError, match=rf"trained on {older}, which is gone; put that file back, or set "
                                           r"data.rehearsal.weight=0"):
         rehearsal(cfg, start, train, set())
+
+
+def test_a_moved_project_continues_from_its_champion(tmp_path, monkeypatch):
+    """Lineage names the files a version trained on relative to the project: registered in one folder, the
+    folder copied elsewhere and the original gone, planning there rehearses the copy's files. A version
+    whose lineage was written before (absolute paths into the old folder) finds them again by content."""
+    import shutil
+
+    from mlflow.tracking import MlflowClient
+
+    from conftest import write_config
+    from stages.core import model_card
+    from stages.core.config import load_config
+    from stages.pipeline import plan
+    old = tmp_path / "a"
+    old.mkdir()
+    monkeypatch.chdir(old)
+    raw = tiny_config_dict(old)
+    raw.update(artifacts_dir="artifacts")
+    raw["data"].update(train_data_paths=["data/*.jsonl"], val_data_paths=["val.jsonl"])
+    raw["actor"].update(init_from="champion", model={"corpus_paths": ["data/day1.jsonl"]})
+    (old / "data").mkdir()
+    day1 = write_jsonl(old / "data" / "day1.jsonl", demo_rows("train.jsonl", 8))
+    cfg = load_config(write_config(old, raw))
+    digest = input_digest(day1, cfg.artifacts_path)
+    prepared = old / "artifacts" / "prepare" / "p1"
+    prepared.mkdir(parents=True)
+    (prepared / "manifest.json").write_text(json.dumps(
+        {"sources": [{"ref": str(day1), "split": "train", "format": "messages"}]}))
+    learned = model_card.trained_on(cfg, str(prepared), {"train": [(str(day1), digest)]})
+    assert [e["ref"] for e in learned] == ["data/day1.jsonl"]
+    client = MlflowClient(cfg.resolved_tracking_uri)
+    client.create_registered_model("test-model")
+    client.create_model_version("test-model", source=str(old), tags={"sftflow.trained_on": json.dumps(learned)})
+    client.set_registered_model_alias("test-model", "champion", "1")
+
+    new = tmp_path / "b"
+    shutil.copytree(old, new)
+    shutil.rmtree(old)
+    monkeypatch.chdir(new)
+    write_jsonl(new / "data" / "day2.jsonl", demo_rows("eval.jsonl", 6))
+    p = plan(load_config(new / "config.yaml"))
+    assert p.start["ref"] == "models:/test-model/1"
+    assert [e["ref"] for e in p.rehearsal] == [str(new / "data" / "day1.jsonl")]
+    assert [Path(ref).name for ref, _ in p.inputs["train"]] == ["day2.jsonl"]
+
+    client = MlflowClient(p.cfg.resolved_tracking_uri)
+    absolute = [{**e, "ref": str(day1)} for e in learned]  # as lineage was written before: the old folder's path
+    client.create_model_version("test-model", source=str(new), tags={"sftflow.trained_on": json.dumps(absolute)})
+    client.set_registered_model_alias("test-model", "champion", "2")
+    p = plan(load_config(new / "config.yaml"))
+    assert p.start["ref"] == "models:/test-model/2"
+    assert [e["ref"] for e in p.rehearsal] == [str(new / "data" / "day1.jsonl")]
 
 
 @pytest.mark.parametrize("weights,sizes,passes", [([1.0, 0.5], [16, 96], 1.0), ([0.5, 0.5, 0.5], [40, 149, 141], 1.0),

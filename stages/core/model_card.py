@@ -13,6 +13,7 @@ import yaml
 
 from .artifacts import read_manifest
 from .config import REHEARSE, SFTConfig
+from .lineage_paths import project_ref
 
 CARD = "README.md"
 
@@ -21,7 +22,8 @@ def trained_on(cfg: SFTConfig, prepare_dir: str, inputs: dict[str, list]) -> lis
     """What the version trained on, as the next warm start rehearses it (models/start.py `rehearsal`): each
     training file of the prepare folder (train, the mixture's own files, what it rehearsed itself; not the
     replay stage's answers, which every run makes anew), once, with its content digest and the format and
-    columns it was read with."""
+    columns it was read with. Paths are relative to the project (core/lineage_paths.py), so a moved or cloned
+    project still finds them."""
     digest = {str(ref): d for items in inputs.values() for ref, d in items}
     rehearsed = {e["ref"]: e.get("columns") for e in cfg.rehearsal_files}
     out, seen = [], set()
@@ -33,7 +35,8 @@ def trained_on(cfg: SFTConfig, prepare_dir: str, inputs: dict[str, list]) -> lis
         seen.add(d)
         own = cfg.data.mix[mix].columns if mix in cfg.data.mix else None
         columns = rehearsed.get(src["ref"]) if mix == REHEARSE else own if own is not None else cfg.data.columns
-        out.append({"ref": src["ref"], "digest": d, "format": src["format"], "columns": columns or {}, "source": mix})
+        out.append({"ref": project_ref(src["ref"]), "digest": d, "format": src["format"], "columns": columns or {},
+                    "source": mix})
     return out
 
 

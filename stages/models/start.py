@@ -28,6 +28,7 @@ from typing import Callable
 from stages.core.artifacts import canonical_json, file_digest, input_digest
 from stages.core.config import SFTConfig
 from stages.core.errors import ConfigError
+from stages.core.lineage_paths import locate
 from stages.tracking.registry import REGISTRY_PREFIX, current_champion, download_model, version_tags
 
 from .refs import model_folder
@@ -125,15 +126,16 @@ def rehearsal(cfg: SFTConfig, start: dict | None, train: list[tuple[str, str]],
         if e["digest"] in kept:
             continue
         kept.add(e["digest"])
-        if not e["ref"].startswith("hf:"):
-            path = Path(e["ref"])
+        ref = locate(e["ref"], e["digest"], cfg.artifacts_path)
+        if not ref.startswith("hf:"):
+            path = Path(ref)
             now = input_digest(path, cfg.artifacts_path) if path.exists() else None
             if now != e["digest"]:
                 what = "is gone" if now is None else "has changed since"
                 raise ConfigError(
                     f"data.rehearsal: {start['ref']} trained on {e['ref']}, which {what}; put that file back, or set "
                     "data.rehearsal.weight=0 to train on the new data alone")
-        entries.append({k: e.get(k) for k in ("ref", "digest", "format", "columns")})
+        entries.append({"ref": ref, **{k: e.get(k) for k in ("digest", "format", "columns")}})
     return entries, new
 
 

@@ -44,6 +44,7 @@ from stages.tracking.registry import CHALLENGER, CHAMPION, promotion_lock, set_b
 from stages.tracking.live import (champion_metric_values, eval_metric_values, is_number, read_metrics_file, send_values,
                                   sync_rows)
 from stages.core.errors import StageError
+from stages.core.lineage_paths import project_ref
 from stages.tracking.run import (FLOW_RUN_ID, FLOW_RUN_URL, NOTE_TAG, RUN_TAG, TAG, Lineage, config_hash, data_digest,
                                  find_or_create_run, reachable, redact_uri, run_note, run_url, setup_mlflow, ui_url,
                                  version_url)
@@ -312,7 +313,8 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
                  "parent_version": lineage.tags.get("sftflow.parent_version", ""),
                  "models_fingerprint": lineage.tags.get("sftflow.models_fingerprint", ""),
                  "trained_on": json.dumps(learned, separators=(",", ":")),
-                 "rehearsed": json.dumps(cfg.rehearsal_files, separators=(",", ":")) if cfg.rehearsal_files else ""}
+                 "rehearsed": json.dumps([{**e, "ref": project_ref(e["ref"])} for e in cfg.rehearsal_files],
+                                         separators=(",", ":")) if cfg.rehearsal_files else ""}
         vtags.update({f"eval_{n}_accuracy": str(m["accuracy"]) for n, m in named_sets(eval_metrics).items()})
         for k, v in vtags.items():
             client.set_model_version_tag(name, version.version, TAG + k, v)
