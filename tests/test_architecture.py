@@ -499,6 +499,20 @@ def test_the_road_from_the_cli_to_the_loop_is_walked_as_written():
 # --------------------------------------------------------------------------- nothing happens at import
 
 ENV_MUTATORS = {"setdefault", "update", "pop", "popitem", "clear", "__setitem__", "__delitem__"}
+# Process-wide state besides the environment, which belongs where a process starts as the environment
+# does: a signal or exit handler installed by an import runs in every process that imports it (the CLI,
+# a Prefect worker, a rank), and a logger or warnings filter configured there hides or prints for all of them.
+PROCESS_HOOKS = {
+    "signal.signal": "sets a signal handler", "signal.siginterrupt": "changes a signal's restart",
+    "signal.set_wakeup_fd": "sets the signal wake-up fd", "atexit.register": "registers an exit handler",
+    "logging.basicConfig": "configures logging", "logging.disable": "configures logging",
+    "logging.captureWarnings": "configures logging", "logging.config.dictConfig": "configures logging",
+    "logging.config.fileConfig": "configures logging", "logging.setLoggerClass": "configures logging",
+    "logging.setLogRecordFactory": "configures logging", "warnings.filterwarnings": "changes the warnings filters",
+    "warnings.simplefilter": "changes the warnings filters", "warnings.resetwarnings": "changes the warnings filters",
+    "faulthandler.enable": "enables faulthandler",
+}
+LOGGER_CONFIG = {"addFilter", "removeFilter", "addHandler", "removeHandler", "setLevel"}
 
 
 def _is_environ(node: ast.AST) -> bool:
@@ -512,14 +526,28 @@ def _root_name(node: ast.AST) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
-def _names_imported(nodes) -> set[str]:
-    names = set()
+def _names_imported(nodes) -> dict[str, str]:
+    """name bound -> what it names, dotted: `import logging.config` binds logging (logging), `from atexit
+    import register as r` binds r (atexit.register); a relative import's names stand for themselves."""
+    names = {}
     for node in nodes:
         if isinstance(node, ast.Import):
-            names |= {a.asname or a.name.split(".")[0] for a in node.names}
+            names |= {a.asname or a.name.split(".")[0]: a.name if a.asname else a.name.split(".")[0]
+                      for a in node.names}
         elif isinstance(node, ast.ImportFrom):
-            names |= {a.asname or a.name for a in node.names}
+            base = f"{node.module}." if node.module and not node.level else ""
+            names |= {a.asname or a.name: base + a.name for a in node.names}
     return names
+
+
+def _dotted(node: ast.AST, imported: dict[str, str]) -> str | None:
+    """What `a.b.c` names when `a` was imported (`signal.signal`, `logging.config.dictConfig`), else None."""
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+        return imported.get(node.id)
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value, imported)
+        return f"{base}.{node.attr}" if base else None
+    return None
 
 
 def _runs_when_reached(stmts: list[ast.stmt]):
@@ -543,15 +571,20 @@ def _runs_when_reached(stmts: list[ast.stmt]):
 def import_time_effects(source: str) -> list[tuple[int, str]]:
     """(line, what) for each change to the process that importing `source` makes: os.environ written
     (`[...] =`, `del`, setdefault/update/pop/..., handed to a function), os.putenv/unsetenv, an
-    attribute of an imported module (or of anything imported) set or `setattr`; also inside the
-    module's own functions that its import-time code calls."""
+    attribute of an imported module (or of anything imported) set or `setattr`, a process hook
+    installed (`PROCESS_HOOKS`: signal and exit handlers, logging and warnings configuration; called, or
+    as a decorator) or a logger configured (`LOGGER_CONFIG`); also inside the module's own functions that
+    its import-time code calls."""
     tree = ast.parse(source)
     functions = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     found: set[tuple[int, str]] = set()
     followed: set[str] = set()
 
-    def scan(stmts: list[ast.stmt], imported: set[str], via: str) -> None:
+    def scan(stmts: list[ast.stmt], imported: dict[str, str], via: str) -> None:
         for node in _runs_when_reached(stmts):
+            hook = _dotted(node, imported)
+            if hook in PROCESS_HOOKS:
+                found.add((node.lineno, f"{PROCESS_HOOKS[hook]} ({hook}){via}"))
             if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
                 targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
                 for t in targets:
@@ -569,6 +602,8 @@ def import_time_effects(source: str) -> list[tuple[int, str]]:
                     found.add((node.lineno, f"setattr on {ast.unparse(args[0])}, an import{via}"))
                 elif any(_is_environ(a) for a in args):
                     found.add((node.lineno, f"hands os.environ to {ast.unparse(f)}{via}"))
+                elif isinstance(f, ast.Attribute) and f.attr in LOGGER_CONFIG:
+                    found.add((node.lineno, f"configures a logger ({ast.unparse(f)}){via}"))
                 elif isinstance(f, ast.Name) and f.id in functions and f.id not in followed:
                     followed.add(f.id)
                     fn = functions[f.id]
@@ -579,8 +614,9 @@ def import_time_effects(source: str) -> list[tuple[int, str]]:
 
 
 def test_importing_a_module_changes_nothing_in_the_process():
-    """No module of flows/ or stages/ sets environment variables or patches another module when it
-    is imported: that happens where a process starts (stages/core/process_env.py, the CLI's callback,
+    """No module of flows/ or stages/ sets environment variables, patches another module, installs a
+    signal or exit handler or configures logging or warnings when it is imported: that happens where a
+    process starts (stages/core/process_env.py, the CLI's callback,
     a flow's start, the launcher's child environment; tests/test_threads.py runs it). `__main__.py`
     modules and `if __name__ == "__main__":` blocks are entries, left out."""
     wrong = [f"{path.relative_to(ROOT)}:{line}: {what}"
@@ -631,3 +667,54 @@ if __name__ == "__main__":
     assert [line for line, _ in import_time_effects(source)] == [6, 7, 8, 9, 10, 15, 23]
     assert dict(import_time_effects(source))[15] == "sets torch.backends.flag, an attribute of an import (in _patch, " \
                                                     "called at import)"
+
+
+def test_the_import_scan_sees_process_hooks_and_logging_configuration():
+    """Signal and exit handlers, logger filters, levels and handlers, and logging's or warnings'
+    configuration, set when a module is imported: called or as a decorator, under any name they were
+    imported as, and in the module's functions its import calls; not in a function nothing calls at
+    import, nor a filter that only lasts a `with` block."""
+    source = '''
+import atexit
+import logging
+import logging.config
+import signal as sig
+import warnings
+from atexit import register
+from mlflow.utils.logging_utils import suppress_logs
+
+logging.getLogger("mlflow").addFilter(lambda r: True)
+log = logging.getLogger(__name__)
+log.setLevel(logging.INFO)
+logging.basicConfig(level=logging.INFO)
+logging.config.dictConfig({})
+sig.signal(sig.SIGTERM, sig.SIG_DFL)
+atexit.register(print)
+warnings.filterwarnings("ignore")
+
+
+@register
+def at_exit():
+    pass
+
+
+def _install():
+    logging.getLogger().addHandler(logging.NullHandler())
+
+
+_install()
+with suppress_logs("mlflow", None):
+    pass
+
+
+def later():
+    sig.signal(sig.SIGINT, sig.SIG_DFL)
+    logging.getLogger().setLevel(10)
+    atexit.register(print)
+'''
+    found = import_time_effects(source)
+    assert [line for line, _ in found] == [10, 12, 13, 14, 15, 16, 17, 20, 26], found
+    said = dict(found)
+    assert said[15] == "sets a signal handler (signal.signal)"
+    assert said[20] == "registers an exit handler (atexit.register)"
+    assert said[26] == "configures a logger (logging.getLogger().addHandler) (in _install, called at import)"

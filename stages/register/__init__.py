@@ -30,6 +30,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -54,6 +55,7 @@ from stages.tracking.run import (FLOW_RUN_ID, FLOW_RUN_URL, NOTE_TAG, RUN_TAG, T
 CODE_PATHS = [importlib.util.find_spec(m).origin
               for m in ("stages.inference.generation", "stages.core.precision", "stages.core.chat_tokens")]
 PIP_REQUIREMENTS = ["torch", "transformers", "tokenizers", "safetensors", "mlflow", "pandas"]
+UNION_HINT_WARNING = re.compile(r"^Union type hint")  # chat_model.py's, for log_model (it can't import the project)
 # What the model page shows and `mlflow models serve` documents: a prompt and a conversation; its
 # params are the signature's defaults (chat_model.MAX_NEW_TOKENS).
 INPUT_EXAMPLE = (["Who are you?", [{"role": "user", "content": "Repeat after me: apple river stone"}]],
@@ -260,6 +262,7 @@ def _with_card(model_dir: str, card: str, scratch: Path) -> Iterator[str]:
 
 def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
     from mlflow.tracking import MlflowClient
+    from mlflow.utils.logging_utils import suppress_logs
 
     fingerprints, dirs = lineage.fingerprints, lineage.dirs
     uri = redact_uri(cfg.resolved_tracking_uri)
@@ -300,10 +303,11 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
         with mlflow.start_run(run_id=run_id), _with_card(model_dir, card, build.partial) as hf_model:
             _log_run_files(mlflow, dirs, eval_metrics)
             here = Path(__file__).resolve().parent
-            info = mlflow.pyfunc.log_model(
-                name=name, python_model=str(here / "chat_model.py"), artifacts={"hf_model": hf_model},
-                code_paths=CODE_PATHS, pip_requirements=PIP_REQUIREMENTS,
-                input_example=INPUT_EXAMPLE, registered_model_name=name)
+            with suppress_logs("mlflow.types.type_hints", UNION_HINT_WARNING):  # chat_model.py says why
+                info = mlflow.pyfunc.log_model(
+                    name=name, python_model=str(here / "chat_model.py"), artifacts={"hf_model": hf_model},
+                    code_paths=CODE_PATHS, pip_requirements=PIP_REQUIREMENTS,
+                    input_example=INPUT_EXAMPLE, registered_model_name=name)
         version = client.get_model_version(name, str(info.registered_model_version))
         client.set_tag(run_id, NOTE_TAG, run_note(cfg, client.get_run(run_id).data.tags, (name, version.version)))
         vtags = {"train_fingerprint": fingerprints["train"], "prepare_fingerprint": fingerprints["prepare"],
