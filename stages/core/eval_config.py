@@ -39,6 +39,12 @@ class EvalSetConfig(_Section):
     decide_on: Literal["estimate", "interval"] = Field(
         "estimate", description="max_drop judged on the paired delta (estimate) or on its 95% interval's lower bound "
                                 "(interval: the data must show the drop is at most max_drop)")
+    # hashed only when set: configs that leave it keep their fingerprints (a change re-decides the alias)
+    champion_tolerance: float = hashed_unless_default(
+        0.1, ge=0, le=1,
+        description="promotion guard against the champion (registry.promote: if_better): a version whose accuracy "
+                    "on this set is more than this below the champion's (paired, same items, on the estimate) "
+                    "stays challenger; the primary set is judged by registry.tolerance and registry.decide_on")
     mode: Literal["generate", "choice", "harness"] = Field(
         "generate", description="generate: greedy replies scored by the scorer; choice: rows hold choices and the "
                                 "answer, the option with the highest log-likelihood is the model's pick; harness: "

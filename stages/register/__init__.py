@@ -13,9 +13,11 @@ The version is tagged with fingerprints, data digest, config hash and accuracy;
   always     every new version becomes champion
   if_better  champion unless it is worse than the current champion by more than `registry.tolerance`
              on the primary set, both scored on this run's eval sets and compared item by item
-             (the estimate, or the 95% interval's lower bound with `registry.decide_on: interval`);
-             otherwise the version becomes `challenger`. A version registered before (an older config
-             run again) takes the alias back only when strictly better: a tie moves nothing
+             (the estimate, or the 95% interval's lower bound with `registry.decide_on: interval`),
+             or worse on any other set by more than that set's `champion_tolerance` (default 0.1, on the
+             paired estimate: `champion_guards`); otherwise the version becomes `challenger`. A version
+             registered before (an older config run again) takes the alias back only when strictly
+             better, and not worse on any other set beyond its tolerance: a tie moves nothing
   never      no alias
 A set in `eval.sets` with `max_drop` guards promotion under `always` and `if_better`: a version
 whose accuracy on it fell more than that below the base model's (per the set's `decide_on`)
@@ -39,6 +41,7 @@ from typing import Iterator
 from stages.core import model_card
 from stages.core.artifacts import StageBuild, read_manifest
 from stages.core.config import SFTConfig
+from stages.core.eval_config import EvalSetConfig
 from stages.core.paired import clears, compare_sets, describe, read_predictions
 from stages.core.scores import named_sets
 from stages.tracking.registry import CHALLENGER, CHAMPION, promotion_lock, set_by_hand
@@ -96,16 +99,49 @@ def champion_comparison(eval_metrics: dict, evaluate_dir: str, champion_dir: str
             for name, m in mine.items()}
 
 
+def champion_guards(cfg: SFTConfig, versus: dict[str, dict] | None, primary: str) -> list[str]:
+    """One line per eval set other than the primary on which the new model fell more than the set's
+    `champion_tolerance` below the champion (`champion_comparison`: same items, paired), naming the set.
+    Judged on the estimate, not the interval: each day's skill is a small set (16-24 items), where the
+    95% interval of a paired change spans about +-0.2 even for a model that answers as the champion did;
+    a lower-bound rule would hold back every version, an upper-bound one would pass one that lost a
+    third of a skill. A lost skill is a large change, which the estimate sees."""
+    out = []
+    for name, vs in (versus or {}).items():
+        if name == primary:
+            continue  # registry.tolerance and registry.decide_on judge it (decide_alias)
+        s = cfg.eval.sets.get(name)
+        tol = s.champion_tolerance if s is not None else EvalSetConfig.model_fields["champion_tolerance"].default
+        if vs["delta"] >= -tol - 1e-12:
+            continue
+        against = f"champion v{vs['version']}"
+        shown = describe(vs, against) if "delta_low" in vs else f"{vs['delta']:+.3f} vs {against}"
+        out.append(f"'{name}' {vs['accuracy'] + vs['delta']:.3f} vs the champion's {vs['accuracy']:.3f}: {shown}; "
+                   f"worse by more than {tol:g} (eval.sets.{name}.champion_tolerance)")
+    return out
+
+
+def _unscored(current, vs: dict[str, dict] | None) -> list[str]:
+    """Sets the champion's own evaluation scored (its `eval_<set>_accuracy` tags) that this run did not."""
+    pattern = re.compile(rf"^{re.escape(TAG)}eval_(.+)_accuracy$")
+    theirs = [m.group(1) for k in (current.tags or {}) if (m := pattern.match(k))]
+    return sorted(n for n in theirs if n not in (vs or {}))
+
+
 def decide_alias(client, name: str, policy: str, vs: dict | None, primary: str, train_fp: str,
                  tolerance: float = 0.0, decide_on: str = "estimate",
-                 guards: list[str] | None = None, reused: bool = False) -> tuple[str | None, str]:
+                 guards: list[str] | None = None, reused: bool = False, lost: list[str] | None = None,
+                 compared: dict[str, dict] | None = None) -> tuple[str | None, str]:
     """(alias to set, why). `if_better` compares with the champion item by item on the primary set, both
     scored on this run's eval sets (`vs`: `champion_comparison`'s entry), never with a stored accuracy.
     A new version that ties the champion takes the alias (a retrain on newer data moves forward), unless
     both answer no item of the primary set right and no tolerance was granted (a tie at 0 says nothing
     of either; `registry.tolerance` > 0 accepts versions that much worse, so that one too); a
     version registered before (`reused`: an older config run again) takes it back only when it is
-    strictly better, tolerance aside, so re-running or alternating configs moves nothing on a tie."""
+    strictly better, tolerance aside, so re-running or alternating configs moves nothing on a tie. `lost`
+    (`champion_guards`): the other sets on which it is worse than the champion beyond their tolerance; any
+    keeps the alias where it is. `compared`: every set compared with the champion, so the reason can name
+    a set the champion was scored on that this run did not score."""
     if policy == "never":
         return None, "registry.promote=never"
     if guards:
@@ -127,9 +163,22 @@ def decide_alias(client, name: str, policy: str, vs: dict | None, primary: str, 
             "" if vs.get("train_fingerprint") == current.tags.get(RUN_TAG) else " of another training")
         return CHALLENGER, (f"champion v{current.version} was not compared in this run (the run compared with {seen}; "
                             "the alias moved after it was planned): run the flow again to compare with it")
+    alias, why = _decide_primary(vs, primary, current.version, tolerance, decide_on, reused)
+    if alias == CHAMPION and lost:
+        alias = None if reused else CHALLENGER
+        why += "; but it lost ground the champion holds: " + "; ".join(lost)
+    missing = _unscored(current, compared) if compared is not None else []
+    if missing:  # said, not judged: a set retired on purpose must not hold every later version back
+        why += (f"; not compared: {', '.join(repr(n) for n in missing)} (champion v{current.version} was scored on "
+                "it, this run's eval.sets lack it)")
+    return alias, why
+
+
+def _decide_primary(vs: dict, primary: str, version, tolerance: float, decide_on: str,
+                    reused: bool) -> tuple[str | None, str]:
+    """decide_alias's verdict on the primary set alone."""
     on = decide_on if "delta_low" in vs else "estimate"  # a worker's own counts: no per-item records to pair
-    shown = describe(vs, f"champion v{current.version}") if "delta_low" in vs else \
-        f"{vs['delta']:+.3f} vs champion v{current.version}"
+    shown = describe(vs, f"champion v{version}") if "delta_low" in vs else f"{vs['delta']:+.3f} vs champion v{version}"
     if reused:
         better = (vs["delta_low"] if on == "interval" else vs["delta"]) > 1e-12
         return (CHAMPION, f"'{primary}' {shown}: registered before and better than the champion "
@@ -147,7 +196,8 @@ def decide_alias(client, name: str, policy: str, vs: dict | None, primary: str, 
 
 def promote(client, name: str, version: str, train_fp: str, policy: str, vs: dict | None, primary: str,
             tolerance: float = 0.0, decide_on: str = "estimate", guards: list[str] | None = None,
-            reused: bool = False, champion_fp: str | None = None) -> tuple[str | None, str, list[str]]:
+            reused: bool = False, champion_fp: str | None = None, lost: list[str] | None = None,
+            compared: dict[str, dict] | None = None) -> tuple[str | None, str, list[str]]:
     """Decides `version`'s alias (`decide_alias`) and moves it, holding the registry's promotion lock from the
     read of the champion to the last write, so two registers finishing together promote one after the other:
     the second sees the champion the first set (one it did not compare with: `challenger`), never moves the
@@ -155,7 +205,7 @@ def promote(client, name: str, version: str, train_fp: str, policy: str, vs: dic
     Returns (alias decided, why, the version's aliases after)."""
     with promotion_lock(client, name):
         alias, why = decide_alias(client, name, policy, vs, primary, train_fp, tolerance, decide_on, guards,
-                                  reused=reused)
+                                  reused=reused, lost=lost, compared=compared)
         hand = _champion_set_by_hand(client, name)
         if hand is not None and hand[0] != version:  # the way back, said where the next run reports
             why += f"; champion v{hand[0]} was set by hand ({hand[1].get('at', '')[:10]}): {hand[1].get('reason', '')}"
@@ -260,6 +310,20 @@ def _with_card(model_dir: str, card: str, scratch: Path) -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def promote_version(cfg: SFTConfig, client, version: str, fingerprints: dict[str, str], eval_metrics: dict,
+                    versus: dict[str, dict] | None, reused: bool) -> tuple[str | None, str, list[str]]:
+    """register's decision for `version` of the config's model (`promote`): the primary set, every other set
+    compared with the champion (`champion_guards`), and the guards against the base model."""
+    r, primary = cfg.registry, eval_metrics["primary_set"]
+    return promote(
+        client, cfg.registry.model_name, version, fingerprints["train"], r.promote, (versus or {}).get(primary),
+        primary, r.tolerance, r.decide_on, failed_guards(eval_metrics), reused=reused,
+        # what this decision compared with: once the version is champion, planning finds this register folder by
+        # it (a re-registration of the champion itself compared with nothing new: kept)
+        champion_fp=fingerprints.get("champion", "") if "champion" in fingerprints or not reused else None,
+        lost=champion_guards(cfg, versus, primary), compared=versus)
+
+
 def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
     from mlflow.tracking import MlflowClient
     from mlflow.utils.logging_utils import suppress_logs
@@ -324,13 +388,8 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
             client.set_model_version_tag(name, version.version, TAG + k, v)
         client.update_model_version(name, version.version, description=version_description(cfg, lineage))
 
-    r, primary = cfg.registry, eval_metrics["primary_set"]
-    alias, why, aliases = promote(
-        client, name, str(version.version), fingerprints["train"], r.promote, (versus or {}).get(primary), primary,
-        r.tolerance, r.decide_on, failed_guards(eval_metrics), reused=existing is not None,
-        # what this decision compared with: once the version is champion, planning finds this register folder by
-        # it (a re-registration of the champion itself compared with nothing new: kept)
-        champion_fp=fingerprints.get("champion", "") if "champion" in fingerprints or existing is None else None)
+    alias, why, aliases = promote_version(cfg, client, str(version.version), fingerprints, eval_metrics, versus,
+                                          reused=existing is not None)
     metrics = {"version": int(version.version), "accuracy": eval_metrics["accuracy"], "aliases": aliases,
                "reused_version": existing is not None, "alias_decision": alias, "alias_reason": why,
                **({"vs_champion": versus} if versus else {})}
