@@ -235,7 +235,8 @@ def test_held_out_split_by_row_hash_is_stable_when_rows_are_appended(tmp_path, t
     val_after = {r["source"] for r in shard_rows(second, "val")}
     lines = lambda sources: {int(s.rsplit(":", 1)[1]) for s in sources}  # noqa: E731
     assert {n for n in lines(val_after) if n <= 300} == lines(val_before)
-    assert all(json.loads(r["messages"]) for r in shard_rows(second, "val"))  # evaluate's prompts
+    held_out = shard_rows(second, "val")
+    assert held_out and all(json.loads(r["messages"]) for r in held_out)  # evaluate's prompts
 
 
 @pytest.mark.skipif(not (REALDATA / "sharegpt_identity.json").is_file(), reason="../shared/realdata absent")
