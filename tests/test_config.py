@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from conftest import sftflow, tiny_config_dict, write_config
-from stages.core.config import ConfigError, apply_overrides, config_from_dict, flatten, load_config
+from stages.core.config import ConfigError, apply_overrides, config_from_dict, flatten, hashed, load_config
 
 
 def test_valid_config_and_dotted_overrides(tiny_config):
@@ -237,4 +237,5 @@ def test_a_rehearsal_kl_weight_is_validated_as_actor_kl_to_base(tmp_path):
                                              actor={"lora": {"r": 4}}))
     lora.pin_rehearsal([], lora.inputs()["train"])
     assert lora.actor.kl_to_base == 0.5 and lora.actor.lora.r == 4
+    assert hashed(lora.actor)["kl_to_base"] == 0.5  # what train's fingerprint reads (`actor`)
     assert lora.actor.world_size == 1 and lora.actor.topology == plain.actor.topology

@@ -4,6 +4,7 @@ does; `stage evaluate --model` survives new training data as a cache hit; the do
 the table's own rendering."""
 
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -137,10 +138,34 @@ for _s in ("a", "b"):
         NOT_CHANGED[f"eval.sets.{_s}.{_k}"] = "applies to harness or choice sets only (a config error)"
 # keys whose value resolves to what it was: the table's closure does not apply
 SAME_RESULT = {"actor.init_from": "champion with no champion in the registry is the base model (start_note)",
-               "data.rehearsal.weight": "only a warm start from a version rehearses (tests/test_rehearsal.py)",
-               "data.rehearsal.passes": "only a warm start from a version rehearses (tests/test_rehearsal.py)",
-               "data.rehearsal.kl_to_base": "only a warm start from a version rehearses (tests/test_rehearsal.py)",
-               "data.rehearsal.kl_on": "only a warm start from a version rehearses (tests/test_rehearsal.py)"}
+               "data.rehearsal.weight": "only a warm start from a version rehearses "
+                                        "(tests/test_init_from.py::test_training_continues_from_the_champion_and_names_it,"
+                                        " tests/test_rehearsal.py::test_no_rehearsal_when_off_unnamed_or_nothing_new)",
+               "data.rehearsal.passes": "only a warm start from a version rehearses "
+                                        "(tests/test_rehearsal.py::test_an_epoch_sized_by_its_new_rows)",
+               "data.rehearsal.kl_to_base": "only a warm start from a version rehearses "
+                                            "(tests/test_config.py::test_a_rehearsal_kl_weight_is_validated_as_actor_"
+                                            "kl_to_base: then it trains as actor.kl_to_base, which train reads)",
+               "data.rehearsal.kl_on": "only a warm start from a version rehearses "
+                                       "(tests/test_rehearsal.py::test_collated_batches_mark_the_rows_the_kl_holds, "
+                                       "tests/test_loss.py::test_kl_on_some_rows_is_the_kl_of_those_rows_alone)"}
+CITED = re.compile(r"tests/\w+\.py(?:::\w+)?")
+
+
+def test_the_reasons_name_tests_that_exist():
+    """A reason that rests on another test names it, file::function, and that test is there: a file or
+    function renamed since would leave the reason pointing at nothing."""
+    reasons = {**NOT_CHANGED, **SAME_RESULT}
+    cited = {key: CITED.findall(why) for key, why in reasons.items()}
+    assert all("::" in c for key in SAME_RESULT if key.startswith("data.rehearsal.") for c in cited[key] or [""])
+    missing = []
+    for key, refs in cited.items():
+        for ref in refs:
+            file, _, name = ref.partition("::")
+            path = ROOT / file
+            if not path.is_file() or (name and not re.search(rf"^def {name}\(", path.read_text(), re.M)):
+                missing.append(f"{key}: {ref}")
+    assert not missing, missing
 
 
 def _changed(key: str, value, field, tmp: Path, tokenizer: Path):
