@@ -42,6 +42,7 @@ from filelock import FileLock, Timeout
 from .core.artifacts import MANIFEST, is_complete, remove_tree
 from .core.config import SFTConfig
 from .graph import STAGES
+from .tracking.registry import human_bytes
 from .tracking.run import TAG, reachable
 
 DAY = 86400.0
@@ -88,11 +89,7 @@ class Report:
 
 
 def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GB"
+    return human_bytes(n)
 
 
 def _rel(path: Path, root: Path) -> str:

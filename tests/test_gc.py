@@ -157,10 +157,10 @@ def test_gc_dry_run_deletes_nothing_and_yes_deletes(tmp_path):
     dry = sftflow("gc", "-c", str(path), cwd=tmp_path, timeout=120)
     assert dry.returncode == 0, dry.stderr
     assert "evaluate/e0: no kept version's lineage names it, unused for 7+ days" in dry.stdout
-    assert "would free 2.2 KB" in dry.stdout and old.is_dir()
+    assert "would free 2.2 KiB" in dry.stdout and old.is_dir()
     done = sftflow("gc", "-c", str(path), "--yes", cwd=tmp_path, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "freed 2.2 KB" in done.stdout and not old.exists()
+    assert "freed 2.2 KiB" in done.stdout and not old.exists()
 
 
 def test_a_run_marks_what_it_used_and_keep_days_counts_from_there(cfg):

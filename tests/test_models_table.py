@@ -51,10 +51,27 @@ def test_models_shows_the_registrys_aliases_lineage_tokens_and_disk(tmp_path):
     header, rows = check_whole(table)
     assert header == ["version", "aliases", "from", "registered", "data", "tokens", "accuracy", "disk", "why"]
     today = time.strftime("%Y-%m-%d")
-    assert rows == [["2", "champion", "v1", today, "1 file", "350", "0.750", "2.5 KB", "better than the champion"],
+    assert rows == [["2", "champion", "v1", today, "2 files (1 new)", "350", "0.750", "2.4 KiB",
+                     "better than the champion"],
                     ["1", "challenger", "-", today, "1 file", "80", "0.500", "-", "first version"]]
 
     narrow = sftflow("models", "-c", str(cfg), cwd=tmp_path, env={"COLUMNS": "100"})
     assert narrow.returncode == 0, narrow.stderr[-3000:]
     assert max(cell_len(line) for line in narrow.stdout.splitlines()) <= 100, narrow.stdout
     assert "champion" in narrow.stdout and "…" not in narrow.stdout, narrow.stdout
+
+
+def test_an_alias_where_a_version_goes_gets_the_alias_form(tmp_path):
+    """`models:/name/champion`: MLflow says only "Parameter 'version' must be an integer"; the line adds
+    the form that works, wherever a model reference is resolved (a config key, `-m`)."""
+    import pytest
+
+    from stages.core.errors import ConfigError
+    from stages.tracking.registry import alias_hint, registry_version
+    registry_as_register_leaves_it(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'artifacts' / 'mlflow.db'}"
+    with pytest.raises(ConfigError, match=r"^eval.model: models:/daily/champion: .*; the alias form is "
+                                          r"models:/daily@champion$"):
+        registry_version("models:/daily/champion", uri)
+    assert registry_version("models:/daily@champion", uri) == ("daily", "2")
+    assert alias_hint("models:/daily/2") == alias_hint("models:/daily@champion") == alias_hint("./folder") == ""

@@ -111,6 +111,16 @@ def _release(client, lock: str, me: str) -> None:
         pass
 
 
+def alias_hint(ref: str) -> str:
+    """"; the alias form is models:/name@champion" when `ref` puts an alias where a version number goes
+    (MLflow says only "Parameter 'version' must be an integer"), else ""."""
+    body = ref[len(REGISTRY_PREFIX):] if ref.startswith(REGISTRY_PREFIX) else ""
+    name, _, last = body.rpartition("/")
+    if not name or "@" in body or not last or last.isdigit() or last == "latest":
+        return ""
+    return f"; the alias form is {REGISTRY_PREFIX}{name}@{last}"
+
+
 def registry_version(ref: str, tracking_uri: str, key: str = "eval.model") -> tuple[str, str]:
     """`models:/name@alias` or `models:/name/version` -> (name, version) as the registry has it now."""
     from mlflow.tracking import MlflowClient
@@ -126,7 +136,7 @@ def registry_version(ref: str, tracking_uri: str, key: str = "eval.model") -> tu
         else:
             raise ValueError("expected models:/name@alias or models:/name/version")
     except Exception as e:  # noqa: BLE001 - unknown name/alias/version, unreachable server
-        raise ConfigError(f"{key}: {ref}: {str(e).strip().splitlines()[0]}") from None
+        raise ConfigError(f"{key}: {ref}: {str(e).strip().splitlines()[0]}{alias_hint(ref)}") from None
     return name, str(version.version)
 
 
@@ -152,7 +162,7 @@ def download_model(ref: str, tracking_uri: str | None, dst_path: str | None = No
     try:
         local = Path(mlflow.artifacts.download_artifacts(ref, dst_path=dst_path))
     except Exception as e:  # noqa: BLE001 - unknown name/alias/version, unreachable server
-        raise ValueError(f"{ref}: {str(e).splitlines()[0]}") from None
+        raise ValueError(f"{ref}: {str(e).splitlines()[0]}{alias_hint(ref)}") from None
     found = next((p.parent for p in sorted(local.rglob("config.json"))
                   if (p.parent / "tokenizer_config.json").is_file()), None)
     if found is None:
@@ -263,9 +273,10 @@ def list_versions(tracking_uri: str, name: str, artifacts_path: Path | None = No
     return out
 
 
-def _train_files(trained_on: str) -> int | None:
-    """How many of the files a version was trained on were its own training data (`source` "train"; the
-    rest are earlier versions' data rehearsed, the replay stage's answers); None without the tag."""
+def _train_files(trained_on: str) -> tuple[int, int] | None:
+    """(every file the version trained on, those that were new to it: `source` "train"; the others are
+    earlier versions' data rehearsed and the mixture's own files; the replay stage's answers are not
+    files); None without the tag."""
     import json
     try:
         refs = json.loads(trained_on) if trained_on else None
@@ -273,7 +284,8 @@ def _train_files(trained_on: str) -> int | None:
         return None
     if not isinstance(refs, list):
         return None
-    return sum(1 for r in refs if isinstance(r, dict) and r.get("source") == "train")
+    refs = [r for r in refs if isinstance(r, dict)]
+    return len(refs), sum(1 for r in refs if r.get("source") == "train")
 
 
 def _tokens_trained(client, run_id: str) -> int | None:
@@ -292,10 +304,12 @@ def _folder_bytes(folder: Path) -> int:
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
+    """Bytes in binary units, as `sftflow models` and `sftflow gc` both print them (a folder reads the same
+    in both)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
+        n /= 1024
     raise AssertionError("unreachable")
 
 
@@ -309,12 +323,16 @@ VERSION_COLUMNS = ("version", "aliases", "from", "registered", "data", "tokens",
 def version_cells(v: dict) -> list[str]:
     """A `list_versions` row as the text of `VERSION_COLUMNS` ("-" where unknown): what `sftflow models`
     and the flow run's artifact show. `from`: the version it continued from; `data`: the training files
-    it was given (`sftflow.trained_on`)."""
+    it trained on (`sftflow.trained_on`), with how many were new to it when it rehearsed others."""
     import time
     day = time.strftime("%Y-%m-%d", time.localtime(v["created"] / 1000)) if v.get("created") else "-"
     acc = f"{float(v['accuracy']):.3f}" if v.get("accuracy") else "-"
     files = v.get("data_files")
-    data = "-" if files is None else f"{files} file{'' if files == 1 else 's'}"
+    if files is None:
+        data = "-"
+    else:
+        total, new = files
+        data = f"{total} file{'' if total == 1 else 's'}" + ("" if new == total else f" ({new} new)")
     return [v["version"], ", ".join(v["aliases"]) or "-", f"v{v['parent']}" if v.get("parent") else "-", day, data,
             _count(v["tokens"]) if v.get("tokens") is not None else "-", acc,
             human_bytes(v["disk"]) if v.get("disk") is not None else "-", v.get("reason") or "-"]
