@@ -152,3 +152,23 @@ def test_collated_batches_mark_the_rows_the_kl_holds():
     padded = collate_padded(samples, pad_id=0)
     assert padded["kl_mask"].tolist() == [[False] * 3, [True] * 3]
     assert "kl_mask" not in collate_packed([{k: v for k, v in s.items() if k != "kl"} for s in samples])
+
+
+def test_the_log_counts_the_epoch_the_mixture_has():
+    """A warm start's epoch is sized by its new rows (40 new among 319 prepared: 120 samples): train.log says
+    so, and each step's epoch is its share of those 120, not of the 319 rows (0.35 then 1.00 before)."""
+    from stages.runtime.batches import DataPosition
+    from stages.runtime.reporting import epochs_done, samples_said
+    weights, sizes = [0.5, 0.5, 0.5], [40, 141, 138]
+    total = new_data_epoch(weights, sizes, 1.0)
+    sampler = GlobalBatchSampler(np.full(sum(sizes), 8), 16, 4, 1, 5, mixture=(weights, sizes, total))
+    assert sampler.n == total == 120
+    assert samples_said(sampler.n, sum(sizes)) == "120 samples an epoch (drawn from 319 prepared rows)"
+    assert samples_said(96, 96) == "96 samples an epoch"
+    pos, epochs = DataPosition(0, 0), []
+    for _ in range(2 * sampler.steps_per_epoch):
+        pos = sampler.advance(pos, len(sampler.global_batch(pos)))
+        epochs.append(epochs_done(pos.epoch, pos.consumed, sampler.n))
+    per_step = round(16 / 120, 4)
+    assert epochs[:8] == [round((i + 1) * 16 / 120, 4) for i in range(7)] + [1.0]
+    assert epochs[-1] == 2.0 and all(0 < b - a <= per_step + 1e-4 for a, b in zip(epochs, epochs[1:]))

@@ -19,6 +19,20 @@ RUNTIME_FILE = "runtime.json"  # the settings `auto` resolved to, written by ran
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
 
 
+def epochs_done(epoch: int, consumed: int, samples_per_epoch: int) -> float:
+    """The epoch a step's row reports: whole epochs and the share of the current one. An epoch is the
+    sampler's (`GlobalBatchSampler.n`): a warm start's mixture sizes it by the new rows, not the prepared
+    rows it draws from, so dividing by those made the epoch jump (0.35 -> 1.00) at the boundary."""
+    return round(epoch + consumed / samples_per_epoch, 4)
+
+
+def samples_said(samples_per_epoch: int, rows: int) -> str:
+    """train.log's count of what an epoch trains: the epoch's samples, and the prepared rows when a
+    mixture's epoch is another number."""
+    shown = f"{samples_per_epoch} samples an epoch"
+    return shown if samples_per_epoch == rows else f"{shown} (drawn from {rows} prepared rows)"
+
+
 def truncate_metrics(path: Path, step: int) -> None:
     """On resume, drop lines logged after the checkpoint so every step appears exactly once."""
     if not path.exists():

@@ -55,7 +55,7 @@ from .loss import model_loss, reference_outputs
 from .mixture import describe, summary_line
 from .packing import packs_exactly
 from .model_types import UnknownModelType, build_configured_model, get_model_builder
-from .reporting import PEAK_FLOPS, Reporter
+from .reporting import PEAK_FLOPS, Reporter, epochs_done, samples_said
 from .schedule import lr_lambda
 from .sharding import Sharding, parallelize, reshard
 from .validation import validate
@@ -406,7 +406,8 @@ class SFTWorker:
             step, pos = self.checkpointer.resume(self.model, self.optimizer, self.scheduler, self.world)
             reporter = Reporter(self.out, self.rank, step, self.total_steps, run.log_interval,
                                 self.cfg.registry.live_after_seconds, 6 * self.n_params, self.peak_flops)
-            log(f"training {self.total_steps} steps: {len(self.train_ds)} samples, world {self.world}, "
+            log(f"training {self.total_steps} steps: {samples_said(self.sampler.n, len(self.train_ds))}, "
+                f"world {self.world}, "
                 f"accum {self.sampler.accum}, precision {precision_why(self.cfg.actor.precision, self.device)}, "
                 f"device {self.device.type}, "
                 f"attention {self.attn_implementation}, {'packed' if self.packing else 'padded'} micro-batches")
@@ -420,7 +421,7 @@ class SFTWorker:
                 grad_norm, lr = self.optimizer_step()
                 pos = self.sampler.advance(pos, len(batch_idx))
                 step += 1
-                row = reporter.step_row(step, round(pos.epoch + pos.consumed / len(self.train_ds), 4), stats,
+                row = reporter.step_row(step, epochs_done(pos.epoch, pos.consumed, self.sampler.n), stats,
                                         grad_norm, lr, time.perf_counter() - t0, self.world)
                 if (run.val_check_interval > 0 and step % run.val_check_interval == 0) or step == self.total_steps:
                     row.update(self.validate())
