@@ -283,7 +283,9 @@ def run_stage_task(stage: str, p: Plan, force: bool, states: dict, label: str | 
     # the state, not the value: a task that returns a `Cached` state would hand back that state
     states[stage] = t(return_state=True, wait_for=[states[u] for u in upstream(p, stage) if u in states], **kwargs)
     result = dict(states[stage].result())
-    result["seconds"] = round(time.time() - t0, 2)
+    # the task's whole time, Prefect's share included, but what it queued for the machine's cores (the stage
+    # said how long, in its log)
+    result["seconds"] = round(time.time() - t0 - result.get("waited", 0.0), 2)
     return result
 
 

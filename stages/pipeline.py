@@ -26,8 +26,8 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .core.artifacts import (StageResult, cached_result, damage, deferred_digest_memos, fingerprint, input_digest,
-                             is_complete, stage_dir, stage_lock)
+from .core.artifacts import (WAITED, StageResult, cached_result, damage, deferred_digest_memos, fingerprint,
+                             input_digest, is_complete, read_manifest, stage_dir, stage_lock)
 from .core.codeversion import code_version
 from .core.config import CORPUS, REHEARSE, REPLAY_PROMPTS, SCORER_NAMES, SFTConfig, eval_split, mix_split
 from .core.errors import ConfigError, MissingUpstream, StageError
@@ -723,4 +723,6 @@ def run_stage(p: Plan, stage: str, force: bool = False, on_line: Callable[[str],
             return hit
         call = CALLS[BY_NAME[stage].run](p, stage, dirs, on_line, tags)
         metrics = call()
-    return StageResult(stage, fp, str(p.folder(stage)), metrics, cached=False, seconds=round(time.time() - t0, 2))
+    waited = read_manifest(p.folder(stage)).get(WAITED, 0.0)  # queued for the machine's cores (train): not work
+    return StageResult(stage, fp, str(p.folder(stage)), metrics, cached=False,
+                       seconds=round(time.time() - t0 - waited, 2), waited=waited)

@@ -4,15 +4,17 @@ ledger while they train. Each test has a ledger of its own (SFTFLOW_CORES_DIR in
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from stages.core import cores
+from stages.core import artifacts, cores
 from stages.core.errors import StageError
 from stages.launch.launcher import run_torchrun, worker_env
 
@@ -83,10 +85,14 @@ def test_runs_that_would_oversubscribe_queue_first_come_first_served(ledger):
         time.sleep(0.2)
         assert ("runs", 2) not in events and ("runs", 1) not in events
         waits = [e[2] for e in events if e[0] == "waits"]
-        assert waits[0] == ("cores: waiting for 3 rank(s) of 1 other sftflow run(s) on this machine's 4 core(s) "
-                            "to end before starting 2 (SFTFLOW_CORES=off runs at once)")
+        assert waits == ["cores: waiting behind 1 running sftflow run (3 ranks) and 0 queued ahead on this "
+                         "machine's 4 cores before starting 2 ranks (SFTFLOW_CORES=off runs at once)",
+                         "cores: waiting behind 1 running sftflow run (3 ranks) and 1 queued ahead on this "
+                         "machine's 4 cores before starting 1 rank (SFTFLOW_CORES=off runs at once)"]
         assert cores.share(3, big.id).threads == 1  # queued claims take no one's cores
     _until(lambda: ("runs", 2) in events and ("runs", 1) in events)
+    # each says, once it starts, how long it queued
+    assert sorted(e[1] for e in events if e[0] == "waits" and e[2].startswith("cores: waited ")) == [1, 2]
     beside = {e[1]: e[2] for e in events if e[0] == "beside"}
     # the run of 2 was let in first (the 3 had ended), the 1 only beside it: the 1 saw the 2 running. The 2
     # reports who runs beside it after it is in, when the 1 may already have followed it in.
@@ -98,9 +104,26 @@ def test_runs_that_would_oversubscribe_queue_first_come_first_served(ledger):
     assert claims(ledger) == []
 
 
+def test_a_run_queued_behind_queued_runs_counts_them_while_nothing_runs(ledger):
+    """First come, first served: two claims queued ahead keep a third out even while no run is going, and
+    its message counts them (it read "waiting for 0 rank(s) of 0 other sftflow run(s)")."""
+    ledger.mkdir(parents=True)
+    me = cores._process_start(os.getpid())
+    for n, ranks in enumerate((2, 1)):  # queued ahead, never let in: no process polls for them
+        ledger.joinpath(f"ahead{n}.json").write_text(json.dumps(
+            {"pid": os.getpid(), "pid_started": me, "ranks": ranks, "started": time.time() - 60 + n, "waiting": True}))
+    said: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        with cores.claim(1, on_wait=said.append, stop=lambda: bool(said), poll=0.01):
+            pytest.fail("let in ahead of the queue")
+    assert said == ["cores: waiting behind 0 running sftflow runs (0 ranks) and 2 queued ahead on this machine's "
+                    "4 cores before starting 1 rank (SFTFLOW_CORES=off runs at once)"]
+    assert claims(ledger) == ["ahead0.json", "ahead1.json"]  # its own claim went with it
+
+
 def test_a_run_larger_than_the_machine_runs_when_it_is_alone_and_queue_false_never_waits(ledger):
     with cores.claim(8, on_wait=pytest.fail) as alone:
-        assert alone is not None and cores.share(8, alone.id).threads == 1
+        assert alone is not None and cores.share(8, alone.id).threads == 1 and alone.waited == 0
         with cores.claim(2, on_wait=pytest.fail, queue=False) as node:  # a node of a multi-machine run
             assert cores.share(2, node.id).ranks == 10
 
@@ -208,6 +231,34 @@ def test_a_launch_holds_its_claim_while_its_tree_runs(ledger):
     threads, claim, seen = json.loads(lines[-1])
     assert threads == "2" and f"{claim.split(':')[0]}.json" in seen and len(seen) == 2
     assert claims(ledger) == []  # released when the tree ended
+
+
+def test_a_launch_that_queued_says_how_long_and_its_stage_keeps_that_out_of_its_seconds(ledger, monkeypatch):
+    """The time a launch queued for the cores is logged apart from its work: train.log says "waited N s for
+    cores", run_torchrun returns it, and the stage's manifest records it beside `seconds`, which leave it out
+    (a stage's seconds are its work; the table of stages shows them)."""
+    log = ledger.parent / "train.log"
+    out: dict = {}
+    said: list[str] = []
+    with cores.claim(4):  # the whole machine: a launch of one rank queues
+        launch = threading.Thread(target=lambda: out.update(waited=run_torchrun(
+            [sys.executable, "-c", "print('ranks ran')"], log, StageError, "probe", said.append)))
+        launch.start()
+        _until(lambda: said)
+        assert launch.is_alive()
+    launch.join(60)
+    lines = log.read_text().splitlines()
+    assert said == lines  # the task's log hears what train.log holds
+    assert lines[0].startswith("cores: waiting behind 1 running sftflow run (4 ranks) and 0 queued ahead")
+    assert re.fullmatch(r"cores: waited \d+\.\d s for cores before starting 1 rank", lines[1]), lines
+    assert lines[2:] == ["ranks ran"]
+    assert out["waited"] > 0 and lines[1] == f"cores: waited {out['waited']:.1f} s for cores before starting 1 rank"
+
+    clock = iter([100.0, 130.0])  # the folder made at 100 s, committed at 130 s after queuing 20 s of them
+    monkeypatch.setattr(artifacts, "time", SimpleNamespace(time=lambda: next(clock), strftime=time.strftime))
+    build = artifacts.StageBuild(ledger.parent / "artifacts", "train", "f" * 16)
+    manifest = artifacts.read_manifest(build.commit({"metrics": {}}, waited=20.0))
+    assert manifest["seconds"] == 10.0 and manifest[artifacts.WAITED] == 20.0
 
 
 FOLLOWING_RANK = r"""

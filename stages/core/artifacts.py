@@ -138,7 +138,8 @@ class StageResult:
     path: str
     metrics: dict[str, Any] = field(default_factory=dict)
     cached: bool = False
-    seconds: float = 0.0
+    seconds: float = 0.0  # its work: what it `waited` for the machine's cores is left out
+    waited: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -224,6 +225,9 @@ def stage_lock(root: Path, stage: str, fp: str, warn=None) -> Iterator[None]:
         lock.release()
 
 
+WAITED = "waited_for_cores_seconds"  # a manifest's time queued for the machine's cores (core/cores.py)
+
+
 class StageBuild:
     """The folder a stage is writing. `partial` survives a crash (train resumes from it)."""
 
@@ -236,12 +240,14 @@ class StageBuild:
         self.partial.mkdir(parents=True, exist_ok=True)
         self.started = time.time()
 
-    def commit(self, manifest: dict[str, Any]) -> Path:
+    def commit(self, manifest: dict[str, Any], waited: float = 0.0) -> Path:
+        """`waited`: seconds the stage queued for the machine's cores, kept out of its `seconds` (its work)."""
         manifest = {
             "stage": self.stage,
             "fingerprint": self.fingerprint,
             "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "seconds": round(time.time() - self.started, 3),
+            "seconds": round(max(0.0, time.time() - self.started - waited), 3),
+            **({WAITED: round(waited, 3)} if waited else {}),
             **manifest,
             "files": _file_sizes(self.partial),  # what `damage` checks when the folder is reused
         }

@@ -34,7 +34,7 @@ import tempfile
 import time
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
@@ -79,6 +79,7 @@ class Claim:
     folder: Path
     id: str
     ranks: int
+    waited: float = 0.0  # seconds it queued before its ranks could start: not its run's work
 
     @property
     def path(self) -> Path:
@@ -100,6 +101,22 @@ class Share:
     def line(self, before: int) -> str:
         return (f"threads: {before} -> {self.threads} per rank ({self.runs} sftflow run{'s' * (self.runs != 1)}, "
                 f"{self.ranks} rank{'s' * (self.ranks != 1)}, on {self.cores} core{'s' * (self.cores != 1)})")
+
+
+@dataclass(frozen=True)
+class Queue:
+    """Why a claim waits: the runs going and their ranks, and the claims queued ahead of it (first come,
+    first served: it waits for those too, even while nothing runs)."""
+    running: int
+    ranks: int
+    ahead: int
+
+    def line(self, ranks: int, cores: int) -> str:
+        def n(count: int, what: str) -> str:
+            return f"{count} {what}{'s' * (count != 1)}"
+        return (f"cores: waiting behind {n(self.running, 'running sftflow run')} ({n(self.ranks, 'rank')}) and "
+                f"{self.ahead} queued ahead on this machine's {n(cores, 'core')} before starting {n(ranks, 'rank')} "
+                f"(SFTFLOW_CORES=off runs at once)")
 
 
 def _process_start(pid: int) -> float | None:
@@ -191,17 +208,18 @@ def _write_claim(ranks: int, pid: int | None, env: Mapping[str, str] | None) -> 
         return None
 
 
-def _admitted(made: Claim, record: dict) -> Share | None:
+def _admitted(made: Claim, record: dict) -> Share | Queue:
     """Lets the claim run when its ranks fit beside the running ones (one thread per rank at least), or
-    nothing runs; the queue is first come, first served. None: not yet, the share it would get is
-    for the message."""
+    nothing runs; the queue is first come, first served. A `Queue`: not yet, and what it waits behind,
+    read under the same lock as the decision (the message then names what kept it out)."""
     cores = usable_cores()
     with _locked(made.folder):
         others = [c for c in live_claims(made.folder) if c["id"] != made.id]
-        running = sum(c["ranks"] for c in others if not c.get("waiting"))
+        going = [c for c in others if not c.get("waiting")]
+        running = sum(c["ranks"] for c in going)
         ahead = [c for c in others if c.get("waiting") and (c["started"], c["id"]) < (record["started"], made.id)]
         if ahead or (running and running + made.ranks > cores):
-            return None
+            return Queue(len(going), running, len(ahead))
         record["waiting"] = False
         _write(made, record)
     return share(made.ranks, made.id, made.folder)
@@ -216,31 +234,34 @@ def claim(ranks: int, pid: int | None = None, env: Mapping[str, str] | None = No
 
     Runs queue when even one thread per rank would oversubscribe the cores (two demo trainings of 2
     processes each on 2 cores): the block starts when the ranks of the runs going and its own fit, or
-    none is going, first come first served; `on_wait` hears once why it waits. `stop()` true while
-    waiting raises KeyboardInterrupt (the launcher's stop request). `queue=False` runs at once."""
+    none is going, first come first served; `on_wait` hears once why it waits, and once how long it
+    waited when it starts (the claim's `waited`: a stage's time queued is not its work). `stop()` true
+    while waiting raises KeyboardInterrupt (the launcher's stop request). `queue=False` runs at once."""
     queued = _write_claim(ranks, pid, env)
     made = queued[0] if queued else None
     try:
-        said = False
+        said, since = False, time.monotonic()
         while queued is not None:
             if not queue:
                 queued[1]["waiting"] = False
                 _write(*queued)
                 break
             try:
-                if _admitted(*queued) is not None:
-                    break
+                why = _admitted(*queued)
             except OSError:  # the ledger went away: run unshared
+                break
+            if not isinstance(why, Queue):
                 break
             if stop():
                 raise KeyboardInterrupt("stop requested")
             if not said:
-                going = [c for c in live_claims(made.folder) if c["id"] != made.id and not c.get("waiting")]
-                on_wait(f"cores: waiting for {sum(c['ranks'] for c in going)} rank(s) of {len(going)} other "
-                        f"sftflow run(s) on this machine's {usable_cores()} core(s) to end before starting "
-                        f"{ranks} (SFTFLOW_CORES=off runs at once)")
+                on_wait(why.line(ranks, usable_cores()))
                 said = True
             time.sleep(poll)
+        if said and made is not None:
+            made = replace(made, waited=time.monotonic() - since)
+            on_wait(f"cores: waited {made.waited:.1f} s for cores before starting {ranks} "
+                    f"rank{'s' * (ranks != 1)}")
         yield made
     finally:
         if made is not None:

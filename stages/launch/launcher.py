@@ -191,9 +191,10 @@ def stop_requested() -> bool:
 
 def run_torchrun(cmd: list[str], log_path: Path, error: type[StageError], what: str,
                  on_line: Callable[[str], None] = print, nproc_per_node: int = 1,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None) -> float:
     """`env` is added to the workers' environment (e.g. MLFLOW_RUN_ID for live metrics); a failure
-    raises `error` with "<what> failed (...): <root cause>"."""
+    raises `error` with "<what> failed (...): <root cause>". Returns the seconds the launch queued for the
+    machine's cores before its tree started (`cores.claim`; said in the log), which are not its work."""
     if stop_requested():
         raise KeyboardInterrupt("stop requested")
     # the tree's ranks are in the machine's ledger of cores from before they start until it has stopped; a
@@ -236,7 +237,7 @@ def run_torchrun(cmd: list[str], log_path: Path, error: type[StageError], what: 
     if rc == 0:
         if logs is not None:  # the agent's per-rank folders hold nothing after a success
             shutil.rmtree(logs, ignore_errors=True)
-        return
+        return claim.waited if claim is not None else 0.0
     how = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"torchrun exit {rc}"
     node = next((int(x.split("=", 1)[1]) for x in cmd if x.startswith("--node_rank=")), 0)
     reason = (recorded_failure(logs, node * nproc_per_node) if logs else None) or failure_reason(lines)

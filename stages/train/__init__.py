@@ -89,8 +89,8 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
     on_line(topology)
     with training_run(cfg, lineage, on_line, metrics_file) as env:
         mlflow_run_id = env.get("MLFLOW_RUN_ID") or None
-        run_torchrun(torchrun_command(cfg, spec_path, module=RANK_MODULE), build.partial / "train.log",
-                     TrainingFailed, "training", on_line, cfg.actor.nproc_per_node, env)
+        waited = run_torchrun(torchrun_command(cfg, spec_path, module=RANK_MODULE), build.partial / "train.log",
+                              TrainingFailed, "training", on_line, cfg.actor.nproc_per_node, env)
         runtime_file = build.partial / RUNTIME_FILE
         runtime = json.loads(runtime_file.read_text()) if runtime_file.is_file() else {}
         if mlflow_run_id and runtime:
@@ -116,5 +116,5 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
     metrics.update({f"mix_{m['source']}_per_epoch": m["per_epoch"] for m in mixture})
     build.commit({"metrics": metrics, "model_dir": str(build.final / "model"), "base_model": model_path,
                   "mixture": mixture, "topology": cfg.actor.topology,
-                  "prepare_dir": prepare_dir, "mlflow_run_id": mlflow_run_id, "runtime": runtime})
+                  "prepare_dir": prepare_dir, "mlflow_run_id": mlflow_run_id, "runtime": runtime}, waited=waited)
     return metrics
