@@ -718,3 +718,59 @@ def later():
     assert said[15] == "sets a signal handler (signal.signal)"
     assert said[20] == "registers an exit handler (atexit.register)"
     assert said[26] == "configures a logger (logging.getLogger().addHandler) (in _install, called at import)"
+
+
+# --------------------------------------------------------------------------- the doc's floor plan
+
+def _names(cell: str) -> list[str]:
+    """A cell's names: the notes in parentheses left out, split at commas and "and"."""
+    depth, text = 0, []
+    for ch in cell:
+        depth += ch == "("
+        if not depth:
+            text.append(ch)
+        depth -= ch == ")" and depth > 0
+    return [n.strip(" `") for part in "".join(text).split(",") for n in part.split(" and ") if n.strip(" `")]
+
+
+def _package_table() -> dict[str, str]:
+    """docs/architecture.md's table "package | may import": its first column's packages -> the second column."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## The floor plan", 1)[1].split("\n## ", 1)[0]
+    rows = section.split("| package | may import (besides itself) |", 1)[1].split("\n\n", 1)[0]
+    table = {}
+    for line in rows.strip().splitlines()[1:]:
+        first, second = (c.strip() for c in line.strip().strip("|").split(" | ", 1))
+        for package in _names(first):
+            assert package not in table, f"{package} has two rows"
+            table[package] = second
+    return table
+
+
+def test_the_docs_package_table_is_the_tests():
+    """docs/architecture.md's package table says what ALLOWED (and, for its `flows` row, FLOWS_MAY_IMPORT and
+    FLOWS_MAY_IMPORT_LAZILY) enforce: the same packages, each allowed the same ones; so neither can change
+    without the other."""
+    table = _package_table()
+    flows = table.pop("flows")
+    documented = {p: set() if cell == "—" else set(_names(cell)) for p, cell in table.items()}
+    for allowed in documented.values():
+        if "the stages" in allowed:
+            allowed.remove("the stages")
+            allowed |= STAGE_PACKAGES
+    assert documented == ALLOWED
+    eager, _, lazy = flows.partition("; only inside the function that needs it:")
+    eager = eager.removeprefix("from `stages`:")
+    assert {f"stages.{n}" for n in _names(eager)} == set(FLOWS_MAY_IMPORT)
+    assert {f"stages.{n}" for n in _names(lazy)} == set(FLOWS_MAY_IMPORT_LAZILY)
+
+
+def test_the_docs_cite_tests_that_exist():
+    """Every `tests/<file>.py::<test>` docs/architecture.md names (what guards each mechanism that stands in
+    for a library, among others) is a test of that file: a renamed test leaves no stale pointer."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    cited = sorted(set(re.findall(r"tests/(\w+\.py)::(\w+)", text)))
+    assert len(cited) >= 7
+    missing = [f"{f}::{name}" for f, name in cited
+               if not re.search(rf"^def {name}\(", (ROOT / "tests" / f).read_text(), re.M)]
+    assert not missing, missing
