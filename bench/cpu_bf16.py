@@ -1,12 +1,15 @@
 """bf16 against fp32 on this CPU, side by side in one run: what `precision: auto` chooses here and why
-(core/precision.py: bf16 only with AMX), and what each precision costs.
+(core/precision.py: bf16 where core/bf16_speed.py measured it faster at the model's shapes), and what
+each precision costs.
 
     .venv/bin/python bench/cpu_bf16.py                        # flags, matmuls, generation, training (~15 min)
     .venv/bin/python bench/cpu_bf16.py --parts flags,matmul   # a minute
+    .venv/bin/python bench/cpu_bf16.py --parts flags,quickstart  # the whole quickstart in each (~15-25 min)
     .venv/bin/python bench/cpu_bf16.py --prompts 0 --train-steps 8 --json /tmp/bf16.json
 
-  flags       the CPU's name and the flags that decide it (avx2, avx512f, avx512_bf16, amx_bf16, amx_tile),
-              torch's own queries, and `auto` as the plan (/proc/cpuinfo) and a rank (torch) resolve it.
+  flags       the CPU's name and its bf16 flags, torch's own queries, the calibration `auto` reads (bf16's
+              measured speed over fp32's at SmolLM2-135M's training and decode shapes, timed afresh here
+              and beside it what the cache holds), and `auto` as the plan and a rank resolve it.
   matmul      `torch.nn.functional.linear` at SmolLM2-135M's shapes (decode, output head, a training
               micro-batch), fp32 and bf16 GFLOP/s, the mean of --repeat calls after one warm-up.
   generate    the SmolLM2 quickstart's retention questions (--prompts of them, 0: all 279), greedy,
@@ -16,6 +19,10 @@
               many replies equal plain generate's in the same precision.
   train       the quickstart's replay and train stages (`run_stage`, fresh artifacts each) at
               --train-steps optimizer steps, with actor.precision fp32 then bf16: seconds and ratio.
+  quickstart  the SmolLM2 quickstart whole, every stage in the flow's order (`run_stage`, fresh artifacts
+              each; the GGUF converted before the clock), in fp32 then bf16 (both keys): each stage's
+              seconds and bf16's speed over fp32's, and the quickstart's verdicts in each (identity,
+              retention against the base with its paired interval, the alias).
 
 Timings are wall seconds on this machine as it is (say what else ran); the ratios are the claim.
 """
@@ -25,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -47,24 +53,29 @@ QUICKSTART = ROOT / "configs" / "examples" / "smollm2-identity.yaml"
 def cpu_facts() -> dict:
     import torch
 
-    from stages.core.precision import cpu_amx, torch_cpu_amx, why
+    from stages.core import bf16_speed
+    from stages.core.bf16_speed import Dims
+    from stages.core.precision import why
     from stages.runtime.distributed import precision_why
-    name, flags = platform.processor() or "?", set()
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name") and name in ("?", "", "x86_64"):
-                name = line.partition(":")[2].strip()
-            if line.startswith("flags"):
-                flags = set(line.partition(":")[2].split())
-                break
-    except OSError:
-        pass
+    name, flags = bf16_speed.cpu_identity()
+    smollm2 = Dims(hidden=576, intermediate=1536, vocab=49152, kv=192, layers=30)
+    cached = bf16_speed.speed(smollm2)  # what `auto` reads (measured once, on one thread)
+    native = bf16_speed.native(flags)
+    fresh = bf16_speed.measure(smollm2, bf16_speed.CALIBRATION_THREADS) if native else None  # again, now
+    every = bf16_speed.measure(smollm2, os.cpu_count()) if native else None  # on every core, for comparison
     return {"cpu": name, "cores": os.cpu_count(), "flags": {f: f in flags for f in FLAGS},
             "torch": torch.__version__, "torch_amx_tile": bool(torch.cpu._is_amx_tile_supported()),
             "torch_avx512_bf16": bool(torch.cpu._is_avx512_bf16_supported()),
             "torch_capability": torch.backends.cpu.get_cpu_capability(),
-            "plan_auto": why("auto", "cpu", amx=cpu_amx()), "rank_auto": precision_why("auto", torch.device("cpu")),
-            "rank_amx": torch_cpu_amx()}
+            "calibration_cached": cached and {"train": cached.train, "generate": cached.generate,
+                                              "threads": cached.threads, "seconds": cached.seconds},
+            "calibration_now": fresh and {"train": fresh.train, "generate": fresh.generate,
+                                          "threads": fresh.threads, "seconds": fresh.seconds, "onednn": fresh.onednn},
+            "calibration_all_cores": every and {"train": every.train, "generate": every.generate,
+                                                "threads": every.threads, "seconds": every.seconds},
+            "plan_auto": why("auto", "cpu", cpu=cached),
+            "plan_auto_eval": why("auto", "cpu", cpu=cached, key="eval.precision"),
+            "rank_auto": precision_why("auto", torch.device("cpu"))}
 
 
 def matmuls(repeat: int) -> list[dict]:
@@ -136,6 +147,52 @@ def training(args, work: Path) -> list[dict]:
     return rows
 
 
+def quickstart(args, work: Path) -> list[dict]:
+    """The quickstart's stages in each precision: seconds per stage, and its verdicts."""
+    from stages.core.config import load_config
+    from stages.models.base import resolve_model
+    from stages.pipeline import plan, run_stage
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        art = work / f"quickstart-{precision}"
+        if args.artifacts:  # the converted model reused: a GGUF conversion is no stage of the day
+            art.mkdir(parents=True, exist_ok=True)
+            models = Path(args.artifacts) / "models"
+            if models.is_dir() and not (art / "models").exists():
+                (art / "models").symlink_to(models.resolve())
+        cfg = load_config(QUICKSTART, [f"artifacts_dir={art}", f"actor.precision={precision}",
+                                       f"eval.precision={precision}"])
+        p = plan(cfg)
+        resolve_model(cfg, p.fingerprints["models"], lambda _: None)
+        seconds = {}
+        for stage in p.stages:
+            t0 = time.perf_counter()
+            run_stage(p, stage, on_line=lambda _: None)
+            seconds[stage] = time.perf_counter() - t0
+            print(f"{precision} {stage}: {seconds[stage]:.1f} s", flush=True)
+        ev = json.loads((p.folder("evaluate") / "metrics.json").read_text())
+        reg = json.loads((p.folder("register") / "registration.json").read_text())
+        sets = ev["sets"]
+        runs[precision] = {"seconds": seconds, "identity": sets["identity"]["accuracy"],
+                           "retention": sets["retention"]["accuracy"],
+                           "retention_vs_base": (sets["retention"]["delta"], sets["retention"]["delta_low"],
+                                                 sets["retention"]["delta_high"]),
+                           "alias": reg.get("alias_decision"), "reason": reg.get("alias_reason")}
+    rows = []
+    for stage in runs["fp32"]["seconds"]:
+        a, b = runs["fp32"]["seconds"][stage], runs["bf16"]["seconds"].get(stage)
+        rows.append({"stage": stage, "fp32_s": round(a, 1), "bf16_s": round(b, 1) if b else None,
+                     "bf16_speed_vs_fp32": round(a / b, 2) if b else None})
+    total = {k: sum(r["seconds"].values()) for k, r in runs.items()}
+    rows.append({"stage": "all stages", "fp32_s": round(total["fp32"], 1), "bf16_s": round(total["bf16"], 1),
+                 "bf16_speed_vs_fp32": round(total["fp32"] / total["bf16"], 2)})
+    for precision, r in runs.items():
+        d, lo, hi = r["retention_vs_base"]
+        print(f"{precision}: identity {r['identity']:.3f}, retention {r['retention']:.3f} "
+              f"({d:+.3f} [{lo:+.3f}, {hi:+.3f}] vs base), alias {r['alias']} ({r['reason']})", flush=True)
+    return rows
+
+
 def table(rows: list[dict]) -> str:
     keys = list(rows[0])
     return "\n".join(["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys),
@@ -157,8 +214,11 @@ def main() -> None:
     print(f"{facts['cpu']}, {facts['cores']} cores; flags: "
           + ", ".join(f"{f} {'yes' if v else 'no'}" for f, v in facts["flags"].items())
           + f"\ntorch {facts['torch']}: amx_tile {facts['torch_amx_tile']}, avx512_bf16 {facts['torch_avx512_bf16']}, "
-            f"capability {facts['torch_capability']}\nauto (plan): {facts['plan_auto']}\nauto (rank): "
-            f"{facts['rank_auto']}\n", flush=True)
+            f"capability {facts['torch_capability']}\ncalibration (cached, what auto reads): "
+            f"{facts['calibration_cached']}\ncalibration (timed again now): {facts['calibration_now']}\n"
+            f"calibration (on every core): {facts['calibration_all_cores']}\n"
+            f"auto (plan, training): {facts['plan_auto']}\nauto (plan, evaluation): {facts['plan_auto_eval']}\n"
+            f"auto (rank, default shapes): {facts['rank_auto']}\n", flush=True)
     with tempfile.TemporaryDirectory(prefix="sftflow-bench-bf16-") as tmp:
         work = Path(tmp)
         if "matmul" in parts:
@@ -170,6 +230,9 @@ def main() -> None:
         if "train" in parts:
             result["train"] = training(args, work)
             print(table(result["train"]) + "\n", flush=True)
+        if "quickstart" in parts:
+            result["quickstart"] = quickstart(args, work)
+            print(table(result["quickstart"]) + "\n", flush=True)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

@@ -29,8 +29,8 @@ from stages.core.process_env import apply_process_policy, exit_without_full_coll
 from stages.core.quarantine import note as quarantine_note
 from stages.evaluate.report import COLUMNS, table_cells
 from stages.launch.launcher import request_stop, stop_requested
-from stages.pipeline import (KEY_METRIC, STAGES, Plan, check_launch, check_memory, launch_report, replay_file,
-                             require_upstream, requires, train_memory, upstream, warm_imports)
+from stages.pipeline import (KEY_METRIC, STAGES, Plan, check_launch, check_memory, launch_report, planned_device,
+                             replay_file, require_upstream, requires, train_memory, upstream, warm_imports)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
@@ -56,8 +56,8 @@ def _check_launch(p: Plan) -> None:
 
 
 def _memory_table(p: Plan) -> None:
-    from stages.planning.memory_plan import budget_for, human, visible_device  # arithmetic, no torch
-    device = visible_device()
+    from stages.planning.memory_plan import budget_for, human  # arithmetic, no torch
+    device = planned_device(p.cfg, p.fingerprints["models"])
     mp, source = train_memory(p, device)
     if mp is None:
         console.print(f"memory plan: unknown ({escape(source)})", highlight=False)

@@ -235,7 +235,8 @@ def train_memory(p: Plan, device: memory_plan.Device | None = None) -> tuple[mem
         return None, "the model's config.json is not available before the model is built or converted"
     hf_config, source, lengths = found
     try:
-        return memory_plan.for_config(p.cfg, hf_config, device or memory_plan.visible_device(), lengths), source
+        device = device or planned_device(p.cfg, p.fingerprints["models"])
+        return memory_plan.for_config(p.cfg, hf_config, device, lengths), source
     except KeyError as e:
         return None, f"{source} has no {e.args[0]}"
     except memory_plan.UnknownArchitecture as e:
@@ -252,7 +253,8 @@ def check_memory(p: Plan, device: memory_plan.Device | None = None, warn: Callab
     if found is None:
         return
     try:
-        verdict = memory_plan.check_fits(p.cfg, found[0], device or memory_plan.visible_device(), found[2])
+        device = device or planned_device(p.cfg, p.fingerprints["models"])
+        verdict = memory_plan.check_fits(p.cfg, found[0], device, found[2])
     except (KeyError, memory_plan.UnknownArchitecture):  # a layout the plan doesn't know: nothing to estimate
         return
     if verdict and verdict.refuse:
@@ -291,7 +293,7 @@ def check_launch(p: Plan, device: memory_plan.Device | None = None, warn: Callab
     (the CLI's run/stage train, and the train stage itself on a worker): the process count against
     the GPUs, the attention kernel, then the memory plan. Planning alone (`sftflow show`, a
     deployment) checks none of them."""
-    device = device or memory_plan.visible_device()
+    device = device or planned_device(p.cfg, p.fingerprints["models"])
     check_processes(p.cfg, device)
     check_attention(p.cfg, device)
     check_memory(p, device, warn)
@@ -306,7 +308,7 @@ def launch_report(p: Plan, device: memory_plan.Device | None = None, memory: boo
     from .core.topology import backend, inventory, rank_gpu
     from .evaluate.placement import describe as describe_eval_launch
     from .evaluate.placement import settled as settled_eval_launch
-    device = device or memory_plan.visible_device()
+    device = device or planned_device(p.cfg, p.fingerprints["models"])
     a, inv = p.cfg.actor, inventory()
     # scoring in the stage's process uses one device; where the work's size decides, list the ranks' devices
     eval_rule = settled_eval_launch(p.cfg, device.kind == "cuda")
@@ -316,10 +318,11 @@ def launch_report(p: Plan, device: memory_plan.Device | None = None, memory: boo
         "device": {"kind": device.kind, "name": device.name, "count": device.count,
                    "memory_gib": round(device.bytes / memory_plan.GIB, 1),
                    "capability": ".".join(map(str, device.capability)) if device.capability else None,
-                   "source": inv.source, "note": inv.note, **({"amx": device.amx} if device.kind == "cpu" else {})},
+                   "source": inv.source, "note": inv.note,
+                   **({"bf16": _cpu_bf16(p.cfg, device)} if device.kind == "cpu" else {})},
         "nproc_per_node": a.nproc_per_node, "topology": a.topology, "backend": backend(device.kind),
         "precision": precision, "precision_why": device.precision_why(a.precision),
-        "eval_precision": device.precision(p.cfg.eval.precision),
+        "eval_precision": device.precision(p.cfg.eval.precision, "eval.precision"),
         "eval_precision_why": device.precision_why(p.cfg.eval.precision, "eval.precision"), "attn_implementation": None,
         "train_devices": [f"cuda:{rank_gpu(r, device.count)}" if device.kind == "cuda" else "cpu"
                           for r in range(a.nproc_per_node)],
@@ -381,19 +384,46 @@ def _stage_fingerprint(stage: Stage, cfg: SFTConfig, digests: dict, fps: dict, f
                        facts={f: facts.get(f) for f in stage.facts})
 
 
-def _precisions(cfg: SFTConfig) -> dict[str, str]:
+def planned_device(cfg: SFTConfig, model_fp: str) -> memory_plan.Device:
+    """The device training will run on as planning sees it, with what a CPU's bf16 is measured at: the
+    base model's shapes (its config.json; a default class where it can't be read before the model is
+    built)."""
+    from .core.bf16_speed import Dims
+    found = model_config_json(cfg, model_fp)
+    try:
+        dims = Dims.from_hf_config(found[0]) if found is not None else None
+    except (KeyError, TypeError, ValueError):
+        dims = None
+    return memory_plan.visible_device(dims)
+
+
+def _cpu_bf16(cfg: SFTConfig, device: memory_plan.Device) -> dict | None:
+    """`show --json`'s account of a CPU's bf16: what was measured, where, and whether `auto` takes it."""
+    if "auto" not in (cfg.actor.precision, cfg.eval.precision):
+        return None  # nothing asks: nothing measured
+    speed = device.cpu_bf16
+    if speed is None:
+        return {"native": False, "measured": None}
+    from .core.bf16_speed import MARGIN
+    return {"native": True, "measured": {"train": speed.train, "generate": speed.generate}, "margin": MARGIN,
+            "cpu": speed.cpu, "threads": speed.threads, "torch": speed.torch, "shape_class": speed.shape_class,
+            "seconds": speed.seconds}
+
+
+def _precisions(cfg: SFTConfig, model_fp: str) -> dict[str, str]:
     """What `actor.precision` and `eval.precision` resolve to on the machine that plans (the one rule,
     core/precision.py): facts of the stages that generate or score, so that a folder scored in fp32 is
-    never reused as a bf16 one (artifacts shared between an AMX machine and another, an Ampere GPU and a
-    CPU). The device is looked at only for `auto`."""
+    never reused as a bf16 one (artifacts shared between a machine where bf16 is faster and another, an
+    Ampere GPU and a CPU). The device is looked at (and a CPU's bf16 measured) only for `auto`."""
     device: list[memory_plan.Device] = []
 
-    def resolved(requested: str) -> str:
+    def resolved(requested: str, key: str) -> str:
         if requested != "auto":
             return requested
-        device[:] = device or [memory_plan.visible_device()]
-        return device[0].precision(requested)
-    return {"actor_precision": resolved(cfg.actor.precision), "eval_precision": resolved(cfg.eval.precision)}
+        device[:] = device or [planned_device(cfg, model_fp)]
+        return device[0].precision(requested, key)
+    return {"actor_precision": resolved(cfg.actor.precision, "actor.precision"),
+            "eval_precision": resolved(cfg.eval.precision, "eval.precision")}
 
 
 def _build_plan(cfg: SFTConfig) -> Plan:
@@ -410,7 +440,7 @@ def _build_plan(cfg: SFTConfig) -> Plan:
     facts = {"model": model_fp, "prepare_code": code_version("prepare"), "worker": _worker_identity(cfg),
              "scorer": _custom_scorer_identity(cfg), "tracking_uri": cfg.resolved_tracking_uri,
              "harness": {name: {k: v for k, v in h.items() if k != "files"} for name, h in harness.items()} or None,
-             "eval_model": eval_model_identity(cfg, model_fp), **_precisions(cfg)}
+             "eval_model": eval_model_identity(cfg, model_fp), **_precisions(cfg, model_fp)}
     order = planning_order()
     upto_train = order[:order.index("train") + 1]
     pinned = {split: list(refs) for split, refs in cfg.inputs().items()}

@@ -4,8 +4,10 @@ False)` (torch's real function, which reads the device's properties) says whethe
 worker's `choose_precision`, the model `generation.load` returns (replay, chat, the registered chat
 model) and `sftflow show --json` on the simulated machine must all say bf16 exactly there. A T4 or V100
 makes bf16 tensors (torch's default `including_emulation=True` answers True there), so the rule must
-not ask torch's default. On CPU the same holds with torch's `torch.cpu._is_amx_tile_supported()`
-patched both ways (a rank) and /proc/cpuinfo's flags (the torch-free plan)."""
+not ask torch's default. On CPU `auto` follows bf16's measured speed (core/bf16_speed.py): the tests
+patch the calibration's clock (faster, slower, within the margin), the flags (no native bf16: never
+measured) and the cache (a stale entry of another torch), and check that the plan, a rank, replay's and
+chat's loader and evaluate read the same answer."""
 
 from __future__ import annotations
 
@@ -65,70 +67,198 @@ def test_a_rocm_gpu_computes_bf16(gpu):
     assert choose_precision("auto", torch.device("cuda", 0)) == "bf16"
 
 
-@pytest.mark.parametrize("amx", [False, True], ids=["no-AMX", "AMX"])
-def test_a_cpu_rank_uses_bf16_exactly_where_torch_says_it_has_amx(monkeypatch, amx):
-    """AVX512-BF16 alone is not enough (measured slower than fp32: core/precision.py); torch's AMX query is."""
+TEST_CPU = "Test CPU @ 2.0GHz"
+
+
+@pytest.fixture
+def cpu(monkeypatch, tmp_path):
+    """This process's CPU as the calibration sees it: `cpu(flags, speedup)` makes its flags `flags` and
+    every bf16 matmul `speedup` times as fast as fp32's (the clock patched, the weighting real); the
+    cache in a file of the test's own. Returns the list of measurements taken."""
+    from stages.core import bf16_speed
+    monkeypatch.delenv(bf16_speed.ENV_PIN, raising=False)  # the suite's pin (conftest.py): this is the rule
+    monkeypatch.setenv(bf16_speed.ENV_CACHE, str(tmp_path / "bf16-speed.json"))
+    monkeypatch.setattr(bf16_speed, "_remembered", {})
+    taken: list = []
+    real = bf16_speed.measure
+
+    def machine(flags: str = "avx512f avx512_bf16", speedup: float = 2.0):
+        monkeypatch.setattr(bf16_speed, "cpu_identity", lambda cpuinfo="/proc/cpuinfo": (TEST_CPU,
+                                                                                         frozenset(flags.split())))
+
+        def patched(fp32, bf16):
+            taken.append(speedup)
+            return 1e-3 * speedup, 1e-3
+        monkeypatch.setattr(bf16_speed, "measure", lambda dims, threads=None, cpuinfo="/proc/cpuinfo", clock=None:
+                            real(dims, threads, cpuinfo, clock=patched))
+        bf16_speed._remembered.clear()
+        return taken
+    return machine
+
+
+@pytest.mark.parametrize("speedup,want", [(2.0, "bf16"), (0.6, "fp32"), (1.1, "fp32"), (1.15, "bf16")],
+                         ids=["faster", "slower", "within-margin", "at-margin"])
+def test_a_cpu_rank_uses_bf16_exactly_where_it_measured_faster(cpu, speedup, want):
+    """The rule on a CPU with native bf16: bf16 from MARGIN (1.15x) on, fp32 below, said with the ratio;
+    explicit choices are obeyed without measuring."""
+    from stages.core.bf16_speed import MARGIN
     from stages.runtime.distributed import choose_precision, precision_why
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
-    cpu = torch.device("cpu")
-    assert choose_precision("auto", cpu) == ("bf16" if amx else "fp32")
-    assert choose_precision("bf16", cpu) == "bf16" and choose_precision("fp32", cpu) == "fp32"
-    assert precision_why("auto", cpu) == ("bf16: auto on a CPU with AMX (bf16 matrix units)" if amx else
-                                          "fp32: auto on a CPU without AMX (bf16 is emulated or, with AVX512-BF16 "
-                                          "alone, slower than fp32)")
-    assert precision_why("fp32", cpu, "eval.precision") == "fp32: eval.precision=fp32 (set in the config)"
+    assert MARGIN == 1.15
+    taken = cpu("fpu avx512f avx512_bf16", speedup)
+    dev = torch.device("cpu")
+    assert choose_precision("bf16", dev) == "bf16" and choose_precision("fp32", dev) == "fp32"
+    assert taken == []  # nothing asked `auto`: nothing measured
+    assert choose_precision("auto", dev) == want
+    assert choose_precision("auto", dev, key="eval.precision") == want
+    n = len(taken)
+    assert n > 0
+    line = precision_why("auto", dev)
+    ratio = f"{speedup:.2f}x fp32's speed at this model's training shapes on {TEST_CPU} (avx512_bf16)"
+    ratio += f", 1 thread, torch {torch_version()} (bf16 from 1.15x)"  # a per-core ratio: bf16_speed.py says why
+    assert line == (f"bf16: auto, measured {ratio}" if want == "bf16" else f"fp32: auto, bf16 measured {ratio}")
+    assert "decode shapes" in precision_why("auto", dev, "eval.precision")
+    assert precision_why("fp32", dev, "eval.precision") == "fp32: eval.precision=fp32 (set in the config)"
+    assert len(taken) == n  # measured once: later questions read the answer
 
 
-def cpuinfo(tmp_path, flags: str) -> str:
-    path = tmp_path / "cpuinfo"
-    path.write_text(f"processor\t: 0\nmodel name\t: Intel(R) Xeon(R)\nflags\t\t: fpu sse2 avx2 {flags}\n\n")
-    return str(path)
+def torch_version():
+    from stages.core.bf16_speed import torch_version as v
+    return v()
 
 
-def test_the_plan_reads_amx_from_the_kernels_flags_as_torch_does(tmp_path):
-    from stages.core.precision import cpu_amx
-    assert cpu_amx(cpuinfo(tmp_path, "avx512f avx512_bf16 amx_bf16 amx_tile amx_int8")) is True
-    assert cpu_amx(cpuinfo(tmp_path, "avx512f avx512_bf16 avx512_fp16")) is False  # AVX512-BF16 alone
-    assert cpu_amx(cpuinfo(tmp_path, "avx512f amx_tile")) is False  # tiles without bf16
-    assert cpu_amx(str(tmp_path / "missing")) is False  # no /proc: macOS, Windows
-    # the machine this runs on: the plan's reading is the ranks' (torch's own query)
-    assert cpu_amx() == bool(torch.cpu._is_amx_tile_supported())
+def test_a_cpu_without_native_bf16_is_fp32_unmeasured(cpu):
+    from stages.runtime.distributed import choose_precision, precision_why
+    taken = cpu("fpu sse2 avx2 avx512f", 3.0)  # no avx512_bf16, amx_bf16 or bf16: emulated at best
+    assert choose_precision("auto", torch.device("cpu")) == "fp32"
+    assert precision_why("auto", torch.device("cpu")).startswith("fp32: auto on a CPU without native bf16")
+    assert taken == []
 
 
-@pytest.mark.parametrize("amx", [False, True], ids=["no-AMX", "AMX"])
-def test_show_and_the_fingerprints_follow_the_cpus_amx(tmp_path, monkeypatch, amx):
-    """`sftflow show` (the plan, torch-free) on a CPU with and without AMX: training and scoring in the
-    rule's precision, said with why; the scoring stages' fingerprints carry it (a folder scored in
-    fp32 is never reused as bf16), training's does not (the device is not part of what it computes)."""
+def test_the_measurement_is_cached_per_cpu_torch_and_shape_class(cpu, tmp_path, monkeypatch):
+    """Measured once per (CPU, flags, torch, shape class) and written to the cache; a new process reads it
+    without measuring; an entry of another torch is never read (measured again) and leaves the file."""
+    from stages.core import bf16_speed
+    from stages.core.bf16_speed import Dims
+    taken = cpu("avx512_bf16 amx_bf16 amx_tile", 2.0)
+    small, big = Dims(64, 128, 256, 32, 2), Dims(128, 256, 512, 64, 2)
+    assert bf16_speed.speed(small).train == 2.0
+    calls = len(taken)
+    bf16_speed._remembered.clear()  # a new process
+    assert bf16_speed.speed(small).train == 2.0 and len(taken) == calls
+    assert bf16_speed.speed(big).train == 2.0 and len(taken) == 2 * calls  # another shape class: measured
+    cache = json.loads((tmp_path / "bf16-speed.json").read_text())
+    assert sorted(cache) == sorted(bf16_speed.cache_key(d) for d in (small, big))
+    assert all(TEST_CPU in k and f"torch {torch_version()}" in k for k in cache)
+    assert cache[bf16_speed.cache_key(small)]["shape_class"] == small.shape_class
+    # the same CPU after an upgrade of torch: its entries are stale
+    monkeypatch.setattr(bf16_speed, "torch_version", lambda: "9.9.9+cpu")
+    bf16_speed._remembered.clear()
+    cpu("avx512_bf16 amx_bf16 amx_tile", 0.5)
+    assert bf16_speed.speed(small).train == 0.5
+    assert list(json.loads((tmp_path / "bf16-speed.json").read_text())) == [bf16_speed.cache_key(small)]
+    assert "torch 9.9.9+cpu" in bf16_speed.cache_key(small)
+    # a damaged cache is measured again, never trusted
+    (tmp_path / "bf16-speed.json").write_text("{not json")
+    bf16_speed._remembered.clear()
+    before = len(taken)
+    assert bf16_speed.speed(small).train == 0.5 and len(taken) > before
+
+
+def test_the_weighting_is_the_steps_matmuls():
+    """The ratio is of whole steps: each shape's time times how often a step runs it; a shape timed on a
+    slice of its columns counts at its full width. Checked with a clock whose times the test knows."""
+    from stages.core import bf16_speed
+    from stages.core.bf16_speed import Dims
+    d = Dims(hidden=64, intermediate=4096, vocab=100_000, kv=32, layers=3)
+    shapes = bf16_speed._shapes(d)
+    assert shapes == [(64, 64, 6), (64, 32, 6), (64, 4096, 6), (4096, 64, 3), (64, 100_000, 1)]
+    speedups = iter([2.0, 0.5] * 5)  # per shape: training 2x, decode 0.5x
+    train, generate = bf16_speed._timings(d, clock=lambda a, b: (next(speedups), 1.0))
+    assert (train, generate) == (2.0, 0.5)
+    # unequal shapes: the head's time, at its full width, dominates what the layers take
+    times = {}
+
+    def clock(fp32, bf16):
+        k = len(times)
+        times[k] = (1.0, 1.0) if k != 8 else (4.0, 1.0)  # the head's training call is 4x faster in bf16
+        return times[k]
+    train, _ = bf16_speed._timings(d, clock=clock)
+    head_cols = int(bf16_speed.FLOP_BUDGET // (6 * bf16_speed.TRAIN_ROWS * 64))
+    layer = 6 * 64 / 64 + 6 + 6 + 3  # each layer shape is under the budget: timed whole, weight = count
+    head = 100_000 / head_cols
+    assert train == pytest.approx((layer + 4 * head) / (layer + head))
+
+
+def test_the_calibration_runs_in_a_process_without_torch(tmp_path):
+    """Planning never imports torch: it measures in `python -m stages.core.bf16_speed`, which prints one
+    Speed; the real clock on this machine gives positive ratios."""
+    import subprocess
+    import sys
+    from stages.core.bf16_speed import Dims, Speed
+    out = subprocess.run([sys.executable, "-m", "stages.core.bf16_speed",
+                          json.dumps({"hidden": 64, "intermediate": 128, "vocab": 256, "kv": 32, "layers": 2}),
+                          "--threads", "1"], cwd=ROOT, capture_output=True, text=True, check=True)
+    speed = Speed(**json.loads(out.stdout.strip().splitlines()[-1]))
+    assert speed.train > 0 and speed.generate > 0 and speed.threads == 1
+    assert speed.shape_class == Dims(64, 128, 256, 32, 2).shape_class
+
+
+@pytest.mark.parametrize("speedup", [2.0, 0.6], ids=["bf16-faster", "bf16-slower"])
+def test_show_the_fingerprints_and_the_ranks_read_one_measurement(tmp_path, monkeypatch, cpu, speedup):
+    """`sftflow show` (the plan, torch-free) on a CPU where bf16 measured faster and slower: training and
+    scoring in the rule's precision, said with the ratio; the scoring stages' fingerprints carry it (a
+    folder scored in fp32 is never reused as bf16), training's does not; and the ranks' rule (worker,
+    replay, evaluate, generation.load) reads the same cached entry, at the base model's shapes."""
     from typer.testing import CliRunner
 
     import flows.cli
-    from conftest import tiny_config_dict, write_config
+    from conftest import base_model, tiny_config_dict, write_config
     from stages.core.config import load_config
+    from stages.evaluate.runner import load_model
+    from stages.inference.generation import load
     from stages.pipeline import plan
-    from stages.planning import memory_plan
+    from stages.runtime.distributed import choose_precision
+    from stages.core import bf16_speed
     raw = tiny_config_dict(tmp_path)
     raw["actor"]["precision"] = raw["eval"]["precision"] = "auto"
     path = write_config(tmp_path, raw)
-    monkeypatch.setattr(memory_plan, "cpu_amx", lambda: False)
+    cpu("avx512f avx512_bf16", 0.6)
     before = plan(load_config(path)).fingerprints
-    monkeypatch.setattr(memory_plan, "cpu_amx", lambda: amx)
+    assert plan(load_config(path)).facts["actor_precision"] == "fp32"
+    monkeypatch.setenv(bf16_speed.ENV_CACHE, str(tmp_path / "another-machine.json"))  # the same CPU elsewhere
+    taken = cpu("avx512f avx512_bf16", speedup)
+    taken.clear()
     p = plan(load_config(path))
-    want = "bf16" if amx else "fp32"
+    want = "bf16" if speedup > 1.15 else "fp32"
     assert p.facts["actor_precision"] == p.facts["eval_precision"] == want
     for stage in ("baseline", "evaluate"):
-        assert (p.fingerprints[stage] != before[stage]) == amx
+        assert (p.fingerprints[stage] != before[stage]) == (want == "bf16")
     assert p.fingerprints["train"] == before["train"]
+    measured = len(taken)
+    assert measured > 0
     result = CliRunner().invoke(flows.cli.app, ["show", "-c", str(path), "--json"])
     assert result.exit_code == 0, result.output
     launch = json.loads(result.output)["launch"]
     assert launch["precision"] == launch["eval_precision"] == want
-    assert launch["device"]["amx"] is amx
-    assert launch["precision_why"].startswith(f"{want}: auto on a CPU with{'out' * (not amx)} AMX")
-    assert launch["eval_precision_why"].startswith(f"{want}: auto on a CPU with{'out' * (not amx)} AMX")
+    assert launch["device"]["bf16"]["measured"] == {"train": speedup, "generate": speedup}
+    assert launch["device"]["bf16"]["cpu"] == f"{TEST_CPU} (avx512_bf16)"
+    verb = "measured" if want == "bf16" else "bf16 measured"
+    assert launch["precision_why"].startswith(f"{want}: auto, {verb} {speedup:.2f}x fp32's speed at this model's "
+                                              "training shapes")
+    assert launch["eval_precision_why"].startswith(f"{want}: auto, {verb} {speedup:.2f}x fp32's speed at this "
+                                                   "model's decode shapes")
     shown = CliRunner().invoke(flows.cli.app, ["show", "-c", str(path)])
-    assert f"training in {want}: auto on a CPU with" in " ".join(shown.output.split())
+    assert f"training in {want}: auto, {verb} {speedup:.2f}x" in " ".join(shown.output.split())
+    # the ranks: the built base model's config.json names the shapes the plan measured at
+    cfg = load_config(path)
+    folder = base_model(cfg)
+    dev = torch.device("cpu")
+    assert choose_precision("auto", dev, folder) == want
+    model, _ = load_model(cfg, {"kind": "hf", "path": folder}, folder, dev)
+    assert next(model.parameters()).dtype == (torch.bfloat16 if want == "bf16" else torch.float32)
+    model, _ = load(folder, device="cpu")
+    assert model.sftflow_precision == want
+    assert len(taken) == measured  # one measurement served the plan, show and every rank
 
 
 @pytest.mark.parametrize("cap", [(7, 5), (8, 0)], ids=["T4", "A100"])
@@ -178,15 +308,15 @@ def test_show_json_says_what_torch_says_on_each_capability(tmp_path, gpu):
     assert [seen[c] for c in CAPABILITIES] == ["fp32", "fp32", "bf16", "bf16", "bf16"]
 
 
-@pytest.mark.parametrize("asked,amx,dtype", [("fp32", True, torch.float32), ("bf16", False, torch.bfloat16),
-                                             ("auto", False, torch.float32), ("auto", True, torch.bfloat16)])
-def test_evaluation_scores_in_eval_precision_whatever_training_used(tmp_path, monkeypatch, asked, amx, dtype):
+@pytest.mark.parametrize("asked,speedup,dtype", [("fp32", 2.0, torch.float32), ("bf16", 0.6, torch.bfloat16),
+                                                 ("auto", 0.6, torch.float32), ("auto", 2.0, torch.bfloat16)])
+def test_evaluation_scores_in_eval_precision_whatever_training_used(tmp_path, cpu, asked, speedup, dtype):
     """evaluate, baseline and champion load the scored model in `eval.precision` (`auto`: the rule, also
     when training ran in bf16), so every model of a comparison is scored alike."""
     from conftest import base_model, tiny_config_dict
     from stages.core.config import config_from_dict
     from stages.evaluate.runner import load_model
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    cpu("avx512_bf16", speedup)
     raw = tiny_config_dict(tmp_path)
     raw["actor"]["precision"] = "bf16"
     raw.setdefault("eval", {})["precision"] = asked

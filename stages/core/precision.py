@@ -2,57 +2,79 @@
 model (the plan in `sftflow show`, the training worker, evaluate and its reference stages, replay, chat
 and the registered chat model).
 
-bf16 only where the device computes it natively and faster than fp32: an NVIDIA GPU of compute capability
-8.0 or later (Ampere on), a ROCm GPU, or a CPU with AMX (Intel Sapphire Rapids on: bf16 tile matrix
-units). Everywhere else fp32, including a T4 or V100 (7.x), where `torch.cuda.is_bf16_supported()`
-answers True by its default `including_emulation=True` (a bf16 tensor can be made there, but every op
-is emulated: slower than fp32 and not what the plan promised), and a CPU whose only bf16 is AVX512-BF16
-(Cooper Lake, Zen 4, or a Sapphire Rapids whose hypervisor hides AMX): its bf16 dot products are native,
-but measured there bf16 trained 0.6x and generated 0.95x as fast as fp32 (oneDNN's bf16 kernels against
-MKL's fp32 ones; docs/benchmarks.md "bf16 on CPU"), so `auto` would be a slowdown.
+On a GPU, bf16 where the device computes it natively: an NVIDIA GPU of compute capability 8.0 or later
+(Ampere on) or a ROCm GPU. Not on a T4 or V100 (7.x), where `torch.cuda.is_bf16_supported()` answers
+True by its default `including_emulation=True` (a bf16 tensor can be made there, but every op is
+emulated: slower than fp32 and not what the plan promised).
+
+On a CPU, bf16 where it was measured at least `bf16_speed.MARGIN` times as fast as fp32 at the model's
+own shapes on this CPU (core/bf16_speed.py: timed once per CPU, torch and shape class, cached): flags
+alone were wrong both ways. bf16 trained SmolLM2 at 0.6x fp32's speed on an Intel Xeon with
+AVX512-BF16 whose hypervisor hid AMX, and at 1.8x on an AMD EPYC (Zen 4) with the same flags
+(docs/benchmarks.md "bf16 on CPU"). A CPU without native bf16 at all is fp32, unmeasured. The key
+decides which step is timed: `actor.precision` (training, and the replay and chat of that config) at a
+training step's matmuls, `eval.precision` at a decode step's.
 An explicit `fp32` or `bf16` in the config is obeyed.
 
 Torch-free at import, so the planning process (which never imports torch: nvidia-smi's compute_cap,
-/proc/cpuinfo's flags) and the ranks (which ask torch for the device's capability, `device_facts`) apply
-the same function; the registered chat model
-ships this file beside generation.py; tests/test_precision_rule.py holds both to
-torch's own `is_bf16_supported(including_emulation=False)`.
+/proc/cpuinfo, the cached measurement) and the ranks (which ask torch for the device's capability,
+`device_facts`) apply the same function; the registered chat model ships this file and
+bf16_speed.py beside generation.py; tests/test_precision_rule.py holds the GPU rule to torch's own
+`is_bf16_supported(including_emulation=False)` and the CPU rule to patched timings.
 """
 
 from __future__ import annotations
 
+try:
+    from stages.core import bf16_speed
+except ImportError:  # shipped beside a registered model: precision.py and bf16_speed.py side by side
+    import bf16_speed
+
 NATIVE_BF16_CAPABILITY = (8, 0)
-CPU_AMX_FLAGS = frozenset({"amx_bf16", "amx_tile"})  # /proc/cpuinfo's names for AMX's bf16 tiles
+Speed = bf16_speed.Speed
 
 
-def native_bf16(kind: str, capability: tuple[int, int] | None = None, rocm: bool = False, amx: bool = False) -> bool:
-    """Whether `auto` is bf16 on a device: kind "cuda" with capability >= 8.0, or ROCm; kind "cpu" with AMX
-    (`amx`). An unknown capability (an old driver's nvidia-smi) is not assumed to."""
+def use_of(key: str) -> str:
+    """Which step a key's `auto` is timed at on a CPU: eval.precision's work is decoding, actor.precision's
+    training."""
+    return "generate" if key.startswith("eval") else "train"
+
+
+def native_bf16(kind: str, capability: tuple[int, int] | None = None, rocm: bool = False,
+                cpu: Speed | None = None, key: str = "actor.precision") -> bool:
+    """Whether `auto` is bf16 on a device: kind "cuda" with capability >= 8.0, or ROCm; kind "cpu" where `cpu`
+    (the measured speed; None: no native bf16) puts bf16 at MARGIN or more for the key's step. An unknown
+    capability (an old driver's nvidia-smi) is not assumed to."""
     if kind == "cpu":
-        return amx
+        return cpu is not None and cpu.ratio(use_of(key)) >= bf16_speed.MARGIN
     if kind != "cuda":
         return False
     return rocm or (capability is not None and tuple(capability) >= NATIVE_BF16_CAPABILITY)
 
 
 def resolve(requested: str, kind: str, capability: tuple[int, int] | None = None, rocm: bool = False,
-            amx: bool = False) -> str:
-    """`actor.precision` on this device: "fp32" or "bf16"."""
+            cpu: Speed | None = None, key: str = "actor.precision") -> str:
+    """`actor.precision` (or `eval.precision`: `key`) on this device: "fp32" or "bf16"."""
     if requested != "auto":
         return requested
-    return "bf16" if native_bf16(kind, capability, rocm, amx) else "fp32"
+    return "bf16" if native_bf16(kind, capability, rocm, cpu, key) else "fp32"
 
 
 def why(requested: str, kind: str, capability: tuple[int, int] | None = None, rocm: bool = False,
-        amx: bool = False, key: str = "actor.precision") -> str:
+        cpu: Speed | None = None, key: str = "actor.precision") -> str:
     """One line for `sftflow show`, train.log and the stage logs: which precision runs and why (`key`:
     the config key `requested` came from)."""
-    chosen = resolve(requested, kind, capability, rocm, amx)
+    chosen = resolve(requested, kind, capability, rocm, cpu, key)
     if requested != "auto":
         return f"{chosen}: {key}={requested} (set in the config)"
     if kind == "cpu":
-        return (f"{chosen}: auto on a CPU with AMX (bf16 matrix units)" if amx else
-                f"{chosen}: auto on a CPU without AMX (bf16 is emulated or, with AVX512-BF16 alone, slower than fp32)")
+        if cpu is None:
+            return f"{chosen}: auto on a CPU without native bf16 (no avx512_bf16, amx_bf16 or bf16 flag; not measured)"
+        step = "decode" if use_of(key) == "generate" else "training"
+        ratio = cpu.ratio(use_of(key))
+        said = f"{ratio:.2f}x fp32's speed at this model's {step} shapes on {cpu.where()} " \
+               f"(bf16 from {bf16_speed.MARGIN:g}x)"
+        return f"{chosen}: auto, measured {said}" if chosen == "bf16" else f"{chosen}: auto, bf16 measured {said}"
     if kind != "cuda":
         return f"{chosen}: auto on {kind}"
     if rocm:
@@ -65,39 +87,26 @@ def why(requested: str, kind: str, capability: tuple[int, int] | None = None, ro
     return f"{chosen}: auto, compute capability {cap} < 8.0 only emulates bf16"
 
 
-def cpu_amx(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this machine's CPU has AMX's bf16 tiles, from the kernel's flags (torch-free, for planning;
-    False where there is no /proc/cpuinfo: macOS, Windows). tests/test_precision_rule.py holds it to
-    torch's own `torch.cpu._is_amx_tile_supported()` on the machine the tests run on."""
-    try:
-        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return CPU_AMX_FLAGS <= set(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return False
+def cpu_speed(dims=None) -> Speed | None:
+    """This CPU's measured bf16 speed at `dims` (a bf16_speed.Dims; None: the default class), measured once
+    and cached; None where the CPU has no native bf16."""
+    return bf16_speed.speed(dims)
 
 
-def torch_cpu_amx() -> bool:
-    """torch's answer to whether its CPU kernels can use AMX tiles here (the CPU has them and the kernel
-    lets this process use them). A torch without the query answers by the flags."""
-    import torch
-    query = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(query()) if query is not None else cpu_amx()
-
-
-def device_facts(device) -> tuple[str, tuple[int, int] | None, bool, bool]:
-    """(kind, compute capability, ROCm, AMX) of a torch.device, read from torch (in a rank, never in planning)."""
+def device_facts(device, dims=None) -> tuple[str, tuple[int, int] | None, bool, Speed | None]:
+    """(kind, compute capability, ROCm, the CPU's measured bf16 speed) of a torch.device, read from torch
+    and the calibration cache (in a rank, never in planning). `dims`: the model's shapes."""
     import torch
     if device.type == "cpu":
-        return "cpu", None, False, torch_cpu_amx()
+        return "cpu", None, False, cpu_speed(dims)
     if device.type != "cuda":
-        return device.type, None, False, False
+        return device.type, None, False, None
     props = torch.cuda.get_device_properties(device)
-    return "cuda", (props.major, props.minor), bool(torch.version.hip), False
+    return "cuda", (props.major, props.minor), bool(torch.version.hip), None
 
 
-def on_device(requested: str, device) -> str:
-    """`resolve` for a torch.device."""
-    return resolve(requested, *device_facts(device))
+def on_device(requested: str, device, dims=None, key: str = "actor.precision") -> str:
+    """`resolve` for a torch.device; on a CPU only `auto` looks at (or takes) the measurement."""
+    if requested != "auto":
+        return requested
+    return resolve(requested, *device_facts(device, dims), key=key)

@@ -69,7 +69,7 @@ def load_model(cfg: SFTConfig, ref: dict, base_model: str, device: torch.device)
         model = model.merge_and_unload()
     is_hf = isinstance(model, PreTrainedModel)
     model.to(device)
-    if is_hf and choose_precision(cfg.eval.precision, device) == "bf16":
+    if is_hf and choose_precision(cfg.eval.precision, device, base_model, "eval.precision") == "bf16":
         model.to(torch.bfloat16)
     model.eval()
     tok = None
@@ -211,7 +211,7 @@ def evaluate_spec(spec: EvalSpec) -> dict:
             for s in sets}
     out = Path(spec.out_dir)
     per_set: dict[str, dict] = {s: {} for s in sets}
-    log(f"evaluate: precision {precision_why(cfg.eval.precision, device, 'eval.precision')}")
+    log(f"evaluate: precision {precision_why(cfg.eval.precision, device, 'eval.precision', spec.base_model)}")
     for name, ref in spec.models.items():
         model, tok = load_model(cfg, ref, spec.base_model, device)
         # what each number was computed in, as the weights are: paired comparisons refuse a mix (core/paired.py)

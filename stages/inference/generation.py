@@ -21,9 +21,11 @@ import torch
 
 try:  # inside the project
     from stages.core.chat_tokens import stop_token_ids
+    from stages.core.bf16_speed import dims_of
     from stages.core.precision import on_device as resolve_precision
 except ImportError:  # inside a logged model: these files ship beside this one (register's code_paths)
     from chat_tokens import stop_token_ids
+    from bf16_speed import dims_of
     from precision import on_device as resolve_precision
 
 # Generation-config fields that make greedy `generate` differ from the argmax of the last logits,
@@ -45,14 +47,16 @@ REFILL_SHARE = 0.25
 MIN_SHARED = 4
 
 
-def load(model_dir: str, trust_remote_code: bool = False, device: str | None = None, precision: str = "auto"):
-    """(model, tokenizer) on `device` in `precision` as `actor.precision` resolves there (the one rule,
-    core/precision.py: `auto` is bf16 only on a GPU that computes it natively). `model.sftflow_precision`
-    says which ran."""
+def load(model_dir: str, trust_remote_code: bool = False, device: str | None = None, precision: str = "auto",
+         key: str = "actor.precision"):
+    """(model, tokenizer) on `device` in `precision` as `key` (replay, chat and the registered model: the
+    config's `actor.precision`) resolves there (the one rule, core/precision.py: `auto` is bf16 on
+    a GPU that computes it natively, or a CPU where it measured faster at this model's shapes).
+    `model.sftflow_precision` says which ran."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    chosen = resolve_precision(precision, device)
+    chosen = resolve_precision(precision, device, dims_of(model_dir), key)
     dtype = torch.bfloat16 if chosen == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=trust_remote_code, dtype=dtype).to(device)
     model.eval()

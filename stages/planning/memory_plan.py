@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stages.core.precision import cpu_amx, native_bf16
+from stages.core.precision import cpu_speed, native_bf16
 from stages.core.precision import resolve as resolve_precision
 from stages.core.precision import why as precision_why
 
@@ -274,19 +274,27 @@ class Device:
     capability: tuple[int, int] | None = None  # a GPU's compute capability (nvidia-smi's compute_cap); None: unknown
     count: int = 1  # how many such GPUs are visible (0 on CPU)
     rocm: bool = False  # an AMD GPU under a ROCm build of torch
-    amx: bool = False  # a CPU with AMX's bf16 tiles (/proc/cpuinfo's flags)
+    dims: object = None  # the model's matmul shapes (core/bf16_speed.Dims) a CPU's bf16 is measured at
 
     @property
-    def bf16(self) -> bool:
-        """Whether `actor.precision: auto` is bf16 here: the one rule (core/precision.py) the ranks apply
-        with torch's view of the same device; T4 and V100 (7.x), and CPUs without AMX, train in fp32."""
-        return native_bf16(self.kind, self.capability, self.rocm, self.amx)
+    def cpu_bf16(self):
+        """A CPU's measured bf16 speed at the model's shapes (core/bf16_speed.py: cached, measured once in a
+        subprocess where missing); None on a GPU or a CPU without native bf16."""
+        return cpu_speed(self.dims) if self.kind == "cpu" else None
 
-    def precision(self, requested: str) -> str:
-        return resolve_precision(requested, self.kind, self.capability, self.rocm, self.amx)
+    def bf16(self, key: str = "actor.precision") -> bool:
+        """Whether `auto` is bf16 here: the one rule (core/precision.py) the ranks apply with torch's view
+        of the same device; T4 and V100 (7.x), and CPUs where bf16 measured slower, run fp32."""
+        return native_bf16(self.kind, self.capability, self.rocm, self.cpu_bf16, key)
+
+    def precision(self, requested: str, key: str = "actor.precision") -> str:
+        if requested != "auto":
+            return requested
+        return resolve_precision(requested, self.kind, self.capability, self.rocm, self.cpu_bf16, key)
 
     def precision_why(self, requested: str, key: str = "actor.precision") -> str:
-        return precision_why(requested, self.kind, self.capability, self.rocm, self.amx, key=key)
+        cpu = self.cpu_bf16 if requested == "auto" else None
+        return precision_why(requested, self.kind, self.capability, self.rocm, cpu, key=key)
 
 
 def human(n: float) -> str:
@@ -335,10 +343,11 @@ def largest_fitting(lo: int, hi: int, fits_at) -> int | None:
 # --------------------------------------------------------------------------- a config's plan
 
 
-def visible_device() -> Device:
+def visible_device(dims=None) -> Device:
     """The GPUs this process may train on, as the least of them (`core.topology.inventory`: nvidia-smi,
     or torch where nvidia-smi can't tell; no torch import here, planning runs in the CLI), with how many
-    there are; else the CPU, with the machine's RAM or its cgroup's limit when smaller."""
+    there are; else the CPU, with the machine's RAM or its cgroup's limit when smaller. `dims`: the
+    model's shapes, what a CPU's bf16 is measured at."""
     import os
 
     from stages.core.topology import inventory, torch_build
@@ -356,7 +365,7 @@ def visible_device() -> Device:
         ram = min(ram, int(limit)) if limit.isdigit() else ram
     except OSError:
         pass
-    return Device("cpu", "CPU", ram, count=0, amx=cpu_amx())
+    return Device("cpu", "CPU", ram, count=0, dims=dims)
 
 
 def attention_kernel(requested: str, device: Device, packing: bool, precision: str) -> str:

@@ -20,7 +20,7 @@ def answer_spec(spec: ReplaySpec) -> list[dict]:
     rank, world = rank_and_world()
     device = local_device(shared=True)
     model, tok = load(spec.model_path, cfg.actor.model.trust_remote_code, str(device), cfg.actor.precision)
-    log(f"replay: precision {precision_why(cfg.actor.precision, device)}")
+    log(f"replay: precision {precision_why(cfg.actor.precision, device, model_dir=spec.model_path)}")
     n = len(spec.prompts)
     mine = spec.prompts[rank * n // world: (rank + 1) * n // world]
     answers = generate(model, tok, [p["prompt"] for p in mine], cfg.replay.max_new_tokens, cfg.replay.batch_size)

@@ -42,15 +42,24 @@ def local_device(shared: bool = False) -> torch.device:
     return device
 
 
-def choose_precision(requested: str, device: torch.device) -> str:
-    """`actor.precision` on this rank's device, by the one rule (core/precision.py): `auto` is bf16 only
-    where the device computes it natively (capability >= 8.0, ROCm), fp32 elsewhere."""
-    return precision.on_device(requested, device)
+def choose_precision(requested: str, device: torch.device, model_dir=None, key: str = "actor.precision") -> str:
+    """`actor.precision` (or `key`) on this rank's device, by the one rule (core/precision.py): `auto` is bf16
+    where the device computes it natively (capability >= 8.0, ROCm) or, on a CPU, where bf16 was measured
+    faster at the shapes of the model in `model_dir` (the cached calibration the plan read); else fp32."""
+    return precision.on_device(requested, device, dims_of(model_dir), key)
 
 
-def precision_why(requested: str, device: torch.device, key: str = "actor.precision") -> str:
+def precision_why(requested: str, device: torch.device, key: str = "actor.precision", model_dir=None) -> str:
     """The line the stage logs say: which precision runs here and why."""
-    return precision.why(requested, *precision.device_facts(device), key=key)
+    if requested != "auto":
+        return precision.why(requested, device.type, key=key)
+    return precision.why(requested, *precision.device_facts(device, dims_of(model_dir)), key=key)
+
+
+def dims_of(model_dir):
+    """The shapes a CPU's bf16 is measured at: the model folder's config.json (None: the default class)."""
+    from stages.core.bf16_speed import dims_of as read
+    return read(model_dir) if model_dir is not None else None
 
 
 def gather(obj) -> list:
