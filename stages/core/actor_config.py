@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, field_serializer, field_validator, model_validator
 
-from .config_fields import _Section, unhashed
+from .config_fields import _Section, hashed_unless_default, unhashed
 from .imports import is_import_path
 from .topology import auto_nproc, describe
 
@@ -37,6 +37,26 @@ class RunnerConfig(_Section):
     log_interval: int = unhashed(1, ge=1)
     seed: int = 1234
     resume: str = unhashed("auto", description="auto | never | <checkpoint path>")
+    # Early stopping and best-checkpoint selection, under HF Trainer's names. Hashed only once set:
+    # the fingerprints of configs that don't use them stay as they were.
+    metric_for_best_model: Literal["val_loss", "val_accuracy"] = hashed_unless_default(
+        "val_loss", description="the validation metric early stopping and load_best_model_at_end watch: val_loss "
+                                "(lower is better) or val_accuracy (higher; needs a worker that counts correct/total)")
+    early_stopping_patience: int = hashed_unless_default(
+        0, ge=0, description="stop once this many validation checks in a row did not improve the metric; 0: off")
+    early_stopping_threshold: float = hashed_unless_default(
+        0.0, ge=0, description="min_delta: a check improves only when it beats the best by more than this")
+    load_best_model_at_end: bool = hashed_unless_default(
+        False, description="export the weights of the best validation check instead of the last step's")
+
+    @model_validator(mode="after")
+    def _selection_needs_checks(self) -> "RunnerConfig":
+        # with val_check_interval <= 0 the only check is the last step: nothing to choose between
+        for key in ("early_stopping_patience", "load_best_model_at_end"):
+            if getattr(self, key) and self.val_check_interval <= 0:
+                raise ValueError(f"runner.{key} needs runner.val_check_interval > 0 (validation every N steps; "
+                                 "<= 0 validates only at the end, leaving nothing to choose between)")
+        return self
 
 
 class ModelConfig(_Section):

@@ -250,6 +250,36 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
     return final
 
 
+def save_weights(root: Path, step: int, model) -> Path:
+    """`root/step_N`: what a checkpoint holds of the model (no optimizer, RNG or trainer state), as
+    DCP, written under `.tmp` and renamed once marked complete: the weights of a best validation
+    check, kept to be exported at the end at half a checkpoint's size."""
+    rank = dist.get_rank()
+    root = Path(root)
+    tmp, final = root / (_name(step) + ".tmp"), root / _name(step)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dcp.save({"model": trained_state(model)}, checkpoint_id=str(tmp))
+    dist.barrier()
+    if rank == 0:
+        (tmp / COMPLETE).write_text(str(step))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    dist.barrier()
+    return final
+
+
+def load_weights(path: Path, model) -> None:
+    """`save_weights`' folder (or a checkpoint's model half) into the model in place, resharded."""
+    read_metadata(path)
+    state = {"model": trained_state(model)}
+    dcp.load(state, storage_reader=SafeReader(str(path)))
+    set_model_state_dict(model, state["model"], options=LOAD_TRAINED)
+
+
 def list_checkpoints(root: Path, warn=None) -> list[Path]:
     """Complete checkpoints, oldest first."""
     root = Path(root)

@@ -9,7 +9,8 @@ then `fit` runs `setup` and the loop and always closes (metrics, MLflow, process
     runtime/sharding.py       `parallelize`: activation checkpointing, compilation, FSDP2
     runtime/checkpoint_schedule.py  `Checkpointer`: when to save, what to resume (DCP: runtime/checkpoint.py)
     runtime/reporting.py      `Reporter`: metrics.jsonl, live MLflow rows, progress, runtime.json
-    runtime/validation.py     `validate`: the validation loss and accuracy across ranks
+    runtime/validation.py     `validate`: the validation loss and accuracy across ranks; `BestCheck`:
+                              early stopping and the step whose weights ship
     runtime/hf_export.py         `export_model`: the gathered state dict, LoRA merge, the HF folder
     runtime/packing.py        `packs_exactly`: whether the model may train on packed micro-batches
 
@@ -58,7 +59,7 @@ from .model_types import UnknownModelType, build_configured_model, get_model_bui
 from .reporting import PEAK_FLOPS, Reporter, epochs_done, samples_said
 from .schedule import lr_lambda
 from .sharding import Sharding, parallelize, reshard
-from .validation import validate
+from .validation import BestCheck, validate
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -160,8 +161,7 @@ class SFTWorker:
         """Starts this rank's process group; (device, rank, world size, precision)."""
         device = local_device()
         dist.init_process_group(backend(device.type))
-        return (device, dist.get_rank(), dist.get_world_size(),
-                choose_precision(self.cfg.actor.precision, device, self.spec.model_path))
+        return device, dist.get_rank(), dist.get_world_size(), choose_precision(self.cfg.actor.precision, device)
 
     def build_model(self) -> tuple[torch.nn.Module, Sharding]:
         """The configured model on this rank's device, with LoRA, activation checkpointing and
@@ -267,6 +267,16 @@ class SFTWorker:
         return validate(self.model, self.val_ds, lambda samples: self.get_eval_model_output(self.collate(samples)),
                         self._hook("get_eval_model_output"), self.cfg.actor.micro_batch_size, self.rank, self.world,
                         self.device, self.fsdp)
+
+    def _observe(self, selection: BestCheck, step: int, metrics: dict) -> None:
+        """Counts a validation check; keeps its weights when it is the new best and they will ship.
+        The ranks' reduced sums should agree already; rank 0's value is broadcast so that whether to
+        stop and what to keep can never differ between ranks by a rounding."""
+        value = torch.tensor([selection.value(metrics, self._hook("get_eval_model_output"))],
+                             dtype=torch.float64, device=self.device)
+        dist.broadcast(value, src=0)
+        if selection.observe(step, value.item()) and selection.load_best:
+            self.checkpointer.save_best(step, self.model)
 
     # ------------------------------------------------------------------ main loop
     def setup(self) -> None:
@@ -405,18 +415,19 @@ class SFTWorker:
             self.setup()
             run = self.cfg.runner
             step, pos = self.checkpointer.resume(self.model, self.optimizer, self.scheduler, self.world)
+            selection = self._selection()
             reporter = Reporter(self.out, self.rank, step, self.total_steps, run.log_interval,
                                 self.cfg.registry.live_after_seconds, 6 * self.n_params, self.peak_flops)
             log(f"training {self.total_steps} steps: {samples_said(self.sampler.n, len(self.train_ds))}, "
                 f"world {self.world}, "
-                f"accum {self.sampler.accum}, "
-                f"precision {precision_why(self.cfg.actor.precision, self.device, model_dir=self.spec.model_path)}, "
+                f"accum {self.sampler.accum}, precision {precision_why(self.cfg.actor.precision, self.device)}, "
                 f"device {self.device.type}, "
                 f"attention {self.attn_implementation}, {'packed' if self.packing else 'padded'} micro-batches")
-            reporter.write_runtime({"attn_implementation": self.attn_implementation, "precision": self.precision,
-                                    "device": self.device.type, "packing": self.packing, "world_size": self.world})
+            runtime = {"attn_implementation": self.attn_implementation, "precision": self.precision,
+                       "device": self.device.type, "packing": self.packing, "world_size": self.world}
+            reporter.write_runtime(runtime)
             threads = follow_threads(torch.set_num_threads, log)  # the share of the cores other sftflow runs leave
-            while step < self.total_steps:
+            while step < self.total_steps and (selection is None or selection.stopped_at is None):
                 t0 = time.perf_counter()
                 batch_idx = self.sampler.global_batch(pos)
                 stats = self.forward_backward(batch_idx)
@@ -427,12 +438,19 @@ class SFTWorker:
                                         grad_norm, lr, time.perf_counter() - t0, self.world)
                 if (run.val_check_interval > 0 and step % run.val_check_interval == 0) or step == self.total_steps:
                     row.update(self.validate())
+                    if selection is not None:
+                        self._observe(selection, step, row)
                 reporter.report(row)
-                if self.checkpointer.due(step, self.total_steps):
+                # the step early stopping ends at is the last: saved like the budget's last, so a
+                # resume from it exports at once instead of training on
+                stopping = selection is not None and selection.stopped_at == step
+                if self.checkpointer.due(step, self.total_steps) or stopping:
                     self.checkpointer.save(step, pos, self.model, self.optimizer, self.scheduler, self.world,
-                                           self.total_steps)
+                                           self.total_steps, None if selection is None else selection.state_dict())
                 threads.poll()
             reporter.close()
+            if selection is not None:
+                self._ship(selection, step, runtime, reporter)
             self.export()
             dist.barrier()
             failed = False
@@ -440,6 +458,35 @@ class SFTWorker:
             if reporter is not None:
                 reporter.close()
             _close_process_group(failed)
+
+    def _selection(self) -> BestCheck | None:
+        """`runner`'s early stopping and best-checkpoint rule with the resumed checkpoint's state;
+        None when neither is on."""
+        run = self.cfg.runner
+        selection = BestCheck.from_runner(run)
+        if selection is None:
+            return None
+        if self.val_ds is None or len(self.val_ds) == 0:
+            raise ConfigError("runner.early_stopping_patience and runner.load_best_model_at_end need a validation "
+                              "set: data.val_data_paths or data.val_fraction")
+        selection.load_state_dict(self.checkpointer.state.get("selection"))
+        every = run.val_check_interval
+        log(f"validation every {every} step{'s' if every > 1 else ''} watches {selection.metric}: "
+            + (f"early stopping after {selection.patience} checks without an improvement above "
+               f"{run.early_stopping_threshold:g}" if selection.patience else "no early stopping")
+            + ("; the best check's weights ship" if selection.load_best else "; the last step's weights ship")
+            + (f" (resumed: {selection.checks} checks, best {selection.metric} {selection.best:.6g} at step "
+               f"{selection.best_step})" if selection.best_step is not None else ""))
+        return selection
+
+    def _ship(self, selection: BestCheck, step: int, runtime: dict, reporter: Reporter) -> None:
+        """Loads the best check's weights when they ship (the last step's too when it was the best: the
+        load is exact and frees the other copies), and says which step ships in train.log and runtime.json."""
+        shipped = selection.shipped_step(step)
+        if selection.load_best and selection.best_step is not None:
+            self.checkpointer.load_best(shipped, self.model)
+        log(selection.summary(step, self.total_steps))
+        reporter.write_runtime({**runtime, **selection.report(step)})
 
     def export(self) -> None:
         """`out/model`: the trained model gathered to rank 0 (export.export_model). Every rank calls it."""

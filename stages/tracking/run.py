@@ -39,6 +39,7 @@ __fingerprint__ = False
 
 TAG = "sftflow."
 RUN_TAG = TAG + "train_fingerprint"
+SHIPPED_TAG = TAG + "shipped_step"
 NOTE_TAG = "mlflow.note.content"  # the run's description in the UI
 FLOW_RUN_ID, FLOW_RUN_URL = "prefect.flow_run_id", "prefect.flow_run_url"  # set by the flow (lineage.tags)
 DIGEST_CHARS = 32  # MLflow allows at most 36 characters for a dataset digest
@@ -302,14 +303,17 @@ def log_runtime_params(cfg: SFTConfig, run_id: str, runtime: dict, on_line: Call
     """The settings the workers resolved (`runtime.json`: attention kernel, precision, ...) as
     `runtime.*` params beside the config's own `auto`. A resumed run that resolved differently (on
     another machine) keeps the first value: MLflow params are write-once. Reported, never raised."""
-    from mlflow.entities import Param
+    from mlflow.entities import Param, RunTag
     from mlflow.tracking import MlflowClient
     try:
         client = MlflowClient(cfg.resolved_tracking_uri)
         have = client.get_run(run_id).data.params
         new = [Param(f"{prefix}{k}", str(v)) for k, v in runtime.items() if f"{prefix}{k}" not in have]
-        if new:
-            client.log_batch(run_id, params=new)
+        # the step whose weights model/ holds (early stopping, load_best_model_at_end), also a tag:
+        # the runs list can show and filter on tags
+        shipped = [RunTag(SHIPPED_TAG, str(runtime["shipped_step"]))] if "shipped_step" in runtime else []
+        if new or shipped:
+            client.log_batch(run_id, params=new, tags=shipped)
     except Exception as e:  # noqa: BLE001 - tracking must never fail a trained model
         on_line(f"mlflow: could not log the runtime params ({type(e).__name__}: {e})")
 

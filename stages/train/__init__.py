@@ -6,7 +6,8 @@ Output folder:
     metrics.jsonl        one row per optimizer step
     train.log            torchrun's output
     runtime.json         what the workers resolved `auto` to (attention kernel, precision, device), also
-                         in the manifest's `runtime` and the MLflow params `runtime.*`
+                         in the manifest's `runtime` and the MLflow params `runtime.*`; with early stopping
+                         or best-checkpoint selection also the step that shipped and why (`shipped_step`)
     spec.json            exactly what the workers were given (`WorkerSpec`)
 
 The stage opens the model's MLflow run before torchrun starts, so rank 0 logs into it live
@@ -22,7 +23,7 @@ from typing import Callable
 from stages.chatdata.shards import count_rows
 from stages.core.artifacts import StageBuild, partial_dir, read_manifest
 from stages.core.config import SFTConfig
-from stages.core.errors import StageError
+from stages.core.errors import ConfigError, StageError
 from stages.launch.ahead import Ahead
 from stages.launch.launcher import run_torchrun, start_ahead, torchrun_command
 from stages.core import model_card
@@ -72,6 +73,10 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
     # keep_partial: an interrupted run's checkpoints are where runner.resume=auto continues from
     build = StageBuild(cfg.artifacts_path, "train", fp, keep_partial=True)
     val = Path(prepare_dir) / "val"  # absent when only named eval sets hold out data: no validation loss
+    selecting = cfg.runner.early_stopping_patience or cfg.runner.load_best_model_at_end
+    if selecting and not val.is_dir():  # before torchrun: the ranks would find out only after starting
+        raise ConfigError("runner.early_stopping_patience and runner.load_best_model_at_end need a validation set: "
+                          "data.val_data_paths or data.val_fraction")
     weights = cfg.mix_weights()
     mix = [{**m, "weight": weights[m["source"]]} for m in read_manifest(Path(prepare_dir)).get("mix") or []]
     # the KL holds the earlier sources' rows only: train's (the new ones) come first in the split
@@ -114,6 +119,8 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
                "first_loss": rows[0]["loss"] if rows else None,
                "mean_tokens_per_s": sum(r["tokens_per_s"] for r in rows) / len(rows) if rows else None}
     metrics.update({f"mix_{m['source']}_per_epoch": m["per_epoch"] for m in mixture})
+    if "shipped_step" in runtime:  # early stopping or best-checkpoint selection: which step's weights model/ holds
+        metrics.update({k: runtime[k] for k in ("shipped_step", "best_step", "best_metric", "stopped_at")})
     build.commit({"metrics": metrics, "model_dir": str(build.final / "model"), "base_model": model_path,
                   "mixture": mixture, "topology": cfg.actor.topology,
                   "prepare_dir": prepare_dir, "mlflow_run_id": mlflow_run_id, "runtime": runtime}, waited=waited)
