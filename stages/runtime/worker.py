@@ -161,7 +161,8 @@ class SFTWorker:
         """Starts this rank's process group; (device, rank, world size, precision)."""
         device = local_device()
         dist.init_process_group(backend(device.type))
-        return device, dist.get_rank(), dist.get_world_size(), choose_precision(self.cfg.actor.precision, device)
+        return (device, dist.get_rank(), dist.get_world_size(),
+                choose_precision(self.cfg.actor.precision, device, self.spec.model_path))
 
     def build_model(self) -> tuple[torch.nn.Module, Sharding]:
         """The configured model on this rank's device, with LoRA, activation checkpointing and
@@ -420,7 +421,8 @@ class SFTWorker:
                                 self.cfg.registry.live_after_seconds, 6 * self.n_params, self.peak_flops)
             log(f"training {self.total_steps} steps: {samples_said(self.sampler.n, len(self.train_ds))}, "
                 f"world {self.world}, "
-                f"accum {self.sampler.accum}, precision {precision_why(self.cfg.actor.precision, self.device)}, "
+                f"accum {self.sampler.accum}, "
+                f"precision {precision_why(self.cfg.actor.precision, self.device, model_dir=self.spec.model_path)}, "
                 f"device {self.device.type}, "
                 f"attention {self.attn_implementation}, {'packed' if self.packing else 'padded'} micro-batches")
             runtime = {"attn_implementation": self.attn_implementation, "precision": self.precision,
