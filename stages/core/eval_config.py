@@ -122,7 +122,8 @@ class EvalConfig(_Section):
     precision: Literal["fp32", "bf16", "auto"] = Field(
         "auto", description="what evaluate, baseline and champion score in (all three alike: a comparison is made "
                             "in one precision). auto: as actor.precision, bf16 where the device computes it "
-                            "natively (an Ampere or later GPU, ROCm, a CPU with AMX), else fp32. fp32: replies and "
+                            "natively (an Ampere or later GPU, ROCm) or a CPU measured it faster at the model's "
+                            "decode shapes, else fp32. fp32: replies and "
                             "accuracy do not depend on eval.batch_size or the process count; bf16 is faster, but "
                             "its greedy replies follow the batch's rounding (docs/evaluation.md, 'Replies, batch "
                             "size and precision')")
