@@ -1,5 +1,5 @@
 """Two trainings on one machine at once against one after the other, with and without the ledger of
-cores (stages/core/cores.py) that makes runs sharing a machine share its cores.
+cores (stages/core/machine/cores.py) that makes runs sharing a machine share its cores.
 
     .venv/bin/python bench/concurrent_runs.py                       # the demo config, 60 steps, 1 process each
     .venv/bin/python bench/concurrent_runs.py --steps 20 --nproc 2  # the demo's own 2 processes each
@@ -88,7 +88,7 @@ def main() -> None:
     base["SFTFLOW_CORES_DIR"] = str(out / "cores")
     if "OMP_NUM_THREADS" in os.environ:
         print(f"(OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} left out: it would fix every rank's threads)")
-    from stages.core.cores import usable_cores
+    from stages.core.machine.cores import usable_cores
     print(f"{usable_cores()} usable cores; 2 runs x {a.nproc} process(es), {a.steps} steps; folder {out}")
     for run in RUNS:
         finish(start("prepare", run, out, a, base), f"prepare {run}")

@@ -1,5 +1,5 @@
 """bf16 against fp32 on this CPU, side by side in one run: what `precision: auto` chooses here and why
-(core/precision.py: bf16 where core/bf16_speed.py measured it faster at the model's shapes), and what
+(core/machine/precision.py: bf16 where core/machine/bf16_speed.py measured it faster at the model's shapes), and what
 each precision costs.
 
     .venv/bin/python bench/cpu_bf16.py                        # flags, matmuls, generation, training (~15 min)
@@ -53,9 +53,9 @@ QUICKSTART = ROOT / "configs" / "examples" / "smollm2-identity.yaml"
 def cpu_facts() -> dict:
     import torch
 
-    from stages.core import bf16_speed
-    from stages.core.bf16_speed import Dims
-    from stages.core.precision import why
+    from stages.core.machine import bf16_speed
+    from stages.core.machine.bf16_speed import Dims
+    from stages.core.machine.precision import why
     from stages.runtime.distributed import precision_why
     name, flags = bf16_speed.cpu_identity()
     smollm2 = Dims(hidden=576, intermediate=1536, vocab=49152, kv=192, layers=30)

@@ -84,7 +84,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from stages.runtime.loss import IGNORE_INDEX  # noqa: E402
 from stages.runtime.batches import DataPosition, GlobalBatchSampler, collate_packed, collate_padded  # noqa: E402
-from stages.core.topology import auto_nproc  # noqa: E402
+from stages.core.machine.topology import auto_nproc  # noqa: E402
 
 BARE = "bare loop (packed)"
 CUDA = torch.cuda.is_available()
@@ -560,7 +560,7 @@ def report(results: dict[str, dict], waste_sorted: float, waste_naive: float) ->
             lines.append(f"{name} / TRL SFTTrainer: {ratio:.2f}x "
                          f"(goal >= 1.50x: {'met' if ratio >= 1.5 else 'NOT met'})")
     if len(workers) > 1:
-        from stages.core.topology import auto_nproc
+        from stages.core.machine.topology import auto_nproc
         n, why = auto_nproc()
         best = max(workers, key=lambda k: tokens_per_s(workers[k]))
         lines.append(f"actor.nproc_per_node: auto picks {n} process(es) here ({why}); fastest measured: {best}")

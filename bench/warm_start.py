@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         variants[name] = rest.split(",")
         results[name] = run(paths["warm"], register=False, overrides=variants[name])
     results["warm"] = run(paths["warm"], register=True)  # last: once it is champion, later plans compare with it
-    from stages.core.paired import compare_sets, read_predictions
+    from stages.core.stats.paired import compare_sets, read_predictions
     others = ("full",) if "full" in results else ()
     preds = {n: read_predictions(results[n]["folders"]["evaluate"]) for n in ("day1", *others, "warm", *variants)}
     for n in ("warm", *variants):

@@ -25,7 +25,7 @@ from flows.cli_common import (RULE_WIDTH, ConfigOpt, OverridesArg, _fail, _on_pr
                               _say, console, err)
 from stages.core.config import ConfigError, SFTConfig, flatten
 from stages.core.errors import MissingUpstream, StageError
-from stages.core.process_env import apply_process_policy, exit_without_full_collections
+from stages.core.machine.process_env import apply_process_policy, exit_without_full_collections
 from stages.core.quarantine import note as quarantine_note
 from stages.evaluate.report import COLUMNS, table_cells
 from stages.launch.launcher import request_stop, stop_requested
@@ -39,7 +39,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 def _process_policy() -> None:
     # Every command runs after this, in `sftflow` as under typer's CliRunner; nothing the commands
     # import lazily (torch, transformers, mlflow, prefect) is loaded yet, so what they read when
-    # loaded is already in place (stages/core/process_env.py).
+    # loaded is already in place (stages/core/machine/process_env.py).
     apply_process_policy(os.environ)
 
 

@@ -24,7 +24,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Mapping
 
-from stages.core.user_cache import cache_dir
+from stages.core.cache.user_cache import cache_dir
 
 DATABASE = "prefect.db"  # in a Prefect home: its local server's database (Prefect's default)
 SWITCH = "SFTFLOW_PREFECT_TEMPLATE"

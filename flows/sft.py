@@ -31,7 +31,7 @@ from flows.prefect_server import TEMPORARY_SERVER_ENV
 from stages.core.quarantine import note as quarantine_note
 from stages.core.config import check_overrides_allowed, load_config
 from stages.core.errors import ConfigError, DataError
-from stages.core.process_env import apply_process_policy, exit_without_full_collections
+from stages.core.machine.process_env import apply_process_policy, exit_without_full_collections
 from stages.evaluate.report import COLUMNS, table_cells
 from stages.launch.launcher import request_stop
 from stages.pipeline import KEY_METRIC, STAGES, UPSTREAM, Plan, launch_ahead, plan, requires, run_stage, upstream
@@ -166,7 +166,7 @@ def _fresh(value: dict) -> dict:
     return json.loads(json.dumps(value))
 
 
-# The stage folders are the cache (see stages/core/artifacts.py); Prefect keeps none.
+# The stage folders are the cache (see stages/core/cache/artifacts.py); Prefect keeps none.
 _opts = dict(cache_policy=NO_CACHE, persist_result=False, retry_condition_fn=_worth_retrying)
 
 

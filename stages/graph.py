@@ -148,9 +148,9 @@ FACTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "start": ("the identity of the weights training starts from (`actor.init_from`), with `data.rehearsal` when it "
               "rehearses what that version trained on", ("actor.init_from", "data.rehearsal")),
     "eval_model": ("what `eval.model` is (digests, registry version, hub id)", ("eval.model",)),
-    "actor_precision": ("`actor.precision` resolved on the planning machine (`auto`: core/precision.py)",
+    "actor_precision": ("`actor.precision` resolved on the planning machine (`auto`: core/machine/precision.py)",
                         ("actor.precision",)),
-    "eval_precision": ("`eval.precision` resolved on the planning machine (`auto`: core/precision.py)",
+    "eval_precision": ("`eval.precision` resolved on the planning machine (`auto`: core/machine/precision.py)",
                        ("eval.precision",)),
     "champion": ("the registry's champion when planned (its training's fingerprint)",
                  ("registry.model_name", "registry.promote", "registry.tracking_uri", "artifacts_dir", "eval.model")),

@@ -26,13 +26,13 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .core.artifacts import (WAITED, StageResult, cached_result, damage, deferred_digest_memos, fingerprint,
+from .core.cache.artifacts import (WAITED, StageResult, cached_result, damage, deferred_digest_memos, fingerprint,
                              input_digest, is_complete, read_manifest, stage_dir, stage_lock)
-from .core.codeversion import code_version
+from .core.cache.codeversion import code_version
 from .core.config import CORPUS, REHEARSE, REPLAY_PROMPTS, SCORER_NAMES, SFTConfig, eval_split, mix_split
 from .core.errors import ConfigError, MissingUpstream, StageError
-from .core.imports import import_identity, import_object
-from .core.inputs import HUB_PREFIX
+from .core.cache.imports import import_identity, import_object
+from .core.cache.inputs import HUB_PREFIX
 from .core.narrow import with_sets
 from .core.quarantine import check_folder
 from .graph import BY_NAME, KEY_METRIC, STAGES, UPSTREAM, Stage, config_slice, planning_order
@@ -305,7 +305,7 @@ def launch_report(p: Plan, device: memory_plan.Device | None = None, memory: boo
     rank's device, the memory plan against the budget, and what `check_launch` would refuse (the
     first check that does, in its order) or warn of (torch-free: the worker's rules, on what
     planning sees). `memory=False` leaves the memory plan out (`sftflow show` prints its own table)."""
-    from .core.topology import backend, inventory, rank_gpu
+    from .core.machine.topology import backend, inventory, rank_gpu
     from .evaluate.placement import describe as describe_eval_launch
     from .evaluate.placement import settled as settled_eval_launch
     device = device or planned_device(p.cfg, p.fingerprints["models"])
@@ -388,7 +388,7 @@ def planned_device(cfg: SFTConfig, model_fp: str) -> memory_plan.Device:
     """The device training will run on as planning sees it, with what a CPU's bf16 is measured at: the
     base model's shapes (its config.json; a default class where it can't be read before the model is
     built)."""
-    from .core.bf16_speed import Dims
+    from .core.machine.bf16_speed import Dims
     found = model_config_json(cfg, model_fp)
     try:
         dims = Dims.from_hf_config(found[0]) if found is not None else None
@@ -404,7 +404,7 @@ def _cpu_bf16(cfg: SFTConfig, device: memory_plan.Device) -> dict | None:
     speed = device.cpu_bf16
     if speed is None:
         return {"native": False, "measured": None}
-    from .core.bf16_speed import MARGIN
+    from .core.machine.bf16_speed import MARGIN
     return {"native": True, "measured": {"train": speed.train, "generate": speed.generate}, "margin": MARGIN,
             "cpu": speed.cpu, "threads": speed.threads, "torch": speed.torch, "shape_class": speed.shape_class,
             "seconds": speed.seconds}
@@ -412,7 +412,7 @@ def _cpu_bf16(cfg: SFTConfig, device: memory_plan.Device) -> dict | None:
 
 def _precisions(cfg: SFTConfig, model_fp: str) -> dict[str, str]:
     """What `actor.precision` and `eval.precision` resolve to on the machine that plans (the one rule,
-    core/precision.py): facts of the stages that generate or score, so that a folder scored in fp32 is
+    core/machine/precision.py): facts of the stages that generate or score, so that a folder scored in fp32 is
     never reused as a bf16 one (artifacts shared between a machine where bf16 is faster and another, an
     Ampere GPU and a CPU). The device is looked at (and a CPU's bf16 measured) only for `auto`."""
     device: list[memory_plan.Device] = []

@@ -39,7 +39,7 @@ from typing import Callable
 
 from filelock import FileLock, Timeout
 
-from .core.artifacts import MANIFEST, is_complete, remove_tree
+from .core.cache.artifacts import MANIFEST, is_complete, remove_tree
 from .core.config import SFTConfig
 from .graph import STAGES
 from .tracking.registry import human_bytes
@@ -202,7 +202,7 @@ def _model_files(client, version) -> Path | None:
 
 
 def _lock_file(root: Path, stage: str, fp: str) -> Path:
-    return root / stage / f".{fp}.lock"  # core/artifacts.py stage_lock's
+    return root / stage / f".{fp}.lock"  # core/cache/artifacts.py stage_lock's
 
 
 def held(lock: Path) -> bool:

@@ -37,12 +37,12 @@ os.environ["SFTFLOW_KEEP_SERVER"] = "0"
 # A server of the developer's shell is none of the tests' business: tests that want one ask for
 # `prefect_api` (the session's server, for that test only).
 os.environ.pop("PREFECT_API_URL", None)
-# `auto` on a CPU follows bf16's speed measured on the machine (stages/core/bf16_speed.py): pinned to fp32's
+# `auto` on a CPU follows bf16's speed measured on the machine (stages/core/machine/bf16_speed.py): pinned to fp32's
 # answer here so a test's precision is the same on every CI machine. tests/test_precision_rule.py (the rule)
 # and the promises that must hold in what `auto` picks on the machine at hand (the demo's seed grid, the
 # SmolLM2 quickstart) unset it.
 os.environ["SFTFLOW_CPU_BF16_SPEEDUP"] = "0.5"
-# The machine's ledger of cores (stages/core/cores.py) would let the other pytest worker's trainings change
+# The machine's ledger of cores (stages/core/machine/cores.py) would let the other pytest worker's trainings change
 # this one's threads mid-run, and with them the order of float additions: each worker has a ledger of its
 # own (tests/test_cores.py tests the shared one). Set in every worker, not by default: xdist's workers
 # inherit the environment of the process that started them, which imported this file first.
@@ -152,7 +152,7 @@ def tiny_config_dict(tmp: Path, n_train: int = 96, n_val: int = 12, **sections) 
                    "seed": 7},
         # one process, as `auto` is on CPU: tests of the flow, caching and servers don't need two ranks
         # (a torchrun of two costs twice the imports on 2 cores); tests of the distributed maths ask for 2
-        # fp32 whatever the CPU: `auto` is bf16 on one with AMX (core/precision.py), and these tests compare with
+        # fp32 whatever the CPU: `auto` is bf16 on one with AMX (core/machine/precision.py), and these tests compare with
         # fp32 references to the bit on every CI machine; tests/test_precision*.py hold the bf16 paths
         "actor": {"nproc_per_node": 1, "micro_batch_size": 4, "global_batch_size": 16,
                   "optim": {"lr": 1e-3, "warmup": 1}, "precision": "fp32"},

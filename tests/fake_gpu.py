@@ -1,4 +1,4 @@
-"""A simulated GPU machine for the planning process: what `stages.core.topology.inventory` reads,
+"""A simulated GPU machine for the planning process: what `stages.core.machine.topology.inventory` reads,
 faked at its inputs, so `sftflow show --json` and the pre-launch checks decide as on real GPUs.
 
   * a fake `nvidia-smi` first on PATH, answering as the real one prints: `-L` (each GPU with its
@@ -159,7 +159,7 @@ def simulated_machine(root: Path, gpus: list[FakeGPU], packages: tuple[str, ...]
     if cuda_torch:
         (site / "sitecustomize.py").write_text(
             "# the simulated machine's torch is a CUDA build (tests/fake_gpu.py)\n"
-            "import stages.core.topology as _topology\n"
+            "import stages.core.machine.topology as _topology\n"
             "_topology.torch_build = lambda: 'cuda'\n")
     for name in packages:
         (site / name).mkdir(exist_ok=True)

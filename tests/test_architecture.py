@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from stages.core import codeversion
-from stages.core.codeversion import code_version, imported_modules, module_closure
+from stages.core.cache import codeversion
+from stages.core.cache.codeversion import code_version, imported_modules, module_closure
 
 STAGES_DIR = ROOT / "stages"
 STAGE_PACKAGES = {"replay", "prepare", "train", "evaluate", "register"}
@@ -304,7 +304,7 @@ def test_importing_flows_loads_no_torch(tmp_path):
 EDITS = {
     "runtime/batches.py": {"train", "evaluate"},
     "inference/generation.py": {"evaluate", "register"},
-    "core/chat_tokens.py": {"evaluate", "register"},  # where generation stops
+    "core/chat/chat_tokens.py": {"evaluate", "register"},  # where generation stops
     "runtime/worker.py": {"train", "evaluate"},
     "chatdata/shards.py": {"prepare", "train", "evaluate"},
     "chatdata/readers.py": {"prepare", "evaluate", "models.builtin"},
@@ -313,11 +313,11 @@ EDITS = {
     "models/builtin.py": {"models.builtin"},
     "tracking/live.py": {"register"},   # live metrics never change a trained model
     "tracking/run.py": {"register"},
-    "core/config.py": {"register"},     # the schema's values are hashed as data
-    "core/config_fields.py": {"register"},  # the config's sections, split by part of the config
-    "core/actor_config.py": {"register"},
-    "core/data_config.py": {"register"},
-    "core/eval_config.py": {"register"},
+    "core/config/__init__.py": {"register"},     # the schema's values are hashed as data
+    "core/config/fields.py": {"register"},  # the config's sections, split by part of the config
+    "core/config/actor.py": {"register"},
+    "core/config/data.py": {"register"},
+    "core/config/eval.py": {"register"},
 }
 ENTRIES = ("prepare", "train", "evaluate", "register", "models.builtin")
 
@@ -616,7 +616,7 @@ def import_time_effects(source: str) -> list[tuple[int, str]]:
 def test_importing_a_module_changes_nothing_in_the_process():
     """No module of flows/ or stages/ sets environment variables, patches another module, installs a
     signal or exit handler or configures logging or warnings when it is imported: that happens where a
-    process starts (stages/core/process_env.py, the CLI's callback,
+    process starts (stages/core/machine/process_env.py, the CLI's callback,
     a flow's start, the launcher's child environment; tests/test_threads.py runs it). `__main__.py`
     modules and `if __name__ == "__main__":` blocks are entries, left out."""
     wrong = [f"{path.relative_to(ROOT)}:{line}: {what}"

@@ -254,7 +254,7 @@ def test_the_kernel_that_ran_reaches_train_log_manifest_and_mlflow(tmp_path):
     count `actor.nproc_per_node: auto` chose, and why, reach train.log and the manifest too."""
     from mlflow.tracking import MlflowClient
 
-    from stages.core.artifacts import read_manifest
+    from stages.core.cache.artifacts import read_manifest
     from stages.pipeline import plan, run_stage
     raw = tiny_config_dict(tmp_path, n_train=24, n_val=4, runner={"max_steps": 2, "val_check_interval": 0},
                            actor={"nproc_per_node": "auto", "global_batch_size": 8, "attn_implementation": "eager"})

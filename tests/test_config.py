@@ -109,7 +109,7 @@ def test_example_configs_validate():
 @pytest.fixture
 def gpus(tmp_path, monkeypatch):
     """A fake nvidia-smi listing n GPUs (0: none on PATH at all); the lookup's cache is cleared."""
-    from stages.core import topology
+    from stages.core.machine import topology
 
     def install(n: int) -> None:
         bin_dir = tmp_path / "bin"

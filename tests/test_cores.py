@@ -1,4 +1,4 @@
-"""Runs that share a machine share its cores (stages/core/cores.py): the launcher claims its ranks in a
+"""Runs that share a machine share its cores (stages/core/machine/cores.py): the launcher claims its ranks in a
 ledger, gives them `usable cores // every live run's ranks` threads each, and its ranks follow the
 ledger while they train. Each test has a ledger of its own (SFTFLOW_CORES_DIR in tmp_path)."""
 
@@ -14,7 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from stages.core import artifacts, cores
+from stages.core.cache import artifacts
+from stages.core.machine import cores
 from stages.core.errors import StageError
 from stages.launch.launcher import run_torchrun, worker_env
 
@@ -265,7 +266,7 @@ FOLLOWING_RANK = r"""
 import json, os, sys, time
 from pathlib import Path
 import torch
-from stages.core import cores
+from stages.core.machine import cores
 said = []
 follower = cores.follow_threads(torch.set_num_threads, said.append, min_interval=0)
 me = os.environ[cores.ENV_CLAIM].split(":")[0]

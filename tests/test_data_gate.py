@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import demo_rows, sftflow, tiny_config_dict, write_config, write_jsonl
-from stages.core.artifacts import read_manifest
+from stages.core.cache.artifacts import read_manifest
 from stages.core.config import config_from_dict
 from stages.core.errors import DataError
 from stages.core.quarantine import folder_checks

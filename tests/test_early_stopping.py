@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from conftest import live_processes_mentioning, tiny_config_dict, write_config
 from stages.core.config import ConfigError, load_config
-from stages.core.config_fields import hashed
+from stages.core.config.fields import hashed
 from stages.pipeline import plan, run_stage
 from stages.runtime.validation import BestCheck
 from stages.train import TrainingFailed

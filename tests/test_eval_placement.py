@@ -9,7 +9,7 @@ import pytest
 
 from conftest import tiny_config_dict
 from fake_gpu import H100, simulated_machine
-from stages.core import topology
+from stages.core.machine import topology
 from stages.core.config import config_from_dict
 from stages.evaluate import placement
 from stages.evaluate.placement import describe, place, samples, weight_bytes

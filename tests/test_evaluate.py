@@ -383,7 +383,7 @@ def test_a_choice_set_is_scored_by_log_likelihood_and_compared_item_by_item(setu
     highest log-likelihood (option_logprobs, itself checked against a naive loop in test_choice.py),
     and every set's comparison with the base model counts wins and losses item by item."""
     from stages.evaluate.choice import option_logprobs
-    from stages.core.paired import delta_interval
+    from stages.core.stats.paired import delta_interval
     tmp, model, tok = setup["tmp"], setup["model"], setup["tok"]
     questions = ["Which is a colour?", "Pick a number.", "Which word is a fruit?", "Say yes or no.", "Where is Paris?"]
     options = [["red", "table", "run"], ["seven", "blue"], ["apple", "car", "sky", "stone"], ["yes", "no"],

@@ -430,11 +430,11 @@ def test_a_template_that_is_not_chatml_gets_no_ollama_template(folders, tmp_path
 
 
 def test_generation_and_the_export_stop_by_one_rule():
-    """Where a reply ends lives in stages/core/chat_tokens.py alone: generation and the Modelfile's stops
+    """Where a reply ends lives in stages/core/chat/chat_tokens.py alone: generation and the Modelfile's stops
     (and the GGUF's eot token) use it, neither keeps a copy."""
     import ast
 
-    from stages.core import chat_tokens
+    from stages.core.chat import chat_tokens
     from stages.inference import generation
     assert exporter.END_OF_TURN is chat_tokens.END_OF_TURN
     assert exporter.stop_token_ids is generation.stop_token_ids is chat_tokens.stop_token_ids

@@ -11,7 +11,7 @@ import pytest
 from filelock import FileLock
 
 from conftest import sftflow, tiny_config_dict, write_config
-from stages.core.artifacts import StageBuild, damage, read_manifest
+from stages.core.cache.artifacts import StageBuild, damage, read_manifest
 from stages.core.config import config_from_dict
 from stages.pipeline import plan
 from stages.retention import collect

@@ -124,7 +124,7 @@ def test_the_stages_generation_on_cuda_against_one_generate_per_prompt(tmp_path)
     `eval.precision` defaults to) every reply equals the reference; in the device's own precision (bf16
     where native) the share that differs is measured and reported (bench/gpu_check.py prints it;
     docs/evaluation.md has the CPU's), never asserted: bf16 rounding follows the batch."""
-    from stages.core.precision import on_device
+    from stages.core.machine.precision import on_device
     from stages.inference.generation import generate, load
     cfg = load_config(write_config(tmp_path, tiny_config_dict(tmp_path, n_train=24, n_val=4)))
     system = {"role": "system", "content": "You are a helpful assistant. Answer in one short sentence."}

@@ -146,7 +146,7 @@ def test_a_count_the_gpus_cannot_run_is_refused_before_anything_runs(tmp_path):
 def test_a_cuda_build_without_nvidia_smi_asks_torch(tmp_path, monkeypatch):
     """ROCm hosts and many containers have no nvidia-smi: a CUDA/ROCm build of torch is asked in a
     subprocess (here a stand-in torch package that sees 2 GPUs), never the CPU branch."""
-    from stages.core import topology
+    from stages.core.machine import topology
     fake = tmp_path / "fake_torch" / "torch"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text(
@@ -176,7 +176,7 @@ def test_a_cuda_build_without_nvidia_smi_asks_torch(tmp_path, monkeypatch):
 def test_the_installed_torch_build_is_read_without_importing_it():
     import torch
 
-    from stages.core import topology
+    from stages.core.machine import topology
     expected = "rocm" if torch.version.hip else "cuda" if torch.version.cuda else "cpu"
     assert topology.torch_build() == expected
 
@@ -199,7 +199,7 @@ def cuda(monkeypatch):
 def test_each_training_rank_takes_its_own_gpu_and_evaluation_ranks_may_share(cuda, monkeypatch):
     import torch
 
-    from stages.core.topology import backend
+    from stages.core.machine.topology import backend
     from stages.runtime.distributed import choose_precision, local_device
     cuda(8)
     seen = []

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_config_dict, write_config, write_jsonl
-from stages.core.artifacts import read_manifest
+from stages.core.cache.artifacts import read_manifest
 from stages.core.config import load_config
 from stages.core.errors import ConfigError
 from stages.pipeline import REFERENCES, plan, run_stage

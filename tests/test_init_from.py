@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import demo_rows, tiny_config_dict, write_config, write_jsonl
-from stages.core import model_card
+from stages.core.chat import model_card
 
 pytestmark = pytest.mark.slow
 

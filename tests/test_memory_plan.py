@@ -388,7 +388,7 @@ def test_smollm2_shaped_estimate_within_25_percent_of_the_measured_step_peak(tmp
 def test_the_plan_takes_precision_as_the_runtime_does_from_nvidia_smi(tmp_path, monkeypatch):
     """A T4 (compute capability 7.5) has no bf16 for torch.cuda.is_bf16_supported(): the plan of
     `auto` is fp32 there, as the worker's; an H200 (9.0) bf16; a driver without compute_cap: bf16."""
-    from stages.core import topology
+    from stages.core.machine import topology
     smi = tmp_path / "nvidia-smi"
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -409,5 +409,5 @@ def test_the_plan_takes_precision_as_the_runtime_does_from_nvidia_smi(tmp_path, 
                    "exit 2;; esac\necho '0, Tesla V100, 16384'\n")
     device = mp.visible_device()
     assert (device.kind, device.name, device.capability) == ("cuda", "Tesla V100", None)
-    # unknown: bf16 is not assumed native (core/precision.py), so the plan is fp32's, the larger
+    # unknown: bf16 is not assumed native (core/machine/precision.py), so the plan is fp32's, the larger
     assert mp.for_config(cfg, SMOLLM2, device).precision == "fp32"

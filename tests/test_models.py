@@ -13,7 +13,7 @@ import torch
 
 from conftest import base_model, sftflow, tiny_config_dict, write_config
 from gguf_files import write_qwen2_gguf
-from stages.core.artifacts import fingerprint
+from stages.core.cache.artifacts import fingerprint
 from stages.core.config import ConfigError, load_config
 from stages.core.errors import StageError
 from stages.models.base import resolve_model

@@ -26,7 +26,7 @@ from filelock import FileLock
 import stages.train
 from conftest import sftflow, write_config
 from flows.sft import _apply_retention
-from stages.core.artifacts import damage, is_complete
+from stages.core.cache.artifacts import damage, is_complete
 from stages.core.config import load_config
 from stages.pipeline import plan, run_stage
 from stages.retention import _client, disk_usage, lineage, registered

@@ -91,7 +91,7 @@ def test_models_lists_versions_and_chat_finds_the_champion_from_any_folder(tmp_p
     assert bytes(reader.fields["general.name"].parts[-1]).decode() == "newcomer-chat-v1"
     assert f'SYSTEM """{SYSTEM}"""' in (tmp_path / "exports" / "Modelfile").read_text().splitlines()
     # and the model card travels with it: the registered version's (its scores in the Hub's model-index form)
-    from stages.core import model_card
+    from stages.core.chat import model_card
     card = model_card.read(tmp_path / "exports")
     assert card["library_name"] == "transformers" and "sftflow" in card["tags"]
     assert card["model-index"][0]["name"] == "newcomer-chat" and card["model-index"][0]["results"]

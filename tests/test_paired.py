@@ -1,4 +1,4 @@
-"""The paired comparison (stages/core/paired.py) against independent references: statsmodels'
+"""The paired comparison (stages/core/stats/paired.py) against independent references: statsmodels'
 McNemar tests, the restricted maximum likelihood found by scipy's optimizer, the closed form of
 the all-ties interval, and the interval's coverage in simulation (fixed seed)."""
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from stages.core.paired import Z95, _restricted_p21, compare, delta_interval, mcnemar_exact_p, score_statistic
+from stages.core.stats.paired import Z95, _restricted_p21, compare, delta_interval, mcnemar_exact_p, score_statistic
 
 CASES = [(w, lost, n) for n in (1, 5, 24, 50, 200) for w in range(0, n + 1, max(1, n // 6))
          for lost in range(0, n - w + 1, max(1, n // 7))]

@@ -1,10 +1,10 @@
-"""The one precision rule (stages/core/precision.py) held to torch's own answer, never to the plan's:
+"""The one precision rule (stages/core/machine/precision.py) held to torch's own answer, never to the plan's:
 on a patched CUDA device of each compute capability, `torch.cuda.is_bf16_supported(including_emulation=
 False)` (torch's real function, which reads the device's properties) says whether bf16 is native; the
 worker's `choose_precision`, the model `generation.load` returns (replay, chat, the registered chat
 model) and `sftflow show --json` on the simulated machine must all say bf16 exactly there. A T4 or V100
 makes bf16 tensors (torch's default `including_emulation=True` answers True there), so the rule must
-not ask torch's default. On CPU `auto` follows bf16's measured speed (core/bf16_speed.py): the tests
+not ask torch's default. On CPU `auto` follows bf16's measured speed (core/machine/bf16_speed.py): the tests
 patch the calibration's clock (faster, slower, within the margin), the flags (no native bf16: never
 measured) and the cache (a stale entry of another torch), and check that the plan, a rank, replay's and
 chat's loader and evaluate read the same answer."""
@@ -75,7 +75,7 @@ def cpu(monkeypatch, tmp_path):
     """This process's CPU as the calibration sees it: `cpu(flags, speedup)` makes its flags `flags` and
     every bf16 matmul `speedup` times as fast as fp32's (the clock patched, the weighting real); the
     cache in a file of the test's own. Returns the list of measurements taken."""
-    from stages.core import bf16_speed
+    from stages.core.machine import bf16_speed
     monkeypatch.delenv(bf16_speed.ENV_PIN, raising=False)  # the suite's pin (conftest.py): this is the rule
     monkeypatch.setenv(bf16_speed.ENV_CACHE, str(tmp_path / "bf16-speed.json"))
     monkeypatch.setattr(bf16_speed, "_remembered", {})
@@ -101,7 +101,7 @@ def cpu(monkeypatch, tmp_path):
 def test_a_cpu_rank_uses_bf16_exactly_where_it_measured_faster(cpu, speedup, want):
     """The rule on a CPU with native bf16: bf16 from MARGIN (1.15x) on, fp32 below, said with the ratio;
     explicit choices are obeyed without measuring."""
-    from stages.core.bf16_speed import MARGIN
+    from stages.core.machine.bf16_speed import MARGIN
     from stages.runtime.distributed import choose_precision, precision_why
     assert MARGIN == 1.15
     taken = cpu("fpu avx512f avx512_bf16", speedup)
@@ -122,7 +122,7 @@ def test_a_cpu_rank_uses_bf16_exactly_where_it_measured_faster(cpu, speedup, wan
 
 
 def torch_version():
-    from stages.core.bf16_speed import torch_version as v
+    from stages.core.machine.bf16_speed import torch_version as v
     return v()
 
 
@@ -137,8 +137,8 @@ def test_a_cpu_without_native_bf16_is_fp32_unmeasured(cpu):
 def test_the_measurement_is_cached_per_cpu_torch_and_shape_class(cpu, tmp_path, monkeypatch):
     """Measured once per (CPU, flags, torch, shape class) and written to the cache; a new process reads it
     without measuring; an entry of another torch is never read (measured again) and leaves the file."""
-    from stages.core import bf16_speed
-    from stages.core.bf16_speed import Dims
+    from stages.core.machine import bf16_speed
+    from stages.core.machine.bf16_speed import Dims
     taken = cpu("avx512_bf16 amx_bf16 amx_tile", 2.0)
     small, big = Dims(64, 128, 256, 32, 2), Dims(128, 256, 512, 64, 2)
     assert bf16_speed.speed(small).train == 2.0
@@ -167,8 +167,8 @@ def test_the_measurement_is_cached_per_cpu_torch_and_shape_class(cpu, tmp_path, 
 def test_the_weighting_is_the_steps_matmuls():
     """The ratio is of whole steps: each shape's time times how often a step runs it; a shape timed on a
     slice of its columns counts at its full width. Checked with a clock whose times the test knows."""
-    from stages.core import bf16_speed
-    from stages.core.bf16_speed import Dims
+    from stages.core.machine import bf16_speed
+    from stages.core.machine.bf16_speed import Dims
     d = Dims(hidden=64, intermediate=4096, vocab=100_000, kv=32, layers=3)
     shapes = bf16_speed._shapes(d)
     assert shapes == [(64, 64, 6), (64, 32, 6), (64, 4096, 6), (4096, 64, 3), (64, 100_000, 1)]
@@ -190,12 +190,12 @@ def test_the_weighting_is_the_steps_matmuls():
 
 
 def test_the_calibration_runs_in_a_process_without_torch(tmp_path):
-    """Planning never imports torch: it measures in `python -m stages.core.bf16_speed`, which prints one
+    """Planning never imports torch: it measures in `python -m stages.core.machine.bf16_speed`, which prints one
     Speed; the real clock on this machine gives positive ratios."""
     import subprocess
     import sys
-    from stages.core.bf16_speed import Dims, Speed
-    out = subprocess.run([sys.executable, "-m", "stages.core.bf16_speed",
+    from stages.core.machine.bf16_speed import Dims, Speed
+    out = subprocess.run([sys.executable, "-m", "stages.core.machine.bf16_speed",
                           json.dumps({"hidden": 64, "intermediate": 128, "vocab": 256, "kv": 32, "layers": 2}),
                           "--threads", "1"], cwd=ROOT, capture_output=True, text=True, check=True)
     speed = Speed(**json.loads(out.stdout.strip().splitlines()[-1]))
@@ -218,7 +218,7 @@ def test_show_the_fingerprints_and_the_ranks_read_one_measurement(tmp_path, monk
     from stages.inference.generation import load
     from stages.pipeline import plan
     from stages.runtime.distributed import choose_precision
-    from stages.core import bf16_speed
+    from stages.core.machine import bf16_speed
     raw = tiny_config_dict(tmp_path)
     raw["actor"]["precision"] = raw["eval"]["precision"] = "auto"
     path = write_config(tmp_path, raw)
@@ -329,7 +329,7 @@ def test_evaluation_scores_in_eval_precision_whatever_training_used(tmp_path, cp
 def test_a_comparison_of_a_bf16_and_an_fp32_scoring_is_refused():
     """Paired comparisons (evaluate against the baseline, register against the champion) are made in one
     precision: records that say they were computed apart are a ValueError naming both."""
-    from stages.core.paired import compare_sets
+    from stages.core.stats.paired import compare_sets
     rows = [{"reference": "a", "prompt": [{"role": "user", "content": str(i)}], "correct": i % 2 == 0}
             for i in range(4)]
     mine = {"val": [{**r, "precision": "bf16"} for r in rows]}

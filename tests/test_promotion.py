@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_config_dict
-from stages.core.artifacts import StageBuild
+from stages.core.cache.artifacts import StageBuild
 from stages.core.config import config_from_dict
-from stages.core.scores import by_set
+from stages.core.stats.scores import by_set
 from stages.register import CHALLENGER, CHAMPION, champion_comparison, promote_version
 
 MODEL = "test-model"

@@ -36,7 +36,7 @@ CURRENT = {"eval_accuracy": 0.8, "train_fingerprint": "old"}
 
 def versus(new: list[bool], champion: list[bool], version: str = "3", train: str = "old") -> dict:
     """register's `champion_comparison` of one set: the paired comparison with champion v`version` on the same items."""
-    from stages.core.paired import compare
+    from stages.core.stats.paired import compare
     return {"version": version, "train_fingerprint": train, "accuracy": sum(champion) / len(champion),
             **compare(new, champion)}
 
@@ -99,7 +99,7 @@ def test_a_failed_retention_guard_holds_back_promotion(tmp_path):
     """Per set: delta = tuned - base, paired; a guarded set that fell more than max_drop (on the estimate,
     or on the interval's lower bound with decide_on: interval) keeps the version challenger."""
     from stages.evaluate import guard_sets
-    from stages.core.paired import compare
+    from stages.core.stats.paired import compare
     from stages.register import failed_guards
     raw = tiny_config_dict(tmp_path)
     val = raw["data"]["val_data_paths"]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import demo_rows, tiny_config_dict, write_jsonl
-from stages.core.artifacts import input_digest
+from stages.core.cache.artifacts import input_digest
 from stages.core.config import SFTConfig
 from stages.core.errors import ConfigError
 from stages.models.start import rehearsal
@@ -82,7 +82,7 @@ def test_a_moved_project_continues_from_its_champion(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
     from conftest import write_config
-    from stages.core import model_card
+    from stages.core.chat import model_card
     from stages.core.config import load_config
     from stages.pipeline import plan
     old = tmp_path / "a"

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from conftest import sftflow, tiny_config_dict, write_config
-from stages.core.scores import by_set
+from stages.core.stats.scores import by_set
 from stages.core.errors import ConfigError
 from stages.sweep import metric_of, parse_grid, plan_trials, ranked, split_values
 

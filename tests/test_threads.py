@@ -1,4 +1,4 @@
-"""Every process sftflow starts gets the defaults of stages/core/process_env.py (telemetry off, no
+"""Every process sftflow starts gets the defaults of stages/core/machine/process_env.py (telemetry off, no
 progress bars, OpenMP threads that spin 1,000 times before they sleep, unless the user set a policy),
 where it starts: the CLI's entry, a flow run's start, each torchrun worker's environment. Importing a
 module of flows/ or stages/ sets nothing."""
@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from conftest import ROOT
 from stages.core.errors import StageError
-from stages.core.process_env import DEFAULTS
-from stages.core.threads import SPIN_COUNT
+from stages.core.machine.process_env import DEFAULTS
+from stages.core.machine.threads import SPIN_COUNT
 from stages.launch.launcher import run_torchrun, worker_env
 
 POLICY = (*DEFAULTS, "GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
@@ -62,7 +62,7 @@ def test_importing_any_module_of_flows_or_stages_changes_no_environment():
             "print(json.dumps(sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))))\n")
     changed = json.loads(_python(code))
     assert changed == [], f"importing flows/ and stages/ set {changed}; set them where a process starts " \
-                          "(stages/core/process_env.py apply_process_policy)"
+                          "(stages/core/machine/process_env.py apply_process_policy)"
 
 
 PROBE = ("import json, os\n"

@@ -310,7 +310,7 @@ def test_two_agents_rendezvous_like_one_agent_with_two_processes(tmp_path):
     p = plan(cfgs[0])
     assert p.fingerprints["train"] == plan(cfgs[1]).fingerprints["train"]
     run_stage(p, "prepare")
-    from stages.core.artifacts import StageBuild
+    from stages.core.cache.artifacts import StageBuild
     build = StageBuild(cfgs[0].artifacts_path, "train", p.fingerprints["train"], keep_partial=True)
     procs = []
     for cfg in cfgs:

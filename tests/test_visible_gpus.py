@@ -1,4 +1,4 @@
-"""The GPUs a process may use, in every form CUDA_VISIBLE_DEVICES takes (stages/core/topology.py
+"""The GPUs a process may use, in every form CUDA_VISIBLE_DEVICES takes (stages/core/machine/topology.py
 `resolve_visible`): indices, GPU UUIDs whole or as a unique prefix, MIG device UUIDs (and the
 `MIG-<GPU UUID>/<gi>/<ci>` of drivers before R470), in the order named, up to the first entry that
 names nothing; a MIG device with its own memory, so the memory plan budgets the slice, not its
@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT, sftflow
 from fake_gpu import A100, A100_MIG, H100, H200, FakeGPU, FakeMIG, mig_uuids, simulated_machine, uuids
-from stages.core import topology
+from stages.core.machine import topology
 from test_gpu_machines import DEMO, show, three_b
 
 MIB = 1024 ** 2

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import orjson
 
 from stages.core.errors import DataError
-from stages.core.inputs import HUB_PREFIX, JSONL_SUFFIXES, SUFFIXES, is_datasets_folder
+from stages.core.cache.inputs import HUB_PREFIX, JSONL_SUFFIXES, SUFFIXES, is_datasets_folder
 
 ROLES = {"system", "user", "assistant", "tool"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",

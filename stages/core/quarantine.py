@@ -16,7 +16,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Iterable
 
-from stages.core.artifacts import read_manifest
+from stages.core.cache.artifacts import read_manifest
 from stages.core.errors import DataError
 
 # The gate decides whether a stage finishes, never what it writes (data.max_bad_fraction is in no

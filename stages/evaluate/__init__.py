@@ -9,12 +9,12 @@ world size (see runner.py and docs/evaluation.md). One process runs in the calle
 `eval.model` picks what is scored (default: the trained model). The reference stages score the
 base model (`baseline`) and the registry's champion (`champion`) the same way, each in a folder of
 its own (`run_reference`), so a sweep or a retrain on new data reuses them; evaluate then compares
-its model with each item by item (`stages/core/paired.py`): `delta` = tuned - base accuracy with its 95%
+its model with each item by item (`stages/core/stats/paired.py`): `delta` = tuned - base accuracy with its 95%
 interval, `vs_champion` likewise.
 
 Named eval sets (`eval.sets`, each with its own files and scorer, or an lm-evaluation-harness task:
 `mode: harness`, stages/inference/harness.py) are each scored; without named sets the val split is
-the one set ("val"). Metrics are always per set (`stages/core/scores.py`): `metrics["sets"][name]`
+the one set ("val"). Metrics are always per set (`stages/core/stats/scores.py`): `metrics["sets"][name]`
 holds every set's numbers with the comparisons and the guard (`max_drop`) verdict, and the top
 level repeats the primary set's (what promotion compares).
 
@@ -33,12 +33,12 @@ from pathlib import Path
 from typing import Callable
 
 from stages.chatdata.shards import count_rows
-from stages.core import cores
-from stages.core.artifacts import StageBuild, canonical_json, read_manifest, sha256_text
+from stages.core.machine import cores
+from stages.core.cache.artifacts import StageBuild, canonical_json, read_manifest, sha256_text
 from stages.core.config import SFTConfig
 from stages.core.narrow import with_sets
-from stages.core.paired import clears, compare_sets, read_predictions
-from stages.core.scores import by_set
+from stages.core.stats.paired import clears, compare_sets, read_predictions
+from stages.core.stats.scores import by_set
 from stages.models.refs import resolve_eval_model
 from stages.launch.launcher import run_torchrun, torchrun_command
 

@@ -48,7 +48,7 @@ import inspect
 
 import torch
 
-from stages.core.scores import counted
+from stages.core.stats.scores import counted
 from stages.runtime.batches import pad_token_id
 from stages.runtime.distributed import add_up, gather, rank_slice
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from stages.core.artifacts import StageBuild, damage, is_complete, stage_dir
+from stages.core.cache.artifacts import StageBuild, damage, is_complete, stage_dir
 
 
 def folder(root: Path, stage: str, key: str) -> Path:

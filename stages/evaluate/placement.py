@@ -74,7 +74,7 @@ def settled(cfg: SFTConfig, has_gpu: bool | None) -> tuple[bool, str] | None:
     if a.nnodes > 1 or a.rdzv_endpoint:
         return False, "several machines"
     if has_gpu is None:
-        from stages.core.topology import inventory
+        from stages.core.machine.topology import inventory
         has_gpu = bool(inventory().gpus)
     if has_gpu:
         return False, "GPUs"

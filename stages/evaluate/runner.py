@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from stages.core.config import SFTConfig
 from stages.core.errors import ConfigError
-from stages.core.scores import by_set, counted
+from stages.core.stats.scores import by_set, counted
 from stages.runtime.batches import pad_token_id
 from stages.runtime.checkpoint import load_model_weights
 from stages.runtime.distributed import (add_up, choose_precision, gather, local_device, log, precision_why,
@@ -214,7 +214,7 @@ def evaluate_spec(spec: EvalSpec) -> dict:
     log(f"evaluate: precision {precision_why(cfg.eval.precision, device, 'eval.precision', spec.base_model)}")
     for name, ref in spec.models.items():
         model, tok = load_model(cfg, ref, spec.base_model, device)
-        # what each number was computed in, as the weights are: paired comparisons refuse a mix (core/paired.py)
+        # what each number was computed in, as the weights are: paired comparisons refuse a mix (core/stats/paired.py)
         computed_in = "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32"
         records: list[dict] = []
         for s in sets:

@@ -16,7 +16,7 @@ from typing import Callable
 
 from stages.core.config import DEFAULT_ANSWER_PATTERN
 from stages.core.errors import ConfigError
-from stages.core.imports import import_object
+from stages.core.cache.imports import import_object
 
 Scorer = Callable[[str, str], bool]
 NUMBER = re.compile(r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict
 
 from stages.chatdata.readers import choices_of, prompt_and_reference
 from stages.chatdata.shards import read_shards
-from stages.core.artifacts import canonical_json, sha256_text
+from stages.core.cache.artifacts import canonical_json, sha256_text
 from stages.core.config import SFTConfig, eval_split
 
 BASE_KEYS = ("accuracy", "correct", "total", "eval_loss")  # what a reference contributes as `base_<key>`

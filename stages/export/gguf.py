@@ -52,9 +52,9 @@ import gguf
 import numpy as np
 
 from stages.core.errors import ConfigError
-from stages.core.chat_tokens import END_OF_TURN, stop_token_ids
-from stages.core.model_card import CARD
-from stages.core.process_env import apply_process_policy
+from stages.core.chat.chat_tokens import END_OF_TURN, stop_token_ids
+from stages.core.chat.model_card import CARD
+from stages.core.machine.process_env import apply_process_policy
 
 Q = gguf.GGMLQuantizationType
 # --type -> (general.file_type, the type of every 2-D weight); as convert_hf_to_gguf.py --outtype
@@ -409,7 +409,7 @@ def adds_specials(tok) -> tuple[bool, bool]:
 
 
 def stop_tokens(tok, folder: Path) -> list[str]:
-    """The tokens sftflow's generation stops at (core/chat_tokens.py), the folder's generation config
+    """The tokens sftflow's generation stops at (core/chat/chat_tokens.py), the folder's generation config
     read from its file: the export loads no model."""
     gen_file = folder / "generation_config.json"
     eos = json.loads(gen_file.read_text()).get("eos_token_id") if gen_file.is_file() else None

@@ -10,7 +10,7 @@ becomes SYSTEM instead: a model fine-tuned with a system prompt answers as train
 
 The parameters are the ones sftflow's evaluation generates with (stages/inference/generation.py): greedy
 (`temperature 0`), no repetition penalty (Ollama's default is 1.1), stopping at every token it stops
-at (stages/core/chat_tokens.py), and `num_predict` = eval.max_new_tokens when the export is given it.
+at (stages/core/chat/chat_tokens.py), and `num_predict` = eval.max_new_tokens when the export is given it.
 """
 
 from __future__ import annotations

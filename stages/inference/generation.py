@@ -20,9 +20,9 @@ import inspect
 import torch
 
 try:  # inside the project
-    from stages.core.chat_tokens import stop_token_ids
-    from stages.core.bf16_speed import dims_of
-    from stages.core.precision import on_device as resolve_precision
+    from stages.core.chat.chat_tokens import stop_token_ids
+    from stages.core.machine.bf16_speed import dims_of
+    from stages.core.machine.precision import on_device as resolve_precision
 except ImportError:  # inside a logged model: these files ship beside this one (register's code_paths)
     from chat_tokens import stop_token_ids
     from bf16_speed import dims_of
@@ -50,7 +50,7 @@ MIN_SHARED = 4
 def load(model_dir: str, trust_remote_code: bool = False, device: str | None = None, precision: str = "auto",
          key: str = "actor.precision"):
     """(model, tokenizer) on `device` in `precision` as `key` (replay, chat and the registered model: the
-    config's `actor.precision`) resolves there (the one rule, core/precision.py: `auto` is bf16 on
+    config's `actor.precision`) resolves there (the one rule, core/machine/precision.py: `auto` is bf16 on
     a GPU that computes it natively, or a CPU where it measured faster at this model's shapes).
     `model.sftflow_precision` says which ran."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -65,7 +65,7 @@ def load(model_dir: str, trust_remote_code: bool = False, device: str | None = N
 
 
 def stop_ids(model, tok) -> list[int]:
-    """The ids a reply stops at (core/chat_tokens.py), the loaded model's generation config read."""
+    """The ids a reply stops at (core/chat/chat_tokens.py), the loaded model's generation config read."""
     return stop_token_ids(tok, getattr(model.generation_config, "eos_token_id", None))
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from stages.core.errors import ConfigError
-from stages.core.scores import counted
+from stages.core.stats.scores import counted
 
 INSTALL_HINT = "pip install 'sftflow[harness]' (lm_eval==0.4.13)"
 TASK_SUFFIXES = (".yaml", ".yml")

@@ -23,13 +23,13 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from stages.core import cores
+from stages.core.machine import cores
 from stages.launch import ahead
 from stages.core.config import SFTConfig
 from stages.core.errors import ConfigError, StageError
-from stages.core.process_env import apply_process_policy
+from stages.core.machine.process_env import apply_process_policy
 
-from stages.core.proctree import descendants, signal_tree
+from stages.core.machine.proctree import descendants, signal_tree
 
 
 def torchrun_command(cfg: SFTConfig, spec_path: Path, module: str) -> list[str]:
@@ -113,7 +113,7 @@ def recorded_failure(log_dir: Path, first_rank: int = 0) -> str | None:
 
 def worker_env(nproc_per_node: int = 1, claim: cores.Claim | None = None) -> dict[str, str]:
     """The environment of a torchrun tree of `nproc_per_node` ranks on this machine. `claim`: the launch's
-    place in the machine's ledger (core/cores.py), which its ranks then follow while they train."""
+    place in the machine's ledger (core/machine/cores.py), which its ranks then follow while they train."""
     env = {k: v for k, v in os.environ.items() if k != cores.ENV_CLAIM}  # never a claim of the caller's own
     # Share the cores among the ranks of this node and of the other sftflow runs on this machine, or they
     # fight over them; a user's own OMP_NUM_THREADS wins, and then nothing adapts.

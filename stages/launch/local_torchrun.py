@@ -21,7 +21,7 @@ import os
 import socket
 import sys
 
-from stages.core.process_env import exit_without_full_collections
+from stages.core.machine.process_env import exit_without_full_collections
 
 
 def loopback_interface() -> str | None:

@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 
-from stages.core.proctree import die_with_parent
+from stages.core.machine.proctree import die_with_parent
 
 if __name__ == "__main__":
     die_with_parent(signal.SIGTERM)  # SIGTERM: torchrun's agent then stops its workers cleanly

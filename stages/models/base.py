@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from stages.core.artifacts import StageBuild, damage, file_digest, fingerprint, is_complete, stage_dir, stage_lock
-from stages.core.codeversion import code_version
+from stages.core.cache.artifacts import StageBuild, damage, file_digest, fingerprint, is_complete, stage_dir, stage_lock
+from stages.core.cache.codeversion import code_version
 from stages.core.config import CORPUS, SFTConfig
 from stages.core.errors import ConfigError
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stages.core.artifacts import file_digest
+from stages.core.cache.artifacts import file_digest
 from stages.core.config import SFTConfig
 from stages.core.errors import ConfigError
 from stages.tracking.registry import REGISTRY_PREFIX, download_model, registry_version

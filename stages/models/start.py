@@ -25,10 +25,10 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from stages.core.artifacts import canonical_json, file_digest, input_digest
+from stages.core.cache.artifacts import canonical_json, file_digest, input_digest
 from stages.core.config import SFTConfig
 from stages.core.errors import ConfigError
-from stages.core.lineage_paths import locate
+from stages.core.cache.lineage_paths import locate
 from stages.tracking.registry import REGISTRY_PREFIX, current_champion, download_model, version_tags
 
 from .refs import model_folder

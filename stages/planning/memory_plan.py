@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stages.core.precision import cpu_speed, native_bf16
-from stages.core.precision import resolve as resolve_precision
-from stages.core.precision import why as precision_why
+from stages.core.machine.precision import cpu_speed, native_bf16
+from stages.core.machine.precision import resolve as resolve_precision
+from stages.core.machine.precision import why as precision_why
 
 __all__ = ["MARGIN", "Arch", "Batch", "Budget", "Device", "MemoryPlan", "UnknownArchitecture", "Verdict", "estimate",
            "fits", "human", "longest_batch_bound",
@@ -278,12 +278,12 @@ class Device:
 
     @property
     def cpu_bf16(self):
-        """A CPU's measured bf16 speed at the model's shapes (core/bf16_speed.py: cached, measured once in a
+        """A CPU's measured bf16 speed at the model's shapes (core/machine/bf16_speed.py: cached, measured once in a
         subprocess where missing); None on a GPU or a CPU without native bf16."""
         return cpu_speed(self.dims) if self.kind == "cpu" else None
 
     def bf16(self, key: str = "actor.precision") -> bool:
-        """Whether `auto` is bf16 here: the one rule (core/precision.py) the ranks apply with torch's view
+        """Whether `auto` is bf16 here: the one rule (core/machine/precision.py) the ranks apply with torch's view
         of the same device; T4 and V100 (7.x), and CPUs where bf16 measured slower, run fp32."""
         return native_bf16(self.kind, self.capability, self.rocm, self.cpu_bf16, key)
 
@@ -350,7 +350,7 @@ def visible_device(dims=None) -> Device:
     model's shapes, what a CPU's bf16 is measured at."""
     import os
 
-    from stages.core.topology import inventory, torch_build
+    from stages.core.machine.topology import inventory, torch_build
     gpus = inventory().gpus
     if gpus:
         # the plan must hold on every device a rank may get (a 1g.10gb MIG slice beside a 3g.40gb one, an

@@ -37,7 +37,7 @@ from typing import Iterator
 import pyarrow as pa
 
 from stages.chatdata.shards import ShardWriter
-from stages.core.artifacts import canonical_json, remove_tree, sha256_text
+from stages.core.cache.artifacts import canonical_json, remove_tree, sha256_text
 from stages.core.errors import DataError, StageError
 
 PIECES_DIR = "prepare_pieces"

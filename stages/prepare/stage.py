@@ -36,9 +36,9 @@ import numpy as np
 
 from stages.chatdata.readers import file_format, iter_records
 from stages.chatdata.shards import ShardWriter, read_shards
-from stages.core.artifacts import StageBuild, input_digest, is_complete, read_manifest, stage_dir
-from stages.core.codeversion import code_version
-from stages.core.inputs import HUB_PREFIX
+from stages.core.cache.artifacts import StageBuild, input_digest, is_complete, read_manifest, stage_dir
+from stages.core.cache.codeversion import code_version
+from stages.core.cache.inputs import HUB_PREFIX
 from stages.runtime.mixture import epoch_samples, new_data_epoch
 from stages.core.config import REHEARSE, SFTConfig, eval_split, mix_split
 from stages.core.errors import StageError

@@ -38,17 +38,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from stages.core import model_card
-from stages.core.artifacts import StageBuild, read_manifest
+from stages.core.chat import model_card
+from stages.core.cache.artifacts import StageBuild, read_manifest
 from stages.core.config import SFTConfig
-from stages.core.eval_config import EvalSetConfig
-from stages.core.paired import clears, compare_sets, describe, read_predictions
-from stages.core.scores import named_sets
+from stages.core.config.eval import EvalSetConfig
+from stages.core.stats.paired import clears, compare_sets, describe, read_predictions
+from stages.core.stats.scores import named_sets
 from stages.tracking.registry import CHALLENGER, CHAMPION, promotion_lock, set_by_hand
 from stages.tracking.live import (champion_metric_values, eval_metric_values, is_number, read_metrics_file, send_values,
                                   sync_rows)
 from stages.core.errors import StageError
-from stages.core.lineage_paths import project_ref
+from stages.core.cache.lineage_paths import project_ref
 from stages.tracking.run import (FLOW_RUN_ID, FLOW_RUN_URL, NOTE_TAG, RUN_TAG, TAG, Lineage, config_hash, data_digest,
                                  find_or_create_run, reachable, redact_uri, run_note, run_url, setup_mlflow, ui_url,
                                  version_url)
@@ -56,8 +56,8 @@ from stages.tracking.run import (FLOW_RUN_ID, FLOW_RUN_URL, NOTE_TAG, RUN_TAG, T
 # shipped with the logged model as its code (found, not imported: register never needs torch itself):
 # generation.py and what it imports of the project, each imported there by its bare name
 CODE_PATHS = [importlib.util.find_spec(m).origin
-              for m in ("stages.inference.generation", "stages.core.precision", "stages.core.bf16_speed",
-                        "stages.core.chat_tokens")]
+              for m in ("stages.inference.generation", "stages.core.machine.precision", "stages.core.machine.bf16_speed",
+                        "stages.core.chat.chat_tokens")]
 PIP_REQUIREMENTS = ["torch", "transformers", "tokenizers", "safetensors", "mlflow", "pandas"]
 UNION_HINT_WARNING = re.compile(r"^Union type hint")  # chat_model.py's, for log_model (it can't import the project)
 # What the model page shows and `mlflow models serve` documents: a prompt and a conversation; its

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from stages.chatdata.readers import RowError, iter_records, parse_record, to_prompt
-from stages.core.artifacts import StageBuild
+from stages.core.cache.artifacts import StageBuild
 from stages.core.config import REPLAY_PROMPTS, SFTConfig
 from stages.core.errors import StageError
 from stages.launch.launcher import run_torchrun, torchrun_command

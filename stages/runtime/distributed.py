@@ -11,10 +11,10 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from stages.core import precision
-from stages.core.topology import rank_gpu
+from stages.core.machine import precision
+from stages.core.machine.topology import rank_gpu
 
-from stages.core.proctree import die_with_parent
+from stages.core.machine.proctree import die_with_parent
 
 
 def log(msg: str) -> None:
@@ -43,7 +43,7 @@ def local_device(shared: bool = False) -> torch.device:
 
 
 def choose_precision(requested: str, device: torch.device, model_dir=None, key: str = "actor.precision") -> str:
-    """`actor.precision` (or `key`) on this rank's device, by the one rule (core/precision.py): `auto` is bf16
+    """`actor.precision` (or `key`) on this rank's device, by the one rule (core/machine/precision.py): `auto` is bf16
     where the device computes it natively (capability >= 8.0, ROCm) or, on a CPU, where bf16 was measured
     faster at the shapes of the model in `model_dir` (the cached calibration the plan read); else fp32."""
     return precision.on_device(requested, device, dims_of(model_dir), key)
@@ -58,7 +58,7 @@ def precision_why(requested: str, device: torch.device, key: str = "actor.precis
 
 def dims_of(model_dir):
     """The shapes a CPU's bf16 is measured at: the model folder's config.json (None: the default class)."""
-    from stages.core.bf16_speed import dims_of as read
+    from stages.core.machine.bf16_speed import dims_of as read
     return read(model_dir) if model_dir is not None else None
 
 

@@ -14,7 +14,7 @@ import signal
 
 import torch.distributed as dist
 
-from stages.core.proctree import descendants
+from stages.core.machine.proctree import descendants
 
 ENV = "SFTFLOW_FAULT"
 

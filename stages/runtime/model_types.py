@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from stages.core.errors import ConfigError
-from stages.core.imports import import_object
+from stages.core.cache.imports import import_object
 
 from .lora import apply_lora, load_adapters_checked
 

@@ -40,10 +40,10 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
 
 from stages.core.config import SFTConfig
-from stages.core.cores import follow_threads
+from stages.core.machine.cores import follow_threads
 from stages.core.errors import ConfigError, StageError
-from stages.core.imports import import_object
-from stages.core.topology import backend
+from stages.core.cache.imports import import_object
+from stages.core.machine.topology import backend
 
 from stages.planning.attention import effective_attn_implementation, resolve_attn_implementation
 from .batches import GlobalBatchSampler, SFTDataset, collate_packed, collate_padded, pad_token_id

@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from stages.core.scores import named_sets
+from stages.core.stats.scores import named_sets
 
 __fingerprint__ = False  # observability only: what it sends never changes a stage folder
 
@@ -82,7 +82,7 @@ def row_metrics(row: dict) -> dict[str, float]:
 # (often one word: "Paris"), not of whole replies like `val/loss`, hence its own name.
 CHARTED_EVAL = {"accuracy": "accuracy", "base_accuracy": "base_accuracy", "eval_loss": "reference_loss",
                 "delta": "delta", "delta_low": "delta_low", "delta_high": "delta_high"}
-VS_BASE = ("wins", "losses", "p_value")  # the paired comparison with the base model (core/paired.py)
+VS_BASE = ("wins", "losses", "p_value")  # the paired comparison with the base model (core/stats/paired.py)
 VS_CHAMPION = ("accuracy", "delta", "delta_low", "delta_high", "wins", "losses", "p_value")
 
 

@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 
 from filelock import FileLock
 
-from stages.core.artifacts import canonical_json, read_manifest
+from stages.core.cache.artifacts import canonical_json, read_manifest
 from stages.core.config import SFTConfig, flatten
 
 from .live import read_metrics_file, sync_rows

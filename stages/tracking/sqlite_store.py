@@ -21,7 +21,7 @@ import time
 from contextlib import closing
 from pathlib import Path
 
-from stages.core.user_cache import cache_dir
+from stages.core.cache.user_cache import cache_dir
 
 __fingerprint__ = False  # how the tracking store is made never changes a stage folder
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 
-from stages.core.artifacts import canonical_json
+from stages.core.cache.artifacts import canonical_json
 from stages.core.config import SFTConfig
 
 from .live import eval_metric_values, send_values

@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Callable
 
 from stages.chatdata.shards import count_rows
-from stages.core.artifacts import StageBuild, partial_dir, read_manifest
+from stages.core.cache.artifacts import StageBuild, partial_dir, read_manifest
 from stages.core.config import SFTConfig
 from stages.core.errors import ConfigError, StageError
 from stages.launch.ahead import Ahead
 from stages.launch.launcher import run_torchrun, start_ahead, torchrun_command
-from stages.core import model_card
+from stages.core.chat import model_card
 from stages.runtime.mixture import describe, new_data_epoch
 from stages.runtime.reporting import RUNTIME_FILE
 from stages.runtime.worker import WorkerSpec

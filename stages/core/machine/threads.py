@@ -7,7 +7,7 @@ beside one competing torch job took 3.7x its idle time with the default, 2.0x wi
 1.7x with no spinning (`OMP_WAIT_POLICY=PASSIVE`), which costs ~6% on an idle machine where 1,000
 spins cost nothing measurable (bench/shared_machine.py; docs/benchmarks.md "A shared machine").
 OpenMP reads this when torch loads, so it is set before that, with the rest of a process's defaults
-(core/process_env.py): at the CLI's entry, at a flow run's start, and in every torchrun worker's
+(core/machine/process_env.py): at the CLI's entry, at a flow run's start, and in every torchrun worker's
 environment (launch/launcher.py). A user's own `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` wins."""
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import yaml
 
-from .artifacts import read_manifest
-from .config import REHEARSE, SFTConfig
-from .lineage_paths import project_ref
+from ..cache.artifacts import read_manifest
+from ..config import REHEARSE, SFTConfig
+from ..cache.lineage_paths import project_ref
 
 CARD = "README.md"
 
@@ -22,7 +22,7 @@ def trained_on(cfg: SFTConfig, prepare_dir: str, inputs: dict[str, list]) -> lis
     """What the version trained on, as the next warm start rehearses it (models/start.py `rehearsal`): each
     training file of the prepare folder (train, the mixture's own files, what it rehearsed itself; not the
     replay stage's answers, which every run makes anew), once, with its content digest and the format and
-    columns it was read with. Paths are relative to the project (core/lineage_paths.py), so a moved or cloned
+    columns it was read with. Paths are relative to the project (core/cache/lineage_paths.py), so a moved or cloned
     project still finds them."""
     digest = {str(ref): d for items in inputs.values() for ref, d in items}
     rehearsed = {e["ref"]: e.get("columns") for e in cfg.rehearsal_files}

@@ -8,7 +8,7 @@ True by its default `including_emulation=True` (a bf16 tensor can be made there,
 emulated: slower than fp32 and not what the plan promised).
 
 On a CPU, bf16 where it was measured at least `bf16_speed.MARGIN` times as fast as fp32 at the model's
-own shapes on this CPU (core/bf16_speed.py: timed once per CPU, torch and shape class, cached): flags
+own shapes on this CPU (core/machine/bf16_speed.py: timed once per CPU, torch and shape class, cached): flags
 alone were wrong both ways. bf16 trained SmolLM2 at 0.6x fp32's speed on an Intel Xeon with
 AVX512-BF16 whose hypervisor hid AMX, and at 1.8x on an AMD EPYC (Zen 4) with the same flags
 (docs/benchmarks.md "bf16 on CPU"). A CPU without native bf16 at all is fp32, unmeasured. The key
@@ -26,7 +26,7 @@ bf16_speed.py beside generation.py; tests/test_precision_rule.py holds the GPU r
 from __future__ import annotations
 
 try:
-    from stages.core import bf16_speed
+    from stages.core.machine import bf16_speed
 except ImportError:  # shipped beside a registered model: precision.py and bf16_speed.py side by side
     import bf16_speed
 

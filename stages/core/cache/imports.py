@@ -10,7 +10,7 @@ import importlib
 import importlib.util
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def is_import_path(text: str) -> bool:

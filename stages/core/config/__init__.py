@@ -8,11 +8,12 @@ Fields that can't change a stage's result (how the work is spread, how often it 
 are declared with `unhashed(...)`; `hashed(section)` is what fingerprints see. Data paths
 are unhashed too: fingerprints hash the *contents* of the files they name.
 
-The sections live beside this module, by part of the config: config_fields.py (`unhashed`,
-`hashed`, the sections' base), actor_config.py (`runner`, `actor`), data_config.py (`data`,
-`replay`), eval_config.py (`eval`); here are the whole config (`SFTConfig`), the `registry`,
-`flow` and `retention` sections, the inputs' keys, loading and overrides. Every name stays
-importable from here.
+The sections are this package's modules, by part of the config: fields.py (`unhashed`,
+`hashed`, the sections' base), actor.py (`runner`, `actor`), data.py (`data`, `replay`), eval.py
+(`eval`); here are the whole config (`SFTConfig`), the `registry`, `flow` and `retention`
+sections, the inputs' keys, loading and overrides. Every name of the schema is importable from
+here (`from stages.core.config import ...`), and only from here outside this package: every package
+of stages/ and flows/ may import it.
 """
 
 from __future__ import annotations
@@ -26,21 +27,21 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from .actor_config import ActorConfig, RunnerConfig
-from .config_fields import _Section, unhashed
-from .data_config import REHEARSE, DataConfig, ReplayConfig
-from .errors import ConfigError
-from .eval_config import EvalConfig
-from .inputs import expand_paths
+from .actor import ActorConfig, RunnerConfig
+from .fields import _Section, unhashed
+from .data import REHEARSE, DataConfig, ReplayConfig
+from ..errors import ConfigError
+from .eval import EvalConfig
+from ..cache.inputs import expand_paths
 
 # The names of the sections' modules, importable from here as before this module was split:
 # `from stages.core.config import ...` is the one import for anything of the config.
-from .actor_config import LoraConfig, ModelConfig, OptimConfig  # noqa: F401
-from .config_fields import hashed, hashed_unless_default  # noqa: F401
-from .data_config import CANONICAL_FIELDS, FORMATS, MIX_BUILTIN, MixSource, RehearsalConfig  # noqa: F401
-from .eval_config import DEFAULT_ANSWER_PATTERN, HARNESS_KEYS, SCORER_NAMES, EvalSetConfig, _scorer_name  # noqa: F401
-from .imports import is_import_path  # noqa: F401
-from .topology import auto_nproc, describe  # noqa: F401
+from .actor import LoraConfig, ModelConfig, OptimConfig  # noqa: F401
+from .fields import hashed, hashed_unless_default  # noqa: F401
+from .data import CANONICAL_FIELDS, FORMATS, MIX_BUILTIN, MixSource, RehearsalConfig  # noqa: F401
+from .eval import DEFAULT_ANSWER_PATTERN, HARNESS_KEYS, SCORER_NAMES, EvalSetConfig, _scorer_name  # noqa: F401
+from ..cache.imports import is_import_path  # noqa: F401
+from ..machine.topology import auto_nproc, describe  # noqa: F401
 
 # Its effect on results is the config values, which every fingerprint hashes as data; editing
 # a description here must not retrain anything.

@@ -1,7 +1,7 @@
 """The sections of the config about what trains and how: `runner` (epochs, steps, checkpoints,
 resuming), `actor` (processes, batch sizes, precision, the loss, the worker, the start) and its
 `actor.model`, `actor.optim` and `actor.lora` subsections. `auto` process counts are resolved here,
-where the config is loaded (core/topology.py says how many and why).
+where the config is loaded (core/machine/topology.py says how many and why).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, field_serializer, field_validator, model_validator
 
-from .config_fields import _Section, hashed_unless_default, unhashed
-from .imports import is_import_path
-from .topology import auto_nproc, describe
+from .fields import _Section, hashed_unless_default, unhashed
+from ..cache.imports import is_import_path
+from ..machine.topology import auto_nproc, describe
 
 # Its effect on results is the config values, which every fingerprint hashes as data; editing
 # a description here must not retrain anything.
@@ -110,7 +110,7 @@ class ActorConfig(_Section):
     # a run checkpointed on 2 processes resumes on 1 under the same fingerprint).
     nproc_per_node: int | Literal["auto"] = unhashed(
         "auto", description="processes per node; auto: one per visible GPU the batch sizes can use, else "
-                            "actor.cpu_nproc_per_node on CPU (core/topology.py); a number above the visible GPUs is "
+                            "actor.cpu_nproc_per_node on CPU (core/machine/topology.py); a number above the visible GPUs is "
                             "refused before training launches")
     cpu_nproc_per_node: int = unhashed(1, ge=1, description="processes per node for auto on a machine without a GPU "
                                                             "(FSDP2 over gloo)")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 __fingerprint__ = False  # what it computes is the fingerprint's input, not a stage's output
 
-STAGES_ROOT = Path(__file__).resolve().parents[1]
+STAGES_ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "stages"
 
 # CPython 3.11 keeps ast.parse's recursion counter per interpreter, not per thread, so two

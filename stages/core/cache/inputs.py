@@ -10,7 +10,7 @@ import glob
 import os
 from pathlib import Path
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 JSONL_SUFFIXES = {".jsonl", ".ndjson"}
 SUFFIXES = JSONL_SUFFIXES | {".json", ".parquet", ".csv"}

@@ -4,7 +4,7 @@ shapes, for a training step and for a decode step, timed where the work runs and
 Flags name what a CPU can compute, not how fast: with AVX512-BF16 and no AMX, bf16 trained SmolLM2
 at 0.6x fp32's speed on one Intel Xeon (its hypervisor hid AMX) and at 1.8x on a 2-core AMD EPYC
 (Zen 4); the same flags, oneDNN's kernels, opposite answers (docs/benchmarks.md "bf16 on CPU").
-So `actor.precision: auto` on a CPU (core/precision.py) is bf16 where this measurement says bf16 is
+So `actor.precision: auto` on a CPU (core/machine/precision.py) is bf16 where this measurement says bf16 is
 at least MARGIN times as fast as fp32 here, and fp32 otherwise. The flags stay a pre-filter: a CPU
 with no native bf16 at all (no avx512_bf16, amx_bf16 or, on Arm, bf16) is fp32 without measuring.
 
@@ -29,7 +29,7 @@ cache) measures and writes it under a lock, so two processes never time against 
 of another torch (another oneDNN) is never read: the key names the version.
 
 Torch-free at import: planning never imports torch, so it measures in a subprocess
-(`python -m stages.core.bf16_speed`); a process that has torch already measures in place. The
+(`python -m stages.core.machine.bf16_speed`); a process that has torch already measures in place. The
 registered chat model ships this file beside precision.py.
 """
 
@@ -167,7 +167,7 @@ def cache_path() -> Path:
     if os.environ.get(ENV_CACHE):
         return Path(os.environ[ENV_CACHE])
     try:
-        from stages.core.user_cache import cache_dir
+        from stages.core.cache.user_cache import cache_dir
     except ImportError:  # shipped beside a registered model, without the package
         cache_dir = lambda: Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sftflow"  # noqa: E731
     return cache_dir() / CACHE_FILE
@@ -251,10 +251,10 @@ def _measure_somewhere(dims: Dims, threads: int | None, cpuinfo: str) -> Speed:
     never imports torch."""
     if "torch" in sys.modules:
         return measure(dims, threads, cpuinfo)
-    cmd = [sys.executable, "-m", "stages.core.bf16_speed", json.dumps(asdict(dims)), "--cpuinfo", cpuinfo]
+    cmd = [sys.executable, "-m", "stages.core.machine.bf16_speed", json.dumps(asdict(dims)), "--cpuinfo", cpuinfo]
     if threads:
         cmd += ["--threads", str(threads)]
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if out.returncode != 0:
@@ -342,7 +342,7 @@ def measure(dims: Dims, threads: int | None = None, cpuinfo: str = "/proc/cpuinf
 def main(argv: list[str] | None = None) -> None:
     """The planning process's calibration in a process of its own: prints one JSON line (a Speed)."""
     import argparse
-    ap = argparse.ArgumentParser(prog="python -m stages.core.bf16_speed")
+    ap = argparse.ArgumentParser(prog="python -m stages.core.machine.bf16_speed")
     ap.add_argument("dims", help="a Dims as JSON")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cpuinfo", default="/proc/cpuinfo")

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from .config_fields import _Section, unhashed
+from .fields import _Section, unhashed
 
 # Its effect on results is the config values, which every fingerprint hashes as data; editing
 # a description here must not retrain anything.

@@ -10,8 +10,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from .config_fields import _Section, hashed_unless_default, unhashed
-from .imports import is_import_path
+from .fields import _Section, hashed_unless_default, unhashed
+from ..cache.imports import is_import_path
 
 # Its effect on results is the config values, which every fingerprint hashes as data; editing
 # a description here must not retrain anything.

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 from filelock import FileLock, Timeout
 
-from .errors import DataError
+from ..errors import DataError
 from .inputs import HUB_PREFIX
 
 MANIFEST = "manifest.json"
@@ -225,7 +225,7 @@ def stage_lock(root: Path, stage: str, fp: str, warn=None) -> Iterator[None]:
         lock.release()
 
 
-WAITED = "waited_for_cores_seconds"  # a manifest's time queued for the machine's cores (core/cores.py)
+WAITED = "waited_for_cores_seconds"  # a manifest's time queued for the machine's cores (core/machine/cores.py)
 
 
 class StageBuild:

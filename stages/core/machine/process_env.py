@@ -33,7 +33,7 @@ DEFAULTS = {
 
 def apply_process_policy(env: MutableMapping[str, str]) -> MutableMapping[str, str]:
     """`env` (os.environ, or a child's environment being built) with sftflow's defaults and the
-    OpenMP wait policy (core/threads.py) added where it has no value of its own."""
+    OpenMP wait policy (core/machine/threads.py) added where it has no value of its own."""
     for key, value in DEFAULTS.items():
         env.setdefault(key, value)
     return wait_policy(env)
