@@ -3,8 +3,9 @@
 A row says what a stage's result depends on and when it runs: the code it carries, the config keys
 it reads (and the keys within them that can't change its result), the input files it reads (by
 content), the stages whose folders it reads, which of those it depends on by fingerprint, the facts
-it depends on (the base model, the worker's source, ...), when it is in a plan, and which function
-of stages/pipeline.py runs it (`run`). Planning and running (`stages/pipeline.py`), `upstream()`,
+it depends on (the base model, the worker's source, ...), when it is in a plan, the stage's own
+function that runs it (`run`) and the function of stages/pipeline/calls.py that readies its arguments
+from a plan (`call`). Planning and running (`stages/pipeline/`), `upstream()`,
 `sftflow show`, the Prefect task graph (`flows/sft.py`) and the stage table of docs/architecture.md
 (`render_markdown`) are all read from here;
 tests/test_stage_graph.py checks the fingerprints against the table over the config schema.
@@ -40,8 +41,10 @@ class Stage:
     metric: tuple[str, str] = ("", "")          # (metrics key, label) summarizing a run of it
     neutral_code: bool = False                  # its code version includes the reporting-only modules
     why: str = ""                               # docs: the reason for what it leaves out
-    # the function of stages/pipeline.py that readies its call from a plan (by name: no stage code here)
+    # the stage's own function, `module:function`, imported only when the stage runs (by name: no stage code
+    # here), and the function of stages/pipeline/calls.py that readies its call from a plan
     run: str = ""
+    call: str = ""
 
 
 def _named_prepared(cfg: SFTConfig) -> list[str]:
@@ -78,20 +81,23 @@ TABLE: tuple[Stage, ...] = (
           code="replay", reads=("replay", "data.columns", "actor.model.trust_remote_code", "actor.precision"),
           inputs=lambda cfg: {"prompts": (REPLAY_PROMPTS,)}, input_files="replay.prompt_paths",
           facts=("model", "actor_precision"), when=lambda cfg, f: cfg.replay is not None,
-          metric=("kept", "answers kept"), why="never the training data", run="replay_call"),
+          metric=("kept", "answers kept"), why="never the training data",
+          run="stages.replay:run_replay", call="replay_call"),
     Stage("prepare", "Arrow shards of the training sources and the val split",
           code="prepare", reads=("data", "actor.model.trust_remote_code"),
           ignores=("data.mix.*.weight", "data.rehearsal"),
           inputs=_training_files, input_files="train, val and mixture files (a warm start's rehearsed files too)",
           upstream=("replay",), folds=("replay",), facts=("model",), metric=("train_rows_kept", "rows"),
-          why="the mixture's weights only change what train samples; never the eval sets", run="prepare_call"),
+          why="the mixture's weights only change what train samples; never the eval sets",
+          run="stages.prepare.stage:run_prepare", call="prepare_call"),
     Stage("prepare_eval", "Arrow shards of the named eval sets",
           code="prepare", reads=("data", "eval.sets.*.mode", "actor.model.trust_remote_code"),
           ignores=("data.mix", "data.rehearsal"),
           inputs=lambda cfg: {name: (eval_split(name),) for name in _named_prepared(cfg)},
           input_files="each prepared named set's files", facts=("model",),
           when=lambda cfg, f: bool(_named_prepared(cfg)), metric=("rows_kept", "rows"),
-          why="the mixture only trains; a harness set has nothing to prepare", run="prepare_call"),
+          why="the mixture only trains; a harness set has nothing to prepare",
+          run="stages.prepare.stage:run_prepare", call="prepare_call"),
     Stage("baseline", "the base model's scores on the eval sets",
           code="evaluate", reads=("data", "eval", "actor.model"), ignores=_SCORING_IGNORES, inputs=_held_out,
           input_files=_HELD_OUT_FILES,
@@ -101,7 +107,7 @@ TABLE: tuple[Stage, ...] = (
           when=lambda cfg, f: cfg.eval.eval_base and cfg.eval.model != "base", metric=("accuracy", "accuracy"),
           why="never the training data (folds no fingerprint: it names the held-out files and what "
               "prepares them), so trials, sweeps and retrains reuse it; guards and the model choice only judge",
-          run="reference_call"),
+          run="stages.evaluate:run_reference", call="reference_call"),
     Stage("champion", "the registry's champion's scores on the eval sets",
           code="evaluate", reads=("data", "eval", "actor.model"), ignores=_SCORING_IGNORES, inputs=_held_out,
           input_files=_HELD_OUT_FILES,
@@ -109,11 +115,11 @@ TABLE: tuple[Stage, ...] = (
                                                        "harness", "eval_precision"),
           skips=_scoring_skips, when=lambda cfg, f: f["champion"] is not None, metric=("accuracy", "accuracy"),
           why="as baseline; only with `registry.promote: if_better`, no `eval.model`, and a champion that "
-              "another training produced", run="reference_call"),
+              "another training produced", run="stages.evaluate:run_reference", call="reference_call"),
     Stage("train", "the trained model (HF folder), DCP checkpoints, metrics.jsonl",
           code="train", reads=("actor", "runner", "data.mix.*.weight"), upstream=("prepare",),
           folds=("prepare",), facts=("model", "worker", "start"), metric=("final_loss", "loss"),
-          why="never the eval sets", run="train_call"),
+          why="never the eval sets", run="stages.train:run_train", call="train_call"),
     Stage("evaluate", "the scored model's predictions and metrics, compared with the baseline",
           code="evaluate", reads=("eval", "actor.model"),
           inputs=lambda cfg: {n: (eval_split(n),) for n, s in cfg.eval.sets.items() if s.is_harness},
@@ -123,12 +129,14 @@ TABLE: tuple[Stage, ...] = (
           facts=("model", "eval_model", "worker", "scorer", "harness", "eval_precision"),
           skips=lambda cfg: _scoring_skips(cfg) | ({"train"} if cfg.eval.model is not None else set()),
           metric=("accuracy", "accuracy"),
-          why="with `eval.model` it reads no training, so a new training leaves it a cache hit", run="evaluate_call"),
+          why="with `eval.model` it reads no training, so a new training leaves it a cache hit",
+          run="stages.evaluate:run_evaluate", call="evaluate_call"),
     Stage("register", "the MLflow run, the model version and its aliases",
           code="register", neutral_code=True, reads=("registry",),
           upstream=("champion", "evaluate", "train", "prepare"), folds=("evaluate", "train", "prepare"),
           facts=("tracking_uri", "compared_with"), metric=("version", "version"),
-          why="the champion by the decision it compared with (`compared_with`)", run="register_call"),
+          why="the champion by the decision it compared with (`compared_with`)",
+          run="stages.register:run_register", call="register_call"),
 )
 
 BY_NAME: dict[str, Stage] = {s.name: s for s in TABLE}

@@ -376,12 +376,12 @@ def _parse_with_a_foreign_parse_inside(parse, src: bytes):
 def test_a_parse_that_loses_the_interpreter_race_is_retried(monkeypatch):
     """CPython 3.11's ast.parse fails spuriously when another parse interleaves with it
     (python/cpython#106905); a Prefect worker's flow run hit it while planning."""
-    src = (STAGES_DIR / "pipeline.py").read_bytes()
+    src = (STAGES_DIR / "export" / "gguf.py").read_bytes()
     want = ast.dump(ast.parse(src))
     if sys.version_info < (3, 12):   # the reference: the interleaving breaks a bare ast.parse
         with pytest.raises(SystemError, match="recursion depth mismatch"):
             _parse_with_a_foreign_parse_inside(ast.parse, src)
-    tree = _parse_with_a_foreign_parse_inside(lambda b: codeversion._parse_source(b, "pipeline.py"), src)
+    tree = _parse_with_a_foreign_parse_inside(lambda b: codeversion._parse_source(b, "gguf.py"), src)
     assert ast.dump(tree) == want
 
     def other(*a, **k):
@@ -389,13 +389,13 @@ def test_a_parse_that_loses_the_interpreter_race_is_retried(monkeypatch):
 
     monkeypatch.setattr(codeversion.ast, "parse", other)
     with pytest.raises(SystemError, match="another failure"):
-        codeversion._parse_source(src, "pipeline.py")
+        codeversion._parse_source(src, "gguf.py")
 
 
 def test_the_real_tree_closures_hold_the_modules_each_stage_runs():
     names = {e: {str(f.relative_to(STAGES_DIR)) for f in module_closure([e])} for e in ("train", "evaluate")}
     # the torchrun entry points are part of the stage: the worker loop and the evaluation runner
-    assert {"train/__main__.py", "runtime/worker.py", "runtime/batches.py", "runtime/checkpoint.py"} <= names["train"]
+    assert {"train/__main__.py", "runtime/worker.py", "runtime/batches.py", "runtime/saving/checkpoint.py"} <= names["train"]
     assert {"evaluate/runner.py", "runtime/worker.py", "runtime/batches.py", "models/refs.py"} <= names["evaluate"]
     assert "tracking/live.py" not in names["train"]
 
@@ -465,12 +465,16 @@ def test_the_road_from_the_cli_to_the_loop_is_walked_as_written():
             assert "TASKS[stage]" in ast.unparse(_body(row["file"], "configured_task"))
             assert "TASKS = {stage: _stage_task(stage)" in row["file"].read_text()
             assert _body(row["file"], "_stage_task") and nxt["function"] == "task_fn"
-        elif row["calls"] == "call":  # the stage's function, readied by the function its table row's `run` names
+        elif row["calls"] == "call":  # the stage's function (its row's `run`), readied by the function its `call` names
             from stages.graph import BY_NAME
-            assert "CALLS[BY_NAME[stage].run]" in ast.unparse(body)
-            readies = _body(row["file"], BY_NAME["train"].run)
+            assert "CALLS[BY_NAME[stage].call]" in ast.unparse(body)
+            train = BY_NAME["train"]
+            module, _, function = train.run.partition(":")
+            assert function == nxt["function"] and nxt["file"] == ROOT.joinpath(*module.split(".")) / "__init__.py"
+            readies = _body(row["file"], train.call)
+            assert f"{function} = stage_function(stage)" in ast.unparse(readies)
             assert any(_callee(c) == "partial" and c.args and ast.unparse(c.args[0]) == nxt["function"]
-                       for c in _calls(readies)), f"{BY_NAME['train'].run} readies no {nxt['function']}"
+                       for c in _calls(readies)), f"{train.call} readies no {nxt['function']}"
         elif row["calls"] == "Popen":  # torchrun runs `-m <module> spec.json`; run_train names stages.train
             import stages.train
 

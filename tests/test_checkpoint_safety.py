@@ -1,4 +1,4 @@
-"""Checkpoint folders are read without running their code (stages/runtime/checkpoint.py): DCP's
+"""Checkpoint folders are read without running their code (stages/runtime/saving/checkpoint.py): DCP's
 `.metadata` is a pickle, and `--model FOLDER` / `runner.resume=FOLDER` accept any folder. A real
 checkpoint, written by the project's own save path, loads through the safe reader exactly as DCP
 reads it; a planted `.metadata` that would run code is a one-line CheckpointError naming the
@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from stages.runtime import checkpoint as ckpt
-from stages.runtime.checkpoint import CheckpointError
+from stages.runtime.saving.checkpoint import CheckpointError
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8,
           torch.uint8, torch.bool]

@@ -115,7 +115,7 @@ def checkpoint_weights(folder, step: int) -> dict:
     exported folder's config: what the loop held at that step, independent of the best-weights copy."""
     from transformers import AutoModelForCausalLM
 
-    from stages.runtime.checkpoint import load_model_weights
+    from stages.runtime.saving.checkpoint import load_model_weights
     model = AutoModelForCausalLM.from_pretrained(Path(folder) / "model", dtype=torch.float32)
     return load_model_weights(model, str(Path(folder) / "checkpoints" / f"step_{step:08d}"))
 

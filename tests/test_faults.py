@@ -74,7 +74,7 @@ def test_an_edit_that_keeps_size_and_mtime_is_seen(tmp_path):
 
 def test_a_corrupt_checkpoint_is_named_and_skipped(tmp_path):
     import torch.distributed.checkpoint as dcp
-    from stages.runtime.checkpoint import COMPLETE, checkpoint_problem, newest_usable
+    from stages.runtime.saving.checkpoint import COMPLETE, checkpoint_problem, newest_usable
     root = tmp_path / "checkpoints"
     for step in (2, 4):
         d = root / f"step_{step:08d}"
@@ -207,7 +207,7 @@ def test_rng_states_are_json_and_restore_every_stream_exactly():
     import random
 
     import numpy as np
-    from stages.runtime.checkpoint import rng_state, set_rng_state
+    from stages.runtime.saving.checkpoint import rng_state, set_rng_state
     torch.manual_seed(3)
     np.random.seed(4)
     random.seed(5)

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from conftest import ROOT, base_model
 from stages.chatdata.shards import read_shards
 from stages.pipeline import plan, run_stage
-from stages.runtime.checkpoint import read_metadata
+from stages.runtime.saving.checkpoint import read_metadata
 from stages.launch.launcher import worker_env
 from test_train_core import assert_same_weights, killed, make_cfg, train, weights
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from stages.runtime import checkpoint as ckpt
-from stages.runtime.checkpoint import load_checkpoint, read_metadata, save_checkpoint, trained_state
+from stages.runtime.saving.checkpoint import load_checkpoint, read_metadata, save_checkpoint, trained_state
 
 
 @pytest.fixture(scope="module", autouse=True)

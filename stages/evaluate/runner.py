@@ -28,7 +28,7 @@ from stages.core.config import SFTConfig
 from stages.core.errors import ConfigError
 from stages.core.stats.scores import by_set, counted
 from stages.runtime.batches import pad_token_id
-from stages.runtime.checkpoint import load_model_weights
+from stages.runtime.saving.checkpoint import load_model_weights
 from stages.runtime.distributed import (add_up, choose_precision, gather, local_device, log, precision_why,
                                         rank_and_world, rank_slice)
 from stages.inference.generation import generate

@@ -7,11 +7,11 @@ then `fit` runs `setup` and the loop and always closes (metrics, MLflow, process
 -- and composes the parts that do the rest:
 
     runtime/sharding.py       `parallelize`: activation checkpointing, compilation, FSDP2
-    runtime/checkpoint_schedule.py  `Checkpointer`: when to save, what to resume (DCP: runtime/checkpoint.py)
+    runtime/saving/checkpoint_schedule.py  `Checkpointer`: when to save, what to resume (DCP: runtime/saving/checkpoint.py)
     runtime/reporting.py      `Reporter`: metrics.jsonl, live MLflow rows, progress, runtime.json
     runtime/validation.py     `validate`: the validation loss and accuracy across ranks; `BestCheck`:
                               early stopping and the step whose weights ship
-    runtime/hf_export.py         `export_model`: the gathered state dict, LoRA merge, the HF folder
+    runtime/saving/hf_export.py         `export_model`: the gathered state dict, LoRA merge, the HF folder
     runtime/packing.py        `packs_exactly`: whether the model may train on packed micro-batches
 
 Public surface (docs/adding-a-model.md). Hooks a subclass overrides, one name and one return type
@@ -47,10 +47,10 @@ from stages.core.machine.topology import backend
 
 from stages.planning.attention import effective_attn_implementation, resolve_attn_implementation
 from .batches import GlobalBatchSampler, SFTDataset, collate_packed, collate_padded, pad_token_id
-from .checkpoint_schedule import Checkpointer
+from .saving.checkpoint_schedule import Checkpointer
 from .contract import TrainOutput, add_eval_output, check_worker_class, train_output
 from .distributed import choose_precision, local_device, log, precision_why
-from .hf_export import export_model
+from .saving.hf_export import export_model
 from .lora import adapters_off, lora_enabled
 from .loss import model_loss, reference_outputs
 from .mixture import describe, summary_line

@@ -37,7 +37,7 @@ from stages.tracking.run import Lineage, log_runtime_params, training_run
 # What a rank imports before its first step (4-5 s on 2 cores): a rank started ahead of the stage
 # (launch/ahead.py) imports these while the stages before train run.
 WARM_MODULES = ("torch", "torch.distributed.checkpoint", "stages.runtime.distributed", "stages.runtime.worker",
-                "stages.runtime.checkpoint", "transformers.models.auto.tokenization_auto",
+                "stages.runtime.saving.checkpoint", "transformers.models.auto.tokenization_auto",
                 "transformers.models.auto.modeling_auto")
 
 

@@ -110,8 +110,8 @@ class ActorConfig(_Section):
     # a run checkpointed on 2 processes resumes on 1 under the same fingerprint).
     nproc_per_node: int | Literal["auto"] = unhashed(
         "auto", description="processes per node; auto: one per visible GPU the batch sizes can use, else "
-                            "actor.cpu_nproc_per_node on CPU (core/machine/topology.py); a number above the visible GPUs is "
-                            "refused before training launches")
+                            "actor.cpu_nproc_per_node on CPU (core/machine/topology.py); a number above the visible "
+                            "GPUs is refused before training launches")
     cpu_nproc_per_node: int = unhashed(1, ge=1, description="processes per node for auto on a machine without a GPU "
                                                             "(FSDP2 over gloo)")
     nnodes: int = unhashed(1, ge=1)

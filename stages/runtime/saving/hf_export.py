@@ -10,9 +10,9 @@ import torch
 
 from stages.core.config import SFTConfig
 
-from .distributed import log
-from .lora import lora_enabled
-from .model_types import WeightsLoadError, build_configured_model, load_state_checked
+from ..distributed import log
+from ..lora import lora_enabled
+from ..model_types import WeightsLoadError, build_configured_model, load_state_checked
 
 
 def full_state_dict(model: torch.nn.Module, cfg: SFTConfig, model_path: str | None, out: Path,

@@ -18,8 +18,8 @@ from stages.core.errors import ConfigError, StageError
 
 from . import checkpoint as ckpt
 from . import faults
-from .batches import DataPosition
-from .distributed import log
+from ..batches import DataPosition
+from ..distributed import log
 
 
 class Checkpointer:
@@ -38,7 +38,7 @@ class Checkpointer:
     def save(self, step: int, pos: DataPosition, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              scheduler, world: int, total_steps: int, selection: dict | None = None) -> None:
         """A resumable checkpoint of `step`, the oldest beyond `runner.keep_checkpoints` removed. The
-        test hook's two kill points sit around it (runtime/faults.py). `selection`: the validation
+        test hook's two kill points sit around it (runtime/saving/faults.py). `selection`: the validation
         checks' state (validation.BestCheck), resumed with the rest."""
         state = {"step": step, "data_position": pos.to_dict(), "scheduler": scheduler.state_dict(),
                  "world_size": world, "total_steps": total_steps}
