@@ -84,10 +84,10 @@ TEAM_ROOT ?= $(CURDIR)/artifacts/team
 WORKERS   ?= 2
 POOL      ?= team
 team-up: $(STAMP)
-	$(BIN)/python -m flows.team up --root $(TEAM_ROOT) --workers $(WORKERS) --pool $(POOL) --config $(CONFIG)
+	$(BIN)/python -m flows.servers.team up --root $(TEAM_ROOT) --workers $(WORKERS) --pool $(POOL) --config $(CONFIG)
 
 team-down: $(STAMP)
-	$(BIN)/python -m flows.team down --root $(TEAM_ROOT)
+	$(BIN)/python -m flows.servers.team down --root $(TEAM_ROOT)
 
 clean:
 	rm -rf artifacts/prepare artifacts/train artifacts/evaluate artifacts/register artifacts/models

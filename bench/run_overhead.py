@@ -104,7 +104,7 @@ def main() -> None:
         cmd = [sys.executable, "-m", "flows.cli", "run", "-c", str(cfg_path)]
         server = None
         if args.server == "running":
-            from flows.prefect_server import local_server
+            from flows.servers.prefect_server import local_server
             server = local_server("127.0.0.1", 0, work / ".prefect", work / "server.log", ui=False, shared=True)
             server.__enter__()
         try:

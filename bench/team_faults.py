@@ -1,4 +1,4 @@
-"""A team's setup under faults and load: `python -m flows.team up` in a temporary root (PostgreSQL, the
+"""A team's setup under faults and load: `python -m flows.servers.team up` in a temporary root (PostgreSQL, the
 Prefect and MLflow servers, 2 workers), the demo config shortened and deployed, then each scenario:
 
   kill      a worker SIGKILLed mid-train with every process under it (a machine dying), after a
@@ -37,7 +37,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flows import team  # noqa: E402
+from flows.servers import team  # noqa: E402
 
 SCENARIOS = ("kill", "mlflow", "postgres", "load")
 FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")

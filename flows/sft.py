@@ -27,7 +27,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from prefect.states import Completed
 
-from flows.prefect_server import TEMPORARY_SERVER_ENV
+from flows.servers.prefect_server import TEMPORARY_SERVER_ENV
 from stages.core.quarantine import note as quarantine_note
 from stages.core.config import check_overrides_allowed, load_config
 from stages.core.errors import ConfigError, DataError

@@ -152,8 +152,8 @@ def tiny_config_dict(tmp: Path, n_train: int = 96, n_val: int = 12, **sections) 
                    "seed": 7},
         # one process, as `auto` is on CPU: tests of the flow, caching and servers don't need two ranks
         # (a torchrun of two costs twice the imports on 2 cores); tests of the distributed maths ask for 2
-        # fp32 whatever the CPU: `auto` is bf16 on one with AMX (core/machine/precision.py), and these tests compare with
-        # fp32 references to the bit on every CI machine; tests/test_precision*.py hold the bf16 paths
+        # fp32 whatever the CPU: `auto` is bf16 on one with AMX (core/machine/precision.py), and these tests
+        # compare with fp32 references to the bit on every CI machine; tests/test_precision*.py hold the bf16 paths
         "actor": {"nproc_per_node": 1, "micro_batch_size": 4, "global_batch_size": 16,
                   "optim": {"lr": 1e-3, "warmup": 1}, "precision": "fp32"},
         "data": {"train_data_paths": [str(train)], "val_data_paths": [str(val)], "format": "messages",
@@ -195,7 +195,7 @@ def tiny_config(tmp_path) -> Path:
     return write_config(tmp_path, tiny_config_dict(tmp_path))
 
 
-from flows.prefect_server import _stop as stop_server, free_port, listening_port  # noqa: E402, F401  (the CLI's own)
+from flows.servers.prefect_server import _stop as stop_server, free_port, listening_port  # noqa: E402, F401  (the CLI's own)
 
 
 @pytest.fixture

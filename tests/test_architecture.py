@@ -34,8 +34,10 @@ ALLOWED = {
     **{s: {"core", "chatdata", "models", "planning", "launch", "runtime", "inference", "tracking"}
        for s in STAGE_PACKAGES},
     "graph": {"core"},  # the stage table: data about stages, no stage code
-    "pipeline": {"core", "chatdata", "graph", "models", "planning", "launch", "runtime", "inference", "tracking",
-                 *STAGE_PACKAGES},
+    # the stages' own functions by the stage table's names (importlib); replay (its rows' file), train (the
+    # rank started ahead) and evaluate (where evaluation runs, for the launch report) by import
+    "pipeline": {"core", "chatdata", "graph", "models", "planning", "runtime", "inference", "tracking",
+                 "replay", "train", "evaluate"},
     "sweep": {"core", "pipeline"},
     "export": {"core"},  # a model folder -> GGUF; what a ref names is the CLI's to resolve
     "retention": {"core", "graph", "tracking"},  # the disk policy: folders, locks, the registry
@@ -55,6 +57,58 @@ def test_every_package_has_a_place_in_the_plan():
     top = {p.name for p in STAGES_DIR.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     top |= {p.stem for p in STAGES_DIR.glob("*.py") if p.stem != "__init__"}
     assert top == set(ALLOWED)
+
+
+MAX_MODULES = 15  # .py files directly in one folder of flows/ or stages/
+
+
+def _folders() -> list[Path]:
+    return sorted({p.parent for root in (STAGES_DIR, ROOT / "flows") for p in root.rglob("*.py")})
+
+
+def test_no_folder_holds_more_than_fifteen_modules():
+    """A folder past 15 modules is a drawer a newcomer can't name: split it by concern into packages
+    (stages/core/ became config/, machine/, cache/, stats/ and chat/; stages/runtime/ gave saving/ its
+    checkpoints; flows/ has cli/ and servers/)."""
+    crowded = {str(f.relative_to(ROOT)): n for f in _folders() if (n := len(list(f.glob("*.py")))) > MAX_MODULES}
+    assert not crowded, f"folders over {MAX_MODULES} modules: {crowded}"
+
+
+def _stages_folders() -> set[str]:
+    return {p.name for p in STAGES_DIR.iterdir() if (p / "__init__.py").is_file()}
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """The top-level names of stages/ (packages and modules) that `path` imports, at module level or inside
+    a function, its own left out."""
+    me = path.relative_to(STAGES_DIR).parts[0].removesuffix(".py")
+    return {_package(m) for m in imported_modules(STAGES_DIR, path)} - {None, me}
+
+
+def test_no_module_imports_more_than_half_of_the_stages_folders():
+    """No hub: a module that imports most of stages/ is where every change meets (pipeline.py imported 13
+    of the 17 other folders and modules of stages/). Each module imports at most half as many of stages/'
+    top-level packages and modules as stages/ has folders, function-local imports included."""
+    limit = len(_stages_folders()) // 2
+    hubs = {str(p.relative_to(STAGES_DIR)): sorted(used) for p in _modules()
+            if len(used := _top_level_imports(p)) > limit}
+    assert not hubs, f"modules importing more than {limit} of stages/: {hubs}"
+
+
+def test_the_hub_counter_sees_function_local_imports():
+    path = STAGES_DIR / "pipeline" / "checks.py"
+    assert {"runtime", "chatdata"} <= _top_level_imports(path)  # both only inside functions there
+    assert "pipeline" not in _top_level_imports(path)
+
+
+def _packages() -> list[Path]:
+    return sorted(p for root in (STAGES_DIR, ROOT / "flows") for p in root.rglob("__init__.py"))
+
+
+def test_every_package_says_what_it_owns():
+    """Each package's `__init__` opens with a docstring (what it owns, who may import it)."""
+    bare = [str(p.relative_to(ROOT)) for p in _packages() if not ast.get_docstring(ast.parse(p.read_text()))]
+    assert not bare, f"packages without a docstring: {bare}"
 
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(STAGES_DIR)))
@@ -182,7 +236,8 @@ def test_no_two_modules_share_a_name_across_the_runtime_packages():
     """`runtime/export.py` beside `stages/export/`, `checkpoint.py` beside `checkpointing.py`,
     `models/gguf.py` (reading) beside `export/gguf.py` (writing) read as the same thing: each name once."""
     names: dict[str, list[str]] = {}
-    shared = ("core", "planning", "launch", "runtime", "inference", "models", "export")  # a stage's own may repeat
+    # a stage's own may repeat
+    shared = ("core", "planning", "launch", "runtime", "inference", "models", "export", "pipeline")
     for p in _modules():
         if p.stem not in ("__init__", "__main__") and p.relative_to(STAGES_DIR).parts[0] in shared:
             names.setdefault(p.stem, []).append(str(p.relative_to(STAGES_DIR)))
@@ -193,14 +248,14 @@ def test_no_two_modules_share_a_name_across_the_runtime_packages():
 
 def test_stages_never_import_prefect_and_flows_never_import_torch():
     assert not [p for p in _modules() if "prefect" in _third_party_imports(p)]
-    flows = sorted((ROOT / "flows").glob("*.py"))
+    flows = sorted((ROOT / "flows").rglob("*.py"))
     assert not [p for p in flows if _third_party_imports(p) & {"torch", "transformers", "numpy"}]
 
 
 # --------------------------------------------------------------------------- flows/ -> stages/
 
 FLOWS_DIR = ROOT / "flows"
-FLOWS_MODULES = ("flows.cli", "flows.sft", "flows.sweep", "flows.serve", "flows.deploy", "flows.prefect_server")
+FLOWS_MODULES = ("flows.cli", "flows.sft", "flows.sweep", "flows.serve", "flows.deploy", "flows.servers.prefect_server")
 # What flows/ imports from stages when it is imported: a module, or a package and every module in it.
 # The `flows` row of docs/architecture.md's table.
 FLOWS_MAY_IMPORT = {
@@ -225,7 +280,7 @@ FLOWS_MAY_IMPORT_LAZILY = {
     "stages.retention": "`sftflow gc` and the policy after a flow run: what is kept, what is freed",
 }
 # The lazy imports that load torch, and the only functions they may be in.
-FLOWS_TORCH_IMPORTS = {"stages.inference.generation": {("cli_registry.py", "chat")}}
+FLOWS_TORCH_IMPORTS = {"stages.inference.generation": {("cli/registry.py", "chat")}}
 
 
 def _allowed(module: str, allowed) -> bool:
@@ -258,21 +313,22 @@ def _stages_imports(path: Path) -> list[tuple[str, str | None]]:
 
 
 def _flows_files() -> list[Path]:
-    return sorted(FLOWS_DIR.glob("*.py"))
+    return sorted(FLOWS_DIR.rglob("*.py"))
 
 
-@pytest.mark.parametrize("path", _flows_files(), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", _flows_files(), ids=lambda p: str(p.relative_to(FLOWS_DIR)))
 def test_flows_import_from_stages_only_what_the_floor_plan_allows(path):
     imports = _stages_imports(path)
+    name = str(path.relative_to(FLOWS_DIR))
     eager = sorted({m for m, fn in imports if fn is None and not _allowed(m, FLOWS_MAY_IMPORT)})
-    assert not eager, (f"flows/{path.name} imports {eager} when imported; allowed: {sorted(FLOWS_MAY_IMPORT)} "
+    assert not eager, (f"flows/{name} imports {eager} when imported; allowed: {sorted(FLOWS_MAY_IMPORT)} "
                        f"(or import it inside the function that needs it, listed in FLOWS_MAY_IMPORT_LAZILY)")
     lazy = sorted({f"{m} (in {fn})" for m, fn in imports
                    if fn is not None and not _allowed(m, FLOWS_MAY_IMPORT) and m not in FLOWS_MAY_IMPORT_LAZILY})
-    assert not lazy, f"flows/{path.name} imports {lazy}; allowed lazily: {sorted(FLOWS_MAY_IMPORT_LAZILY)}"
+    assert not lazy, f"flows/{name} imports {lazy}; allowed lazily: {sorted(FLOWS_MAY_IMPORT_LAZILY)}"
     torch = sorted(f"{m} (in {fn or 'module level'})" for m, fn in imports
-                   if m in FLOWS_TORCH_IMPORTS and (path.name, fn) not in FLOWS_TORCH_IMPORTS[m])
-    assert not torch, f"flows/{path.name} imports {torch}, which load torch; only in {FLOWS_TORCH_IMPORTS}"
+                   if m in FLOWS_TORCH_IMPORTS and (name, fn) not in FLOWS_TORCH_IMPORTS[m])
+    assert not torch, f"flows/{name} imports {torch}, which load torch; only in {FLOWS_TORCH_IMPORTS}"
 
 
 def test_the_flows_allowances_are_all_used():
@@ -395,7 +451,8 @@ def test_a_parse_that_loses_the_interpreter_race_is_retried(monkeypatch):
 def test_the_real_tree_closures_hold_the_modules_each_stage_runs():
     names = {e: {str(f.relative_to(STAGES_DIR)) for f in module_closure([e])} for e in ("train", "evaluate")}
     # the torchrun entry points are part of the stage: the worker loop and the evaluation runner
-    assert {"train/__main__.py", "runtime/worker.py", "runtime/batches.py", "runtime/saving/checkpoint.py"} <= names["train"]
+    assert {"train/__main__.py", "runtime/worker.py", "runtime/batches.py",
+            "runtime/saving/checkpoint.py"} <= names["train"]
     assert {"evaluate/runner.py", "runtime/worker.py", "runtime/batches.py", "models/refs.py"} <= names["evaluate"]
     assert "tracking/live.py" not in names["train"]
 

@@ -281,7 +281,7 @@ def test_a_gated_drop_is_recorded_in_mlflow_and_a_served_run_moves_it_aside(tmp_
 
     # the next run goes on with day 1's file
     (result,) = sft_stage("prepare", config_path=str(path.resolve()))
-    from flows.prefect_server import _drain_prefect_clients
+    from flows.servers.prefect_server import _drain_prefect_clients
     _drain_prefect_clients()  # this process's flow logs, sent while the session's server is up
     refs = [s["ref"] for s in read_manifest(Path(result["path"]))["sources"]]
     assert str(drops / "day1.jsonl") in refs and not any("day2" in r for r in refs), refs

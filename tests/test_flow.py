@@ -259,7 +259,7 @@ def test_a_flow_run_validates_and_plans_once(flow_run, monkeypatch):
     from typer.testing import CliRunner
 
     import flows.cli
-    import flows.cli_common
+    import flows.cli.common
     import flows.sft
     import stages.core.config
     calls = {"load_config": 0, "plan": 0, "expand_paths": 0}
@@ -269,7 +269,7 @@ def test_a_flow_run_validates_and_plans_once(flow_run, monkeypatch):
             calls[name] += 1
             return fn(*a, **kw)
         return wrapper
-    for module in (flows.cli_common, flows.sft):  # the CLI's commands load and plan in cli_common
+    for module in (flows.cli.common, flows.sft):  # the CLI's commands load and plan in flows/cli/common.py
         monkeypatch.setattr(module, "load_config", counted("load_config", module.load_config))
         monkeypatch.setattr(module, "plan", counted("plan", module.plan))
     monkeypatch.setattr(stages.core.config, "expand_paths", counted("expand_paths", stages.core.config.expand_paths))

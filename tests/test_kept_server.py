@@ -1,4 +1,4 @@
-"""The kept Prefect server (flows/prefect_server.py): a CLI call without PREFECT_API_URL starts
+"""The kept Prefect server (flows/servers/prefect_server.py): a CLI call without PREFECT_API_URL starts
 one in the background, later calls on the same Prefect home run on it, and it stops by itself
 once no call has used it for SFTFLOW_KEEP_SERVER seconds. Real processes, real servers on
 loopback; the effects are checked in the server's database and with psutil. A test's Prefect home
@@ -18,7 +18,7 @@ import pytest
 
 from conftest import (PREFECT_DATABASE, descendants, flow_runs, left_alive, prefect_database, seed_prefect_home,
                       sftflow, tiny_config_dict, write_config)
-from flows.prefect_server import RUNNING_SERVER, healthy, lease, start_kept_server
+from flows.servers.prefect_server import RUNNING_SERVER, healthy, lease, start_kept_server
 
 
 pytestmark = pytest.mark.slow  # real Prefect servers
@@ -127,7 +127,7 @@ def test_stop_server_stops_the_kept_server_now(tmp_path):
 def test_stop_server_finds_the_kept_server_after_a_serve_start_server_came_and_went(tmp_path):
     """Issue 57: `serve --start-server` on the same home wrote its marker over the kept server's and
     removed it when it stopped; `stop-server` then said no kept server ran while it still listened."""
-    from flows.prefect_server import free_port, local_server
+    from flows.servers.prefect_server import free_port, local_server
     cfg_path, home, kept, tree = _a_kept_server(tmp_path)
     with local_server("127.0.0.1", free_port(), home, home / "serve.log", shared=True) as api:  # serve's own
         assert _marker(home)["api"] == api != kept["api"]
@@ -189,7 +189,7 @@ def test_links_printed_on_a_kept_server_open_while_it_runs_and_sftflow_ui_browse
 def test_listening_port_reads_the_port_a_child_bound_to_port_0():
     """The port `listening_port` reads from a process's sockets is the one the process itself
     reports (getsockname in the child): how servers started with `--port 0` are found."""
-    from flows.prefect_server import listening_port
+    from flows.servers.prefect_server import listening_port
     child = subprocess.Popen([sys.executable, "-c", "import socket, sys, time\n"
                               "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
                               "print(s.getsockname()[1], flush=True); time.sleep(60)"],
@@ -209,7 +209,7 @@ def test_a_kept_server_whose_port_was_taken_starts_on_another_and_its_ui_calls_t
     name the port the server's process really listens on, never the taken one."""
     import socket
     import urllib.request
-    from flows.prefect_server import _start_ui_server, _stop, listening_port
+    from flows.servers.prefect_server import _start_ui_server, _stop, listening_port
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -267,11 +267,11 @@ def _flow_run_count(db) -> int:
 def test_a_users_first_call_builds_the_database_that_test_homes_start_from(tmp_path):
     """A call on the config's own Prefect home on a machine with no copy yet (a user's very first call:
     nothing seeds it) has its server build the database, block types included, and leaves a copy in the
-    user's cache (flows/prefect_database.py); its schema and migration are those of the copy the suite's
+    user's cache (flows/servers/prefect_database.py); its schema and migration are those of the copy the suite's
     homes start from, so tests run on the database users get. A call in a new artifacts folder then
     starts from the cache's copy (its block types, not new ones), and a seeded test home's server from
     the suite's; each records its run in it."""
-    from flows.prefect_database import DATABASE
+    from flows.servers.prefect_database import DATABASE
     cache = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
     cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path))
     first = sftflow("stage", "prepare", "-c", str(cfg_path), cwd=tmp_path, env={"PREFECT_HOME": None, **cache})

@@ -233,7 +233,8 @@ def test_unknown_layouts_are_not_estimated_and_never_refused(tmp_path, monkeypat
     with pytest.raises(mp.UnknownArchitecture):
         mp.check_fits(cfg, moe, gpu)
     import stages.pipeline as pipeline
-    monkeypatch.setattr(pipeline, "model_config_json", lambda cfg, fp: (moe, "the test's config.json"))
+    from stages.pipeline import checks
+    monkeypatch.setattr(checks, "model_config_json", lambda cfg, fp: (moe, "the test's config.json"))
     p = plan(cfg)
     assert pipeline.train_memory(p, gpu) == (None, "model_type qwen2_moe in the test's config.json: only dense "
                                                    "llama, qwen2, qwen3, mistral layouts are estimated")

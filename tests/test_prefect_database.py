@@ -1,4 +1,4 @@
-"""A new Prefect home's database is a copy of one a server built (flows/prefect_database.py): when it is
+"""A new Prefect home's database is a copy of one a server built (flows/servers/prefect_database.py): when it is
 copied, when it is kept as the template, and when Prefect is left to build it. The servers themselves
 are in tests/test_kept_server.py (a user's first call builds and keeps it, the next new home copies it)."""
 
@@ -7,7 +7,7 @@ from contextlib import closing
 
 import pytest
 
-from flows import prefect_database as pdb
+from flows.servers import prefect_database as pdb
 
 
 def database(path, runs: int = 0):

@@ -131,7 +131,7 @@ def test_the_train_task_log_holds_training_lines_not_mlflow_logging(ui_runs):
 def test_a_server_on_another_port_serves_a_ui_that_calls_it(tmp_path):
     # a port picked beforehand (`free_port`): the UI is told its API URL when it starts, as the kept
     # server's is (a server started with port 0 could not tell it)
-    from flows.prefect_server import free_port, local_server
+    from flows.servers.prefect_server import free_port, local_server
     port = free_port()
     seed_prefect_home(tmp_path / "home")
     with local_server("127.0.0.1", port, tmp_path / "home", tmp_path / "server.log", ui=True) as api:
@@ -142,7 +142,7 @@ def test_a_server_on_another_port_serves_a_ui_that_calls_it(tmp_path):
 def test_cli_runs_use_a_running_server_of_their_prefect_home(tmp_path):
     """`serve --start-server` announces its server in the Prefect home; a CLI call on that home (no
     PREFECT_API_URL) runs on it instead of starting a temporary server, and the run is in its database."""
-    from flows.prefect_server import RUNNING_SERVER, local_server
+    from flows.servers.prefect_server import RUNNING_SERVER, local_server
     cfg_path = write_config(tmp_path, tiny_config_dict(tmp_path))
     home = tmp_path / ".prefect"  # the home `sftflow(...)` gives the CLI
     seed_prefect_home(home)

@@ -283,11 +283,19 @@ def test_the_docs_stage_table_is_the_tables_rendering():
 
 
 def test_each_stage_runs_through_the_function_its_row_names():
-    """`run_stage` dispatches from the table: each row's `run` is a function of stages/pipeline.py that
-    readies its call, and each such function serves some row."""
-    from stages import pipeline
-    assert {s.run for s in TABLE} == set(pipeline.CALLS)
-    assert all(callable(getattr(pipeline, name)) for name in pipeline.CALLS)
+    """`run_stage` dispatches from the table: each row's `run` names the stage's own function
+    (`module:function`, a function that module defines), and its `call` a function of
+    stages/pipeline/calls.py that readies its call; each such function serves some row."""
+    import ast
+    import importlib.util
+
+    from stages.pipeline import calls
+    assert {s.call for s in TABLE} == set(calls.CALLS)
+    assert all(callable(getattr(calls, name)) for name in calls.CALLS)
+    for s in TABLE:
+        module, _, name = s.run.partition(":")
+        tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
+        assert name in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}, f"{s.name}: {s.run}"
 
 
 def test_a_stage_with_input_files_says_which():

@@ -1,4 +1,4 @@
-"""A team's setup, for real: `python -m flows.team up` (PostgreSQL holding Prefect's and MLflow's stores,
+"""A team's setup, for real: `python -m flows.servers.team up` (PostgreSQL holding Prefect's and MLflow's stores,
 `prefect server start`, `mlflow server`, a work pool, two `prefect worker start --limit 1` in working
 folders of their own, one shared artifacts folder), the demo config deployed with `sftflow deploy --pool
 --on-data`, two deployment runs, a run `sftflow notify` starts and a sweep on this machine, all at once,
@@ -20,7 +20,7 @@ import pytest
 
 from conftest import ROOT, sftflow
 
-from flows.team import ZOMBIE_AUTOMATION, missing
+from flows.servers.team import ZOMBIE_AUTOMATION, missing
 
 pytestmark = pytest.mark.slow
 LRS = ("3e-3", "6e-3", "1e-2")
@@ -45,15 +45,15 @@ def team():
     # Not pytest's tmp_path: its folders are 0700, which the `postgres` user (PostgreSQL's, as root) can't enter
     root = Path(tempfile.mkdtemp(prefix="sftflow-team-"))
     root.chmod(0o755)
-    up = subprocess.run([sys.executable, "-m", "flows.team", "up", "--root", str(root), "--workers", "2",
+    up = subprocess.run([sys.executable, "-m", "flows.servers.team", "up", "--root", str(root), "--workers", "2",
                          "--pool", "team-test"], cwd=ROOT, capture_output=True, text=True, timeout=400)
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         yield json.loads((root / "team.json").read_text())
     finally:
-        down = subprocess.run([sys.executable, "-m", "flows.team", "down", "--root", str(root)], cwd=ROOT,
+        down = subprocess.run([sys.executable, "-m", "flows.servers.team", "down", "--root", str(root)], cwd=ROOT,
                               capture_output=True, text=True, timeout=120)
-        again = subprocess.run([sys.executable, "-m", "flows.team", "down", "--root", str(root)], cwd=ROOT,
+        again = subprocess.run([sys.executable, "-m", "flows.servers.team", "down", "--root", str(root)], cwd=ROOT,
                                capture_output=True, text=True, timeout=60)
         shutil.rmtree(root, ignore_errors=True)
     assert down.returncode == 0 and "PostgreSQL" in down.stdout, down.stdout + down.stderr

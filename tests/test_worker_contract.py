@@ -164,7 +164,7 @@ def test_a_worker_class_is_checked_against_the_contract_before_any_process_group
     assert not dist.is_initialized()
     with pytest.raises(WorkerContractError, match="^" + expected.replace("(", r"\(").replace(")", r"\)")
                        .replace(".", r"\.")):
-        plan(cfg)  # planning calls it (stages/pipeline.py check_code)
+        plan(cfg)  # planning calls it (stages/pipeline/checks.py check_code)
 
 
 def test_the_old_side_channels_fail_where_they_are_used():

@@ -1,5 +1,5 @@
 """A config narrowed to some of its named eval sets: what one set's score depends on (the stage
-table's per-set keys, stages/pipeline.py `reference_set_keys`) and what a reference stage scores
+table's per-set keys, stages/pipeline/fingerprints.py `reference_set_keys`) and what a reference stage scores
 when the other sets' scores are already on disk (stages/evaluate/pieces.py)."""
 
 from __future__ import annotations

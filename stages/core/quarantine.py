@@ -4,7 +4,7 @@ folder). The run summary, the Prefect run's page, the MLflow run and `sftflow sh
 
 Also the data gate's rule and its one-line error (data.max_bad_fraction): prepare and prepare_eval
 apply it to their pieces' counts while they run (stages/prepare/stage.py), and `check_folder` to a
-complete folder's counts when it is reused (stages/pipeline.py), so a gate tightened on unchanged
+complete folder's counts when it is reused (stages/pipeline/calls.py), so a gate tightened on unchanged
 data holds on the cached folder too."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A reference stage's scores kept per eval set, so that adding a set scores only that set.
 
 A set's piece (`artifacts/<stage>_sets/<key>/`: its numbers and its rows of predictions.jsonl) is
-keyed by what that set's score depends on (`stages/pipeline.py` `reference_set_keys`: the stage's
+keyed by what that set's score depends on (`stages/pipeline/fingerprints.py` `reference_set_keys`: the stage's
 fingerprint as if the config named that set alone). The stage folder is assembled from the pieces in
 report order, the same files a run that scored every set writes."""
 

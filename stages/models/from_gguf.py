@@ -22,7 +22,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.core.cache.artifacts import StageBuild, damage, is_complete, read_manifest, sha256_text, stage_dir, stage_lock
+from stages.core.cache.artifacts import (StageBuild, damage, is_complete, read_manifest, sha256_text, stage_dir,
+                                         stage_lock)
 from stages.core.errors import ConfigError, StageError
 
 PIP_PREFIX = "pip:"

@@ -22,22 +22,22 @@ re-exports the names flows/, sweep and the tests use):
     plans.py         the Plan type, what it says about its stages, the device it plans for
     checks.py        the pre-flight checks: at planning, and on the machine that trains before torchrun
     fingerprints.py  plan(): inputs, digests, facts and every stage's fingerprint, as the stage table declares
-    report.py        `sftflow show`'s launch report
+    show.py          `sftflow show`'s launch report: every decision the machine makes for training
     calls.py         run_stage: the stage's function the table names, called with what its `call` readies
-    ahead.py         the rank started ahead and the imports warmed while a server starts
+    warm.py          the rank started ahead and the imports warmed while a server starts
 
 Imported by flows/ and stages/sweep.py; never by a stage.
 """
 
 from ..core.errors import ConfigError, MissingUpstream, StageError
 from ..graph import KEY_METRIC, STAGES, UPSTREAM
-from .ahead import launch_ahead, warm_imports
+from .warm import launch_ahead, warm_imports
 from .calls import CALLS, GATED, replay_file, require_upstream, run_stage, stage_function
 from .checks import (check_attention, check_checkpoints, check_code, check_contamination, check_launch, check_memory,
                      check_processes, train_memory)
 from .fingerprints import harness_tasks, plan, reference_set_keys
 from .plans import REFERENCES, Plan, held_out_dir, planned_device, requires, upstream
-from .report import launch_report
+from .show import launch_report
 
 __all__ = ["STAGES", "REFERENCES", "UPSTREAM", "KEY_METRIC", "Plan", "plan", "run_stage", "upstream", "requires",
            "require_upstream", "ConfigError", "MissingUpstream", "StageError",

@@ -56,8 +56,8 @@ from stages.tracking.run import (FLOW_RUN_ID, FLOW_RUN_URL, NOTE_TAG, RUN_TAG, T
 # shipped with the logged model as its code (found, not imported: register never needs torch itself):
 # generation.py and what it imports of the project, each imported there by its bare name
 CODE_PATHS = [importlib.util.find_spec(m).origin
-              for m in ("stages.inference.generation", "stages.core.machine.precision", "stages.core.machine.bf16_speed",
-                        "stages.core.chat.chat_tokens")]
+              for m in ("stages.inference.generation", "stages.core.machine.precision",
+                        "stages.core.machine.bf16_speed", "stages.core.chat.chat_tokens")]
 PIP_REQUIREMENTS = ["torch", "transformers", "tokenizers", "safetensors", "mlflow", "pandas"]
 UNION_HINT_WARNING = re.compile(r"^Union type hint")  # chat_model.py's, for log_model (it can't import the project)
 # What the model page shows and `mlflow models serve` documents: a prompt and a conversation; its

@@ -7,7 +7,8 @@ then `fit` runs `setup` and the loop and always closes (metrics, MLflow, process
 -- and composes the parts that do the rest:
 
     runtime/sharding.py       `parallelize`: activation checkpointing, compilation, FSDP2
-    runtime/saving/checkpoint_schedule.py  `Checkpointer`: when to save, what to resume (DCP: runtime/saving/checkpoint.py)
+    runtime/saving/checkpoint_schedule.py  `Checkpointer`: when to save, what to resume (DCP:
+                              runtime/saving/checkpoint.py)
     runtime/reporting.py      `Reporter`: metrics.jsonl, live MLflow rows, progress, runtime.json
     runtime/validation.py     `validate`: the validation loss and accuracy across ranks; `BestCheck`:
                               early stopping and the step whose weights ship

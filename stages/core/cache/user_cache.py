@@ -1,5 +1,5 @@
 """The user's cache folder for what sftflow builds once per machine and copies after: the migrated
-MLflow (stages/tracking/sqlite_store.py) and Prefect (flows/prefect_database.py) databases."""
+MLflow (stages/tracking/sqlite_store.py) and Prefect (flows/servers/prefect_database.py) databases."""
 
 from __future__ import annotations
 

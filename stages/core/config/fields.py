@@ -2,7 +2,7 @@
 stage's output, `hashed_unless_default(...)` for one seen only once it leaves its default, and
 `hashed(section)`, a section's values as fingerprints hash them; `_Section` is the base of every
 section of the schema (unknown keys refused, assignments validated). The sections themselves are in
-actor_config.py, data_config.py, eval_config.py and config.py.
+actor.py, data.py, eval.py and this package's __init__.py.
 """
 
 from __future__ import annotations

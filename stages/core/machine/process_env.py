@@ -1,5 +1,5 @@
 """The environment of every process sftflow starts, applied where it starts and never when a module
-is imported: the CLI's entry (`flows/cli.py`, the app's callback), a flow run (`flows/sft.py`,
+is imported: the CLI's entry (`flows/cli/__init__.py`, the app's callback), a flow run (`flows/sft.py`,
 `flows/sweep.py`: a deployment's run starts in a process the CLI never saw), the torchrun tree
 (`launch/launcher.py` `worker_env`: agent and ranks inherit it) and `python -m stages.export`.
 Importing a module of flows/ or stages/ changes nothing (tests/test_threads.py,

@@ -1,5 +1,5 @@
-"""What every `sftflow` command shares (flows/cli.py and its command families, cli_registry.py and
-cli_serving.py): the consoles (stdout for results, stderr for notes and errors; a file or a pipe
+"""What every `sftflow` command shares (flows/cli/__init__.py and its command families, registry.py and
+serving.py): the consoles (stdout for results, stderr for notes and errors; a file or a pipe
 gets whole table rows), the `-c/--config` option and the overrides argument, a config problem as
 one line with exit code 2, the config's Prefect home, the plan a command validates once, and a flow
 called on the Prefect API whose failure ends as one line.
@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from flows.prefect_server import KeepSettingError, ServerDidNotStart, prefect_api
+from flows.servers.prefect_server import KeepSettingError, ServerDidNotStart, prefect_api
 from stages.core.config import ConfigError, SFTConfig, load_config
 from stages.core.errors import StageError
 from stages.pipeline import Plan, plan
@@ -76,7 +76,7 @@ def _say(message: str) -> None:
 @contextmanager
 def _on_prefect(module: str, name: str, warm: Callable[[], object] | None = None) -> Iterator[Callable]:
     """The flow `module.name`, to be called on the Prefect API `prefect_api` picks (PREFECT_API_URL,
-    else a local server on PREFECT_HOME: flows/prefect_server.py); its failure ends as one line
+    else a local server on PREFECT_HOME: flows/servers/prefect_server.py); its failure ends as one line
     (Prefect's log above has the details). Importing the flow (Prefect: seconds) happens while a
     server starts rather than before it, and so does `warm` (the imports of the stages the run computes)."""
     def load_flow() -> Callable:

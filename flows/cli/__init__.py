@@ -1,6 +1,13 @@
-"""`sftflow`: run the flow, one stage, inspect a config, chat with a model.
+"""The CLI, `sftflow` (`python -m flows.cli`): this module holds the app, its `run | stage | show`
+commands and `main`, the console script's entry; the families' commands are its modules, added to the
+app here: registry.py `chat | models | champion | export | gc` (the registered model, the disk),
+serving.py `serve | notify | sweep | deploy | stop-server | ui` (schedules, arrivals, a sweep, a work
+pool, the Prefect server); common.py what they share (consoles, -c and overrides, one-line errors, the
+Prefect home, the one plan, a flow on Prefect).
 
-Config problems are reported as one line on stderr with exit code 2, before anything runs.
+Nothing imports it but its entries (`sftflow`, `python -m flows.cli`) and tests; it imports the flows
+(flows/sft.py and sweep.py, inside the commands that run them), the servers (flows/servers/) and what
+docs/architecture.md's `flows` row allows of stages/.
 """
 
 from __future__ import annotations
@@ -18,10 +25,11 @@ from rich.table import Table
 
 # What flows/ may import from stages is the `flows` row of docs/architecture.md's table (tested in
 # tests/test_architecture.py); a command's own heavy imports stay inside it (torch: `chat` only).
-# The commands beyond run, stage and show are in families beside this module (cli_registry.py,
-# cli_serving.py), added to this app below; what they all share is in cli_common.py.
-from flows import cli_registry, cli_serving
-from flows.cli_common import (RULE_WIDTH, ConfigOpt, OverridesArg, _fail, _on_prefect, _plan_or_exit, _prefect_home,
+# The commands beyond run, stage and show are in families beside this module (registry.py,
+# serving.py), added to this app below; what they all share is in common.py.
+from flows.cli import registry as cli_registry
+from flows.cli import serving as cli_serving
+from flows.cli.common import (RULE_WIDTH, ConfigOpt, OverridesArg, _fail, _on_prefect, _plan_or_exit, _prefect_home,
                               _say, console, err)
 from stages.core.config import ConfigError, SFTConfig, flatten
 from stages.core.errors import MissingUpstream, StageError
@@ -32,7 +40,11 @@ from stages.launch.launcher import request_stop, stop_requested
 from stages.pipeline import (KEY_METRIC, STAGES, Plan, check_launch, check_memory, launch_report, planned_device,
                              replay_file, require_upstream, requires, train_memory, upstream, warm_imports)
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+HELP = """`sftflow`: run the flow, one stage, inspect a config, chat with a model.
+
+Config problems are reported as one line on stderr with exit code 2, before anything runs.
+"""
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=HELP)
 
 
 @app.callback()
@@ -295,6 +307,3 @@ def main() -> None:
             sys.exit(130)
         raise
 
-
-if __name__ == "__main__":
-    main()

@@ -2,9 +2,9 @@
 MLflow's stores, `prefect server start` and `mlflow server` on it, a `process` work pool and N
 `prefect worker start --limit 1`, each in a working folder of its own, all sharing one artifacts folder.
 
-    python -m flows.team up   --root DIR [--workers N] [--pool NAME] [--config configs/default.yaml]
-    python -m flows.team down --root DIR      # stops everything `up` started; idempotent
-    python -m flows.team status --root DIR    # what runs, its URLs
+    python -m flows.servers.team up   --root DIR [--workers N] [--pool NAME] [--config configs/default.yaml]
+    python -m flows.servers.team down --root DIR      # stops everything `up` started; idempotent
+    python -m flows.servers.team status --root DIR    # what runs, its URLs
 
 `up` lays out DIR as
 
@@ -47,9 +47,9 @@ from pathlib import Path
 import psutil
 import yaml
 
-from flows.prefect_server import free_port, healthy, listening_port
+from flows.servers.prefect_server import free_port, healthy, listening_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DB_USER = "sftflow"
 DATABASES = ("prefect", "mlflow")
 STATE = "team.json"
@@ -178,7 +178,7 @@ def _tail(log: Path, lines: int = 15) -> str:
 
 
 def _pg_conf(port: int) -> str:
-    return ("# written by `python -m flows.team up` at every start\n"
+    return ("# written by `python -m flows.servers.team up` at every start\n"
             "listen_addresses = '127.0.0.1'\n"
             f"port = {port}\n"
             "unix_socket_directories = ''\n"  # TCP only: no socket folder to own (/var/run/postgresql)
@@ -319,7 +319,8 @@ def ensure_zombie_automation(api: str) -> None:
     call("/automations/", {
         "name": ZOMBIE_AUTOMATION, "enabled": True,
         "description": f"a flow run that sent a heartbeat (every {HEARTBEAT_S} s) and then neither another one nor "
-                       f"a final state within {ZOMBIE_AFTER_S} s: its worker or machine died (python -m flows.team)",
+                       f"a final state within {ZOMBIE_AFTER_S} s: its worker or machine died "
+                       "(python -m flows.servers.team)",
         "trigger": {"type": "event", "posture": "Proactive", "match": {"prefect.resource.id": "prefect.flow-run.*"},
                     "after": ["prefect.flow-run.heartbeat"], "expect": ["prefect.flow-run.heartbeat", *final],
                     "for_each": ["prefect.resource.id"], "threshold": 1, "within": ZOMBIE_AFTER_S},
@@ -358,7 +359,8 @@ def write_team_config(root: Path, config: Path, mlflow_url: str) -> Path:
     raw["artifacts_dir"] = str(root / "artifacts")
     raw.setdefault("registry", {})["tracking_uri"] = mlflow_url
     out = root / "team.yaml"
-    out.write_text(f"# {config.resolve()} for the team's setup in {root} (written by `python -m flows.team up`);\n"
+    out.write_text(f"# {config.resolve()} for the team's setup in {root} "
+                   "(written by `python -m flows.servers.team up`);\n"
                    "# relative paths start from the folder `sftflow deploy` runs in\n"
                    + yaml.safe_dump(raw, sort_keys=False, allow_unicode=True))
     (root / "artifacts").mkdir(exist_ok=True)
@@ -378,7 +380,7 @@ def up(root: Path, workers: int = 2, pool: str = "team", config: Path = ROOT / "
         say(f"already up: {root / STATE}")
         return state
     if state:
-        raise TeamError(f"{root / STATE} names processes that are not all running: `python -m flows.team down "
+        raise TeamError(f"{root / STATE} names processes that are not all running: `python -m flows.servers.team down "
                         f"--root {root}` first")
     lacking = missing()
     if lacking:
@@ -553,7 +555,7 @@ def status(root: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flows.team", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m flows.servers.team", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     u = sub.add_parser("up", help="start PostgreSQL, the Prefect and MLflow servers, a work pool and its workers")
     u.add_argument("--root", type=Path, required=True, help="the folder everything lives in")

@@ -1,7 +1,7 @@
 """`sftflow serve | notify | sweep | deploy | stop-server | ui`: beyond one run of one config. Retrain
 on a schedule or when `notify` says data arrived (a served deployment, or one on a work pool that
 `deploy` makes), a grid of trials in one flow run, and the Prefect server they use: stop the one
-kept from earlier runs, or hold it open for its UI. flows/cli.py adds them to its app.
+kept from earlier runs, or hold it open for its UI. flows/cli/__init__.py adds them to its app.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from flows.cli_common import ConfigOpt, OverridesArg, _fail, _load, _on_prefect, _plan_or_exit, _prefect_home, console
+from flows.cli.common import ConfigOpt, OverridesArg, _fail, _load, _on_prefect, _plan_or_exit, _prefect_home, console
 from stages.core.config import SERVE_PROTECTED, ConfigError
 
 
 def register(app: typer.Typer) -> None:
-    """Adds this family's commands to `app` (flows/cli.py's), in the order `sftflow --help` lists them."""
+    """Adds this family's commands to `app` (flows/cli/__init__.py's), in the order `sftflow --help` lists them."""
     for command in (serve, notify, sweep, deploy):
         app.command()(command)
     app.command("stop-server")(stop_server)
@@ -52,7 +52,7 @@ def serve(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesAr
         if key not in SERVE_PROTECTED:
             _fail(f"--allow-override {key}: not a protected key; protected: {', '.join(SERVE_PROTECTED)}")
     _prefect_home(cfg)
-    from flows.prefect_server import local_server
+    from flows.servers.prefect_server import local_server
     from flows.serve import serve as serve_flow
     if start_server:
         home = Path(os.environ["PREFECT_HOME"])
@@ -76,7 +76,7 @@ def notify(files: list[Path] = typer.Option([], "--file", "-f", help="a file tha
     if missing:
         _fail(f"no such file: {missing[0]}")
     _prefect_home(cfg)
-    from flows.prefect_server import running_server
+    from flows.servers.prefect_server import running_server
     api = os.environ.get("PREFECT_API_URL") or (running_server(Path(os.environ["PREFECT_HOME"])) or {}).get("api")
     if not api:
         _fail("no Prefect server to tell: `sftflow serve --on-data --start-server -c <config>` runs one on this "
@@ -169,7 +169,7 @@ def stop_server(config: Path = ConfigOpt) -> None:
     """Stop the Prefect server kept from earlier runs on this config's artifacts dir now, instead
     of after SFTFLOW_KEEP_SERVER seconds unused."""
     _prefect_home(_load(config, []))
-    from flows.prefect_server import stop_kept_server
+    from flows.servers.prefect_server import stop_kept_server
     try:
         api = stop_kept_server(Path(os.environ["PREFECT_HOME"]))
     except RuntimeError as e:
@@ -186,7 +186,7 @@ def ui(config: Path = ConfigOpt) -> None:
                       "(PREFECT_API_URL's server)", highlight=False)
         return
     _prefect_home(cfg)
-    from flows import prefect_server as ps
+    from flows.servers import prefect_server as ps
     home = Path(os.environ["PREFECT_HOME"])
     with ps.lease(home):  # the server stays up while this command runs
         found = ps.running_server(home)

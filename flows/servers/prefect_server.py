@@ -11,7 +11,7 @@ its URL. PREFECT_API_URL, when set, is used as it is; otherwise, in order of pre
 
 A kept server is told apart from a user's by its marker (`server.json` in the Prefect home,
 `"kind": "kept"`). Every CLI call holds a shared lock on `server.lease` while it runs; the
-keeper (`python -m flows.prefect_server keep`, the server's parent) stops the server once it
+keeper (`python -m flows.servers.prefect_server keep`, the server's parent) stops the server once it
 has been able to take that lock exclusively for the idle time, after removing the marker, so a
 call that comes after finds no marker and starts a server of its own. The keeper also stops
 when the Prefect home is deleted, and its server dies with it (parent-death signal).
@@ -37,7 +37,7 @@ from typing import Callable, Iterator
 import psutil
 from filelock import FileLock
 
-from flows import prefect_database
+from flows.servers import prefect_database
 
 KEEP_ENV = "SFTFLOW_KEEP_SERVER"
 DEFAULT_KEEP_S = 600.0
@@ -194,7 +194,7 @@ def local_server(host: str, port: int, home: Path, log_path: Path, timeout: floa
         building = not (home / prefect_database.DATABASE).exists() and not prefect_database.seed(home, env)
         with open(log_path, "a") as log:
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    cwd=str(Path(__file__).resolve().parents[1]))
+                                    cwd=str(Path(__file__).resolve().parents[2]))
         try:
             deadline = time.time() + timeout
             if meanwhile is not None:
@@ -283,10 +283,10 @@ def start_kept_server(home: Path, keep_s: float, meanwhile: Callable[[], object]
             return found["api"]
         log_path = home / KEPT_LOG
         with open(log_path, "a") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "flows.prefect_server", "keep", "--home", str(home),
+            proc = subprocess.Popen([sys.executable, "-m", "flows.servers.prefect_server", "keep", "--home", str(home),
                                      "--port", str(free_port()), "--idle", str(keep_s)],
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True, cwd=str(Path(__file__).resolve().parents[1]))
+                                    start_new_session=True, cwd=str(Path(__file__).resolve().parents[2]))
         if meanwhile is not None:
             meanwhile()
         deadline = time.time() + timeout
@@ -302,13 +302,13 @@ def start_kept_server(home: Path, keep_s: float, meanwhile: Callable[[], object]
 
 def _keepers(home: Path) -> list[int]:
     """The pids of the keepers running on this Prefect home, found by their command line
-    (`python -m flows.prefect_server keep --home HOME ...`), whatever the marker says now."""
+    (`python -m flows.servers.prefect_server keep --home HOME ...`), whatever the marker says now."""
     found = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         argv = proc.info["cmdline"] or []
-        if "flows.prefect_server" not in argv:
+        if "flows.servers.prefect_server" not in argv:
             continue
-        rest = argv[argv.index("flows.prefect_server") + 1:]
+        rest = argv[argv.index("flows.servers.prefect_server") + 1:]
         if rest[:1] != ["keep"] or "--home" not in rest[:-1]:
             continue
         try:
@@ -491,7 +491,7 @@ def prefect_api(home: Path, meanwhile: Callable[[], object] | None = None,
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(prog="python -m flows.prefect_server",
+    ap = argparse.ArgumentParser(prog="python -m flows.servers.prefect_server",
                                  description="internal: the kept server's keeper")
     sub = ap.add_subparsers(dest="cmd", required=True)
     k = sub.add_parser("keep")

@@ -1,7 +1,7 @@
 """`sftflow chat | models | champion | export | gc`: the registered model and what it keeps. Chat with
 a version (or a folder), list the registered versions and why each alias is where it is, move the
 champion alias back, export a version as GGUF, and free the disk per the retention policy; models:/
-references are pinned to the version the registry names now. flows/cli.py adds them to its app.
+references are pinned to the version the registry names now. flows/cli/__init__.py adds them to its app.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from flows.cli_common import ConfigOpt, OverridesArg, _fail, _load, console, err
+from flows.cli.common import ConfigOpt, OverridesArg, _fail, _load, console, err
 from stages.core.config import ConfigError, default_tracking_uri
 from stages.core.errors import StageError
 from stages.pipeline import plan
 
 
 def register(app: typer.Typer) -> None:
-    """Adds this family's commands to `app` (flows/cli.py's), in the order `sftflow --help` lists them."""
+    """Adds this family's commands to `app` (flows/cli/__init__.py's), in the order `sftflow --help` lists them."""
     for command in (chat, models, champion, export, gc):
         app.command()(command)
 

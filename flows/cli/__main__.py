@@ -1,0 +1,5 @@
+"""`python -m flows.cli`: the `sftflow` console script."""
+
+from flows.cli import main
+
+main()
