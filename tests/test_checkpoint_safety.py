@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from stages.runtime import checkpoint as ckpt
+from stages.runtime.saving import checkpoint as ckpt
 from stages.runtime.saving.checkpoint import CheckpointError
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8,

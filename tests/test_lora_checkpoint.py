@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from stages.runtime import checkpoint as ckpt
+from stages.runtime.saving import checkpoint as ckpt
 from stages.runtime.saving.checkpoint import load_checkpoint, read_metadata, save_checkpoint, trained_state
 
 

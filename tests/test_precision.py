@@ -20,7 +20,7 @@ from safetensors import safe_open
 from conftest import ROOT, base_model, tiny_config_dict, write_config
 from stages.core.config import load_config
 from stages.pipeline import plan, run_stage
-from stages.runtime import faults
+from stages.runtime.saving import faults
 from stages.runtime.saving.checkpoint import read_metadata
 from stages.launch.launcher import worker_env
 from stages.runtime.worker import SFTWorker, WorkerSpec
