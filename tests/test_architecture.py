@@ -331,6 +331,19 @@ def test_flows_import_from_stages_only_what_the_floor_plan_allows(path):
     assert not torch, f"flows/{name} imports {torch}, which load torch; only in {FLOWS_TORCH_IMPORTS}"
 
 
+def test_the_flows_rooms_import_one_way():
+    """flows/ is three rooms: the CLI (flows/cli/) imports the flows and the servers, the Prefect flows
+    (flows/*.py) the servers, and the servers (flows/servers/) neither (function-local imports included)."""
+    def room(module: str) -> str:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 and parts[1] in ("cli", "servers") else "flows"
+    may = {"cli": {"cli", "flows", "servers"}, "flows": {"flows", "servers"}, "servers": {"servers"}}
+    wrong = sorted(f"{p.relative_to(ROOT)} imports {m}" for p in _flows_files()
+                   for m in _own_imports(ROOT, p, ("flows",))
+                   if room(m) not in may[room(".".join(p.relative_to(ROOT).with_suffix("").parts))])
+    assert not wrong, wrong
+
+
 def test_the_flows_allowances_are_all_used():
     """An allowance nothing needs any more is drift: the table would promise more than flows/ does."""
     used = {m for p in _flows_files() for m, _ in _stages_imports(p)}
