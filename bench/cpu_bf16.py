@@ -153,7 +153,7 @@ def quickstart(args, work: Path) -> list[dict]:
     from stages.models.base import resolve_model
     from stages.pipeline import plan, run_stage
     runs = {}
-    for precision in ("fp32", "bf16"):
+    for precision in args.precisions.split(","):
         art = work / f"quickstart-{precision}"
         if args.artifacts:  # the converted model reused: a GGUF conversion is no stage of the day
             art.mkdir(parents=True, exist_ok=True)
@@ -172,12 +172,17 @@ def quickstart(args, work: Path) -> list[dict]:
             print(f"{precision} {stage}: {seconds[stage]:.1f} s", flush=True)
         ev = json.loads((p.folder("evaluate") / "metrics.json").read_text())
         reg = json.loads((p.folder("register") / "registration.json").read_text())
+        decided = json.loads((p.folder("register") / "manifest.json").read_text())["metrics"]
         sets = ev["sets"]
         runs[precision] = {"seconds": seconds, "identity": sets["identity"]["accuracy"],
                            "retention": sets["retention"]["accuracy"],
                            "retention_vs_base": (sets["retention"]["delta"], sets["retention"]["delta_low"],
                                                  sets["retention"]["delta_high"]),
-                           "alias": reg.get("alias_decision"), "reason": reg.get("alias_reason")}
+                           "alias": ",".join(reg.get("aliases") or []) or None,
+                           "reason": decided.get("alias_reason")}
+    if len(runs) < 2:
+        return [{"stage": stage, f"{precision}_s": round(t, 1)} for precision, r in runs.items()
+                for stage, t in r["seconds"].items()]
     rows = []
     for stage in runs["fp32"]["seconds"]:
         a, b = runs["fp32"]["seconds"][stage], runs["bf16"]["seconds"].get(stage)
@@ -207,6 +212,7 @@ def main() -> None:
     ap.add_argument("--train-steps", type=int, default=8)
     ap.add_argument("--artifacts", type=Path, default=None, help="keep the converted SmolLM2 here between runs")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--precisions", default="fp32,bf16", help="quickstart: the precisions to run (fp32,bf16)")
     args = ap.parse_args()
     parts = args.parts.split(",")
     result: dict = {"date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}

@@ -140,7 +140,7 @@ def test_the_measurement_is_cached_per_cpu_torch_and_shape_class(cpu, tmp_path, 
     from stages.core.machine import bf16_speed
     from stages.core.machine.bf16_speed import Dims
     taken = cpu("avx512_bf16 amx_bf16 amx_tile", 2.0)
-    small, big = Dims(64, 128, 256, 32, 2), Dims(128, 256, 512, 64, 2)
+    small, big = Dims(64, 128, 256, 32, 2, 16), Dims(128, 256, 512, 64, 2, 16)
     assert bf16_speed.speed(small).train == 2.0
     calls = len(taken)
     bf16_speed._remembered.clear()  # a new process
@@ -164,29 +164,55 @@ def test_the_measurement_is_cached_per_cpu_torch_and_shape_class(cpu, tmp_path, 
     assert bf16_speed.speed(small).train == 0.5 and len(taken) > before
 
 
-def test_the_weighting_is_the_steps_matmuls():
-    """The ratio is of whole steps: each shape's time times how often a step runs it; a shape timed on a
-    slice of its columns counts at its full width. Checked with a clock whose times the test knows."""
+def test_the_ratio_weights_each_part_by_how_often_a_step_runs_it():
+    """A step's ratio: a layer's time times the layers plus the head's, a head timed on a slice of its
+    columns counted at its full width; a big model's layer is timed on fewer rows. Checked with a clock
+    whose times the test chooses, per part: (fp32 seconds, bf16 seconds)."""
     from stages.core.machine import bf16_speed
     from stages.core.machine.bf16_speed import Dims
-    d = Dims(hidden=64, intermediate=4096, vocab=100_000, kv=32, layers=3)
-    shapes = bf16_speed._shapes(d)
-    assert shapes == [(64, 64, 6), (64, 32, 6), (64, 4096, 6), (4096, 64, 3), (64, 100_000, 1)]
-    speedups = iter([2.0, 0.5] * 5)  # per shape: training 2x, decode 0.5x
-    train, generate = bf16_speed._timings(d, clock=lambda a, b: (next(speedups), 1.0))
-    assert (train, generate) == (2.0, 0.5)
-    # unequal shapes: the head's time, at its full width, dominates what the layers take
-    times = {}
+    d = Dims(hidden=64, intermediate=256, vocab=100_000, kv=32, layers=3, head_dim=16)
+    times = iter([(2.0, 1.0), (1.0, 1.0),   # training: a layer 2x faster in bf16, the head no faster
+                  (1.0, 2.0), (3.0, 1.0)])  # decoding: a layer 2x slower in bf16, the head 3x faster
+    train, generate = bf16_speed._timings(d, clock=lambda fp32, bf16: next(times))
+    rows = bf16_speed.layer_rows(d, bf16_speed.TRAIN_ROWS)
+    assert rows == bf16_speed.TRAIN_ROWS  # a small layer is timed at a whole micro-batch
+    head = 100_000 / int(bf16_speed.FLOP_BUDGET // (6 * rows * 64))  # the head's columns it stands for
+    assert train == pytest.approx((3 * 2.0 + head * 1.0) / (3 * 1.0 + head * 1.0))
+    decode_head = 100_000 / min(100_000, bf16_speed.BYTE_BUDGET // (4 * 64))  # 1: the whole head fits its budget
+    assert generate == pytest.approx((3 * 1.0 + decode_head * 3.0) / (3 * 2.0 + decode_head * 1.0))
+    big = Dims(hidden=4096, intermediate=11008, vocab=32000, kv=1024, layers=32, head_dim=128)
+    assert bf16_speed.layer_rows(big, bf16_speed.TRAIN_ROWS) == bf16_speed.MIN_ROWS
 
-    def clock(fp32, bf16):
-        k = len(times)
-        times[k] = (1.0, 1.0) if k != 8 else (4.0, 1.0)  # the head's training call is 4x faster in bf16
-        return times[k]
-    train, _ = bf16_speed._timings(d, clock=clock)
-    head_cols = int(bf16_speed.FLOP_BUDGET // (6 * bf16_speed.TRAIN_ROWS * 64))
-    layer = 6 * 64 / 64 + 6 + 6 + 3  # each layer shape is under the budget: timed whole, weight = count
-    head = 100_000 / head_cols
-    assert train == pytest.approx((layer + 4 * head) / (layer + head))
+
+def test_the_timed_layer_is_a_decoder_layer():
+    """What the calibration times computes what a Llama layer computes (transformers' own, same weights):
+    the clock measures the work the worker does, not a stand-in."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from stages.core.machine import bf16_speed
+    from stages.core.machine.bf16_speed import Dims
+    c = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16, rms_norm_eps=1e-6, attn_implementation="sdpa")
+    ref = LlamaDecoderLayer(c, 0).eval()
+    d = Dims.from_hf_config(c.to_dict())
+    w = bf16_speed._weights(d, torch.Generator().manual_seed(0), grad=False)
+    names = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+             "g": "mlp.gate_proj", "u": "mlp.up_proj", "dn": "mlp.down_proj", "n1": "input_layernorm",
+             "n2": "post_attention_layernorm"}
+    with torch.no_grad():
+        for k, n in names.items():
+            ref.get_submodule(n).weight.copy_(w[k])
+        x = torch.randn(1, 10, 64)
+        pos = torch.arange(10)[None]
+        cos, sin = LlamaRotaryEmbedding(c)(x, pos)
+        # without rotary embeddings on both sides: the calibration leaves them out (elementwise, a sliver)
+        want = ref(x, position_embeddings=(torch.ones_like(cos), torch.zeros_like(sin)), attention_mask=None,
+                   position_ids=pos)
+        want = want[0] if isinstance(want, tuple) else want
+        got = bf16_speed._layer(x, w, d)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_calibration_runs_in_a_process_without_torch(tmp_path):
@@ -196,11 +222,12 @@ def test_the_calibration_runs_in_a_process_without_torch(tmp_path):
     import sys
     from stages.core.machine.bf16_speed import Dims, Speed
     out = subprocess.run([sys.executable, "-m", "stages.core.machine.bf16_speed",
-                          json.dumps({"hidden": 64, "intermediate": 128, "vocab": 256, "kv": 32, "layers": 2}),
+                          json.dumps({"hidden": 64, "intermediate": 128, "vocab": 256, "kv": 32, "layers": 2,
+                                      "head_dim": 16}),
                           "--threads", "1"], cwd=ROOT, capture_output=True, text=True, check=True)
     speed = Speed(**json.loads(out.stdout.strip().splitlines()[-1]))
     assert speed.train > 0 and speed.generate > 0 and speed.threads == 1
-    assert speed.shape_class == Dims(64, 128, 256, 32, 2).shape_class
+    assert speed.shape_class == Dims(64, 128, 256, 32, 2, 16).shape_class
 
 
 @pytest.mark.parametrize("speedup", [2.0, 0.6], ids=["bf16-faster", "bf16-slower"])

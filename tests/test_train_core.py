@@ -394,3 +394,23 @@ def test_a_worker_crash_is_reported_as_its_root_cause(tmp_path):
         assert "custom.key: rank one refuses\n" in log and "Traceback" not in log.split("custom.key")[0][-200:]
     finally:
         sys.path.remove(str(ROOT / "tests"))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_packing_probe_passes_rounding_and_catches_a_leak(tmp_path, precision):
+    """`packs_exactly` in each training precision: the builtin model packs (bf16's rounding of a packed
+    layout is not a leak), and the same model made to ignore the packed boundaries (position_ids dropped,
+    so the second sequence attends to the first) does not."""
+    from transformers import AutoModelForCausalLM
+
+    from stages.core.config import config_from_dict
+    from stages.runtime.packing import packs_exactly
+    cfg = config_from_dict(tiny_config_dict(tmp_path))
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(base_model(cfg), dtype=dtype).eval()
+    ids = np.random.RandomState(0).randint(3, model.config.vocab_size, 40)
+    data = [{"input_ids": ids}]
+    assert packs_exactly(model, data, torch.device("cpu"), precision)
+    forward = model.forward
+    model.forward = lambda **kw: forward(**{k: v for k, v in kw.items() if k != "position_ids"})
+    assert not packs_exactly(model, data, torch.device("cpu"), precision)

@@ -274,7 +274,7 @@ class Device:
     capability: tuple[int, int] | None = None  # a GPU's compute capability (nvidia-smi's compute_cap); None: unknown
     count: int = 1  # how many such GPUs are visible (0 on CPU)
     rocm: bool = False  # an AMD GPU under a ROCm build of torch
-    dims: object = None  # the model's matmul shapes (core/bf16_speed.Dims) a CPU's bf16 is measured at
+    dims: object = None  # the model's matmul shapes (core/machine/bf16_speed.Dims) a CPU's bf16 is measured at
 
     @property
     def cpu_bf16(self):

@@ -1,5 +1,5 @@
-"""What bf16 is worth on this CPU, measured: the speed of bf16 over fp32 at a model's own matmul
-shapes, for a training step and for a decode step, timed where the work runs and cached per CPU.
+"""What bf16 is worth on this CPU, measured: the speed of bf16 over fp32 at a model's own shapes, for
+a training micro-batch and for a decode step, timed where the work runs and cached per CPU.
 
 Flags name what a CPU can compute, not how fast: with AVX512-BF16 and no AMX, bf16 trained SmolLM2
 at 0.6x fp32's speed on one Intel Xeon (its hypervisor hid AMX) and at 1.8x on a 2-core AMD EPYC
@@ -8,14 +8,18 @@ So `actor.precision: auto` on a CPU (core/machine/precision.py) is bf16 where th
 at least MARGIN times as fast as fp32 here, and fp32 otherwise. The flags stay a pre-filter: a CPU
 with no native bf16 at all (no avx512_bf16, amx_bf16 or, on Arm, bf16) is fp32 without measuring.
 
-The measurement (`measure`) times `F.linear` in both dtypes at the model's shapes: per layer q and o
-(hidden -> hidden), k and v (hidden -> kv), gate and up (hidden -> intermediate), down
-(intermediate -> hidden), and the head (hidden -> vocab) once, each weighted by how often a step
-runs it. A training step is forward + backward at TRAIN_ROWS tokens; a decode step a forward at
-DECODE_ROWS rows. A shape whose work exceeds a budget is timed on a slice of its output columns and
-scaled, so a 7B model's calibration costs about what SmolLM2's does (well under a second here).
-fp32 and bf16 alternate and each keeps its fastest repeat, so a burst of load on a shared machine
-reaches both or neither.
+What is timed is the work, not its matmuls: matmuls alone overstate bf16. On this project's 2-core
+Xeon with AMX, SmolLM2's matmuls at a micro-batch's 256 rows ran 3.2x as fast in bf16, while the
+quickstart's train stage ran 0.7-1.0x: its micro-batches are small, and FSDP2's mixed precision
+casts every weight for each micro-batch, norms and softmax upcast, attention is its own kernel. So
+`measure` times one decoder layer as the worker runs it (norms, grouped-query attention, the gated
+MLP; fp32 weights cast for each micro-batch, gradients back in fp32) forward and backward at
+TRAIN_ROWS tokens, and the head with the loss's fp32 log-softmax; and a decode step: the layer over
+a cache with the model loaded in the dtype, and the head in fp32 as the stages' decode loop computes
+it (generation.Fp32Head). Each part is weighted by how often a step runs it (the layers, the head
+once); a part whose work exceeds a budget is timed on fewer rows or a slice of the head's columns and
+scaled, so a 7B model's calibration costs about what SmolLM2's does. fp32 and bf16 alternate and each
+keeps its fastest repeat, so a burst of load on a shared machine reaches both or neither.
 
 One answer per (CPU model, its flags, torch version, shape class), in the user's cache
 (`bf16-speed.json`): the plan, the training ranks, replay, evaluate and chat read the same entry,
@@ -48,11 +52,13 @@ from pathlib import Path
 __fingerprint__ = False  # a stage's precision fact carries the decision; how it was timed changes no result
 
 MARGIN = 1.15  # bf16 must buy at least 15% to be worth its rounding: within the margin, fp32 (the exact one)
-TRAIN_ROWS = 256   # tokens of a training matmul: past a few hundred rows the ratio per flop is flat
-DECODE_ROWS = 16   # a decode step's batch of prompts (eval.batch_size's usual size)
-FLOP_BUDGET = 1.5e9  # per timed training matmul: above it, a slice of the output columns is timed
-BYTE_BUDGET = 32 * 1024 ** 2  # per decode weight (fp32 bytes): above it, likewise
-REPEATS = 5
+TRAIN_ROWS = 256   # tokens of a timed training micro-batch (the quickstart's packed micro-batches: 230-300)
+MIN_ROWS = 32      # the fewest a big model's layer is timed at (its budget would allow fewer)
+DECODE_ROWS = 16   # a decode step's batch of prompts (eval.batch_size's default)
+CACHE_TOKENS = 128  # the earlier tokens a decode step attends to
+FLOP_BUDGET = 1.5e9  # per timed training call: above it, fewer rows (a layer) or a slice of the head's columns
+BYTE_BUDGET = 32 * 1024 ** 2  # the decode head's fp32 bytes: above it, a slice of its columns, scaled
+REPEATS = 3
 CALIBRATION_THREADS = 1  # see the module's docstring: a per-core ratio, robust to other work on the machine
 NATIVE_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86's AVX512-BF16 and AMX, Arm's BF16
 CACHE_FILE = "bf16-speed.json"
@@ -65,13 +71,14 @@ ENV_PIN = "SFTFLOW_CPU_BF16_SPEEDUP"
 
 @dataclass(frozen=True)
 class Dims:
-    """A decoder's matmul shapes: what the calibration times."""
+    """A decoder's shapes: what the calibration times."""
 
     hidden: int
     intermediate: int
     vocab: int
     kv: int
     layers: int
+    head_dim: int = 64
 
     @classmethod
     def from_hf_config(cls, c: dict) -> "Dims":
@@ -81,19 +88,19 @@ class Dims:
         kv_heads = int(c.get("num_key_value_heads") or heads)
         head_dim = int(c.get("head_dim") or h // heads)
         return cls(h, int(c.get("intermediate_size") or 4 * h), int(c["vocab_size"]), kv_heads * head_dim,
-                   int(c.get("num_hidden_layers") or 1))
+                   int(c.get("num_hidden_layers") or 1), head_dim)
 
     @property
     def shape_class(self) -> str:
         """What names a measurement: the layers' shapes. Not the vocabulary, which planning may know only as
         a bound before the model is built (a builtin's target size): the head is timed at whatever the
         first measurement saw, so the plan and the ranks, which read the built folder, share one entry."""
-        return f"h{self.hidden}-i{self.intermediate}-kv{self.kv}-l{self.layers}"
+        return f"h{self.hidden}-i{self.intermediate}-kv{self.kv}-d{self.head_dim}-l{self.layers}"
 
 
 # What the calibration times when a model's shapes can't be read before it is built (a GGUF file not yet
 # fetched, a custom model type): a 1B-class decoder, between SmolLM2-135M and the 7B models.
-DEFAULT_DIMS = Dims(hidden=2048, intermediate=8192, vocab=32000, kv=512, layers=16)
+DEFAULT_DIMS = Dims(hidden=2048, intermediate=8192, vocab=32000, kv=512, layers=16, head_dim=64)
 
 
 def dims_of(model_dir) -> Dims | None:
@@ -262,12 +269,6 @@ def _measure_somewhere(dims: Dims, threads: int | None, cpuinfo: str) -> Speed:
     return Speed(**json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def _shapes(dims: Dims) -> list[tuple[int, int, int]]:
-    """(in features, out features, times a step runs it)."""
-    h, i, kv, n = dims.hidden, dims.intermediate, dims.kv, dims.layers
-    return [(h, h, 2 * n), (h, kv, 2 * n), (h, i, 2 * n), (i, h, n), (h, dims.vocab, 1)]
-
-
 def _best_pair(fp32, bf16, repeats: int = REPEATS) -> tuple[float, float]:
     """Each call's fastest of `repeats`, the two alternating, so a burst of other work on the machine
     slows both or neither; the first call of each pays oneDNN's kernel choice, not the steady state."""
@@ -281,41 +282,128 @@ def _best_pair(fp32, bf16, repeats: int = REPEATS) -> tuple[float, float]:
     return best[0], best[1]
 
 
-def _timings(dims: Dims, clock=None) -> tuple[float, float]:
-    """(train, generate): bf16's speed over fp32's, the step's matmuls weighted by how often it runs them.
-    `clock(fp32_call, bf16_call) -> (seconds, seconds)` times one call of each (tests patch it)."""
+def layer_rows(dims: Dims, rows: int) -> int:
+    """The tokens a timed layer step takes: `rows`, fewer where one step's work would pass the budget (a 7B
+    layer), never under MIN_ROWS."""
+    per_token = 6 * (2 * dims.hidden * dims.hidden + 2 * dims.hidden * dims.kv + 3 * dims.hidden * dims.intermediate)
+    return max(MIN_ROWS, min(rows, int(FLOP_BUDGET // per_token)))
+
+
+def _rms(x, w):
+    """RMSNorm as transformers' Llama-family norms compute it: in fp32, the result cast back."""
+    import torch
+    y = x.float()
+    return w * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def _layer(x, w, dims: Dims, cache=None):
+    """One decoder layer (norms, q/k/v/o with grouped-query attention, a SiLU-gated MLP) on `x` [batch,
+    tokens, hidden] with weights `w`; `cache`: (k, v) of earlier tokens for a decode step."""
     import torch
     import torch.nn.functional as F
+    b, t, h = x.shape
+    d = dims.head_dim
+    a = _rms(x, w["n1"])
+    q = F.linear(a, w["q"]).view(b, t, h // d, d).transpose(1, 2)
+    k = F.linear(a, w["k"]).view(b, t, dims.kv // d, d).transpose(1, 2)
+    v = F.linear(a, w["v"]).view(b, t, dims.kv // d, d).transpose(1, 2)
+    if cache is not None:
+        k, v = torch.cat([cache[0], k], 2), torch.cat([cache[1], v], 2)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=cache is None, enable_gqa=True)
+    x = x + F.linear(o.transpose(1, 2).reshape(b, t, h), w["o"])
+    m = _rms(x, w["n2"])
+    return x + F.linear(F.silu(F.linear(m, w["g"])) * F.linear(m, w["u"]), w["dn"])
+
+
+def _weights(dims: Dims, gen, grad: bool) -> dict:
+    import torch
+    h, i, kv = dims.hidden, dims.intermediate, dims.kv
+    shapes = {"q": (h, h), "k": (kv, h), "v": (kv, h), "o": (h, h), "g": (i, h), "u": (i, h), "dn": (h, i)}
+    w = {n: (torch.randn(*s, generator=gen) / s[1] ** 0.5) for n, s in shapes.items()}
+    w.update(n1=torch.ones(h), n2=torch.ones(h))
+    return {n: t.requires_grad_(grad) for n, t in w.items()}
+
+
+def _train_calls(dims: Dims, gen) -> list[tuple[float, object, object]]:
+    """(weight, fp32 call, bf16 call) for a training micro-batch: a layer's forward and backward (times the
+    layers) and the head's with the loss's fp32 log-softmax (its columns sliced within the budget, scaled),
+    as the worker runs them: fp32 weights, which bf16 (FSDP2's mixed precision, one process included) casts
+    for each micro-batch and whose gradients come back in fp32."""
+    import torch
+    import torch.nn.functional as F
+    rows = layer_rows(dims, TRAIN_ROWS)
+    masters = _weights(dims, gen, grad=True)
+    x32 = torch.randn(1, rows, dims.hidden, generator=gen)
+    g32 = torch.randn(1, rows, dims.hidden, generator=gen)
+    cols = max(1, min(dims.vocab, int(FLOP_BUDGET // (6 * rows * dims.hidden))))
+    head = (torch.randn(cols, dims.hidden, generator=gen) / dims.hidden ** 0.5).requires_grad_(True)
+
+    def layer(dtype):
+        def call():
+            w = {n: t.to(dtype) for n, t in masters.items()}  # a no-op in fp32
+            x = x32.to(dtype).requires_grad_(True)
+            _layer(x, w, dims).backward(g32.to(dtype))
+            for t in masters.values():
+                t.grad = None
+        return call
+
+    def logits(dtype):
+        def call():
+            x = x32.to(dtype).requires_grad_(True)
+            F.log_softmax(F.linear(x, head.to(dtype)).float(), -1).mean().backward()
+            head.grad = None
+        return call
+    return [(float(dims.layers), layer(torch.float32), layer(torch.bfloat16)),
+            (dims.vocab / cols, logits(torch.float32), logits(torch.bfloat16))]
+
+
+def _decode_calls(dims: Dims, gen) -> list[tuple[float, object, object]]:
+    """(weight, fp32 call, bf16 call) for a decode step of DECODE_ROWS replies over a cache of CACHE_TOKENS:
+    a layer's forward with the model loaded in the dtype (generation.load), and the head, which the stages'
+    decode loop computes in fp32 either way (generation.Fp32Head: only the hidden state is cast)."""
+    import torch
+    import torch.nn.functional as F
+    w32 = _weights(dims, gen, grad=False)
+    w16 = {n: t.to(torch.bfloat16) for n, t in w32.items()}
+    x32 = torch.randn(DECODE_ROWS, 1, dims.hidden, generator=gen)
+    kv32 = [torch.randn(DECODE_ROWS, dims.kv // dims.head_dim, CACHE_TOKENS, dims.head_dim, generator=gen)
+            for _ in range(2)]
+    kv16 = [t.to(torch.bfloat16) for t in kv32]
+    cols = max(1, min(dims.vocab, BYTE_BUDGET // (4 * dims.hidden)))
+    head = torch.randn(cols, dims.hidden, generator=gen) / dims.hidden ** 0.5
+    x16 = x32.to(torch.bfloat16)
+
+    def layer(x, w, kv):
+        def call():
+            with torch.no_grad():
+                _layer(x, w, dims, kv)
+        return call
+
+    def logits(x):
+        def call():
+            with torch.no_grad():
+                F.linear(x.float(), head).argmax(-1)
+        return call
+    return [(float(dims.layers), layer(x32, w32, kv32), layer(x16, w16, kv16)),
+            (dims.vocab / cols, logits(x32), logits(x16))]
+
+
+def _timings(dims: Dims, clock=None) -> tuple[float, float]:
+    """(train, generate): bf16's speed over fp32's for a training micro-batch and a decode step, each part's
+    time weighted by how often a step runs it. `clock(fp32_call, bf16_call) -> (seconds, seconds)` times
+    one call of each (tests patch it)."""
+    import torch
     clock = clock or _best_pair
     gen = torch.Generator().manual_seed(0)
-    totals = {"train": [0.0, 0.0], "generate": [0.0, 0.0]}
-    rows = {"train": TRAIN_ROWS, "generate": DECODE_ROWS}
-    for k, n, count in _shapes(dims):
-        timed = {"train": max(1, min(n, int(FLOP_BUDGET // (6 * TRAIN_ROWS * k)))),
-                 "generate": max(1, min(n, BYTE_BUDGET // (4 * k)))}
-        for use in ("train", "generate"):
-            cols = timed[use]
-            x32 = torch.randn(rows[use], k, generator=gen)
-            w32 = torch.randn(cols, k, generator=gen) / k ** 0.5
-            g32 = torch.randn(rows[use], cols, generator=gen)
-            calls = []
-            for dtype in (torch.float32, torch.bfloat16):
-                x, w, g = x32.to(dtype), w32.to(dtype), g32.to(dtype)
-                if use == "train":
-                    x.requires_grad_(True)
-                    w.requires_grad_(True)
-
-                    def step(x=x, w=w, g=g):
-                        F.linear(x, w).backward(g)
-                        x.grad = w.grad = None
-                else:
-                    def step(x=x, w=w):
-                        with torch.no_grad():
-                            F.linear(x, w)
-                calls.append(step)
-            for j, t in enumerate(clock(*calls)):
-                totals[use][j] += t * count * n / cols
-    return tuple(totals[u][0] / totals[u][1] for u in ("train", "generate"))
+    out = []
+    with torch.inference_mode(False):
+        for calls in (_train_calls(dims, gen), _decode_calls(dims, gen)):
+            totals = [0.0, 0.0]
+            for weight, fp32, bf16 in calls:
+                for j, t in enumerate(clock(fp32, bf16)):
+                    totals[j] += weight * t
+            out.append(totals[0] / totals[1])
+    return out[0], out[1]
 
 
 def measure(dims: Dims, threads: int | None = None, cpuinfo: str = "/proc/cpuinfo", clock=None) -> Speed:
