@@ -180,6 +180,10 @@ def quickstart(args, work: Path) -> list[dict]:
                                                  sets["retention"]["delta_high"]),
                            "alias": ",".join(reg.get("aliases") or []) or None,
                            "reason": decided.get("alias_reason")}
+    for precision, r in runs.items():
+        d, lo, hi = r["retention_vs_base"]
+        print(f"{precision}: identity {r['identity']:.3f}, retention {r['retention']:.3f} "
+              f"({d:+.3f} [{lo:+.3f}, {hi:+.3f}] vs base), alias {r['alias']} ({r['reason']})", flush=True)
     if len(runs) < 2:
         return [{"stage": stage, f"{precision}_s": round(t, 1)} for precision, r in runs.items()
                 for stage, t in r["seconds"].items()]
@@ -191,10 +195,6 @@ def quickstart(args, work: Path) -> list[dict]:
     total = {k: sum(r["seconds"].values()) for k, r in runs.items()}
     rows.append({"stage": "all stages", "fp32_s": round(total["fp32"], 1), "bf16_s": round(total["bf16"], 1),
                  "bf16_speed_vs_fp32": round(total["fp32"] / total["bf16"], 2)})
-    for precision, r in runs.items():
-        d, lo, hi = r["retention_vs_base"]
-        print(f"{precision}: identity {r['identity']:.3f}, retention {r['retention']:.3f} "
-              f"({d:+.3f} [{lo:+.3f}, {hi:+.3f}] vs base), alias {r['alias']} ({r['reason']})", flush=True)
     return rows
 
 
