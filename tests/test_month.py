@@ -69,7 +69,8 @@ def month_config(tmp: Path, train_paths: list[str]) -> dict:
 
 
 def in_process_torchrun(cmd, log_path, error, what, on_line=print, nproc_per_node=1, env=None):
-    """`run_torchrun` for one rank in this process: the spec torchrun would be given, `fit` as the rank runs it."""
+    """`run_torchrun` for one rank in this process: the spec torchrun would be given, `fit` as the rank runs it;
+    like it, the seconds it queued for the machine's cores (none: nothing else claims them here)."""
     from stages.runtime.worker import load_worker
     saved = dict(os.environ)
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
@@ -79,6 +80,7 @@ def in_process_torchrun(cmd, log_path, error, what, on_line=print, nproc_per_nod
     finally:
         os.environ.clear()
         os.environ.update(saved)
+    return 0.0
 
 
 def run_day(cfg_path: Path, stages_to_run=None) -> tuple:
