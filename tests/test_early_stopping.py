@@ -6,19 +6,19 @@ is in train.log, runtime.json, the manifest and the MLflow run."""
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from conftest import live_processes_mentioning, tiny_config_dict, write_config
 from stages.core.config import ConfigError, load_config
 from stages.core.config.fields import hashed
-from stages.pipeline import plan, run_stage
+from stages.pipeline import plan
 from stages.runtime.validation import BestCheck
 from stages.train import TrainingFailed
+from test_train_core import train
+from test_train_core import weights as exported
 
 
 def make_cfg(tmp: Path, name: str = "config.yaml", **sections):
@@ -90,24 +90,6 @@ SELECT = dict(runner={"max_epochs": 3, "max_steps": 16, "val_check_interval": 1,
                       "keep_checkpoints": 20, "early_stopping_patience": 3, "load_best_model_at_end": True},
               actor={"optim": {"lr": 3e-2, "warmup": 1}})
 BEST, STOP = 3, 6
-
-
-def train(cfg, env: dict | None = None, p=None):
-    """The train stage of `cfg` (of plan `p`: one plan keeps a killed run's folder however the tree
-    changes between its starts)."""
-    p = p or plan(cfg)
-    run_stage(p, "prepare")
-    old = dict(os.environ)
-    os.environ.update(env or {})
-    try:
-        return run_stage(p, "train", on_line=lambda line: None)
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
-
-
-def exported(folder) -> dict:
-    return load_file(str(Path(folder) / "model" / "model.safetensors"))
 
 
 def checkpoint_weights(folder, step: int) -> dict:

@@ -105,8 +105,10 @@ def test_unknown_model_type_lists_registered_ones(tmp_path):
 # --------------------------------------------------------------------------- torchrun (slow)
 
 
-def train(cfg, env: dict | None = None):
-    p = plan(cfg)
+def train(cfg, env: dict | None = None, p=None):
+    """The train stage of `cfg` (of plan `p`: one plan keeps a killed run's folder however the tree
+    changes between its starts), `env` set around it."""
+    p = p or plan(cfg)
     run_stage(p, "prepare")
     old = dict(os.environ)
     os.environ.update(env or {})

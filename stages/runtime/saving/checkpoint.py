@@ -223,8 +223,10 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([_tensor(t) for t in state["cuda"]])
 
 
-def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict, keep: int,
-                    before_complete=None) -> Path:
+def _save_step(root: Path, step: int, state: dict, rank_files: dict[str, str] | None = None,
+               rank0_files: dict[str, str] | None = None, before_complete=None, keep: int | None = None) -> Path:
+    """`root/step_N` written as DCP under `.tmp` (plus each rank's and rank 0's small files), marked complete
+    and renamed by rank 0, so a reader never sees half a step; `keep`: the newest complete steps left."""
     rank = dist.get_rank()
     root = Path(root)
     tmp, final = root / (_name(step) + ".tmp"), root / _name(step)
@@ -232,44 +234,38 @@ def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    state = {"model": trained_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
     dcp.save(state, checkpoint_id=str(tmp))
-    (tmp / f"rng_rank{rank}.json").write_text(json.dumps(rng_state()))
+    for name, text in (rank_files or {}).items():
+        (tmp / name).write_text(text)
     dist.barrier()
     if before_complete is not None:  # test hook: a crash here leaves a checkpoint without its marker
         before_complete()
     if rank == 0:
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+        for name, text in (rank0_files or {}).items():
+            (tmp / name).write_text(text)
         (tmp / COMPLETE).write_text(str(step))
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        for old in list_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        if keep is not None:
+            for old in list_checkpoints(root)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def save_checkpoint(root: Path, step: int, model, optimizer, trainer_state: dict, keep: int,
+                    before_complete=None) -> Path:
+    state = {"model": trained_state(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    return _save_step(root, step, state, {f"rng_rank{dist.get_rank()}.json": json.dumps(rng_state())},
+                      {"trainer_state.json": json.dumps(trainer_state, indent=2)}, before_complete, keep)
 
 
 def save_weights(root: Path, step: int, model) -> Path:
     """`root/step_N`: what a checkpoint holds of the model (no optimizer, RNG or trainer state), as
     DCP, written under `.tmp` and renamed once marked complete: the weights of a best validation
     check, kept to be exported at the end at half a checkpoint's size."""
-    rank = dist.get_rank()
-    root = Path(root)
-    tmp, final = root / (_name(step) + ".tmp"), root / _name(step)
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    dcp.save({"model": trained_state(model)}, checkpoint_id=str(tmp))
-    dist.barrier()
-    if rank == 0:
-        (tmp / COMPLETE).write_text(str(step))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-    dist.barrier()
-    return final
+    return _save_step(root, step, {"model": trained_state(model)})
 
 
 def load_weights(path: Path, model) -> None:
