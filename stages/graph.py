@@ -72,8 +72,10 @@ def _scoring_skips(cfg: SFTConfig) -> set[str]:
     return {"prepare"} if cfg.eval.sets else set()
 
 
+# register alone judges with a set's champion_tolerance: changing it re-decides the alias, never re-scores
+_JUDGED_BY_REGISTER = "eval.sets.*.champion_tolerance"
 _SCORING_IGNORES = ("data.mix", "data.rehearsal", "eval.model", "eval.eval_base", "eval.primary",
-                    "eval.sets.*.max_drop", "eval.sets.*.decide_on")
+                    "eval.sets.*.max_drop", "eval.sets.*.decide_on", _JUDGED_BY_REGISTER)
 _HELD_OUT_FILES = "each scored set's files"
 
 TABLE: tuple[Stage, ...] = (
@@ -121,7 +123,7 @@ TABLE: tuple[Stage, ...] = (
           folds=("prepare",), facts=("model", "worker", "start"), metric=("final_loss", "loss"),
           why="never the eval sets", run="stages.train:run_train", call="train_call"),
     Stage("evaluate", "the scored model's predictions and metrics, compared with the baseline",
-          code="evaluate", reads=("eval", "actor.model"),
+          code="evaluate", reads=("eval", "actor.model"), ignores=(_JUDGED_BY_REGISTER,),
           inputs=lambda cfg: {n: (eval_split(n),) for n, s in cfg.eval.sets.items() if s.is_harness},
           input_files="each harness set's task files",
           upstream=("baseline", "train", "prepare_eval", "prepare"),
@@ -132,10 +134,11 @@ TABLE: tuple[Stage, ...] = (
           why="with `eval.model` it reads no training, so a new training leaves it a cache hit",
           run="stages.evaluate:run_evaluate", call="evaluate_call"),
     Stage("register", "the MLflow run, the model version and its aliases",
-          code="register", neutral_code=True, reads=("registry",),
+          code="register", neutral_code=True, reads=("registry", _JUDGED_BY_REGISTER),
           upstream=("champion", "evaluate", "train", "prepare"), folds=("evaluate", "train", "prepare"),
           facts=("tracking_uri", "compared_with"), metric=("version", "version"),
-          why="the champion by the decision it compared with (`compared_with`)",
+          why="the champion by the decision it compared with (`compared_with`); a set's champion_tolerance judges "
+              "only here, so changing it re-decides the alias without re-scoring",
           run="stages.register:run_register", call="register_call"),
 )
 

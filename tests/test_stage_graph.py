@@ -243,6 +243,7 @@ def test_a_key_a_stage_reads_is_in_its_fingerprint_by_hand():
         "actor.optim.lr": {"train"}, "data.max_length": {"prepare", "prepare_eval", "baseline", "champion"},
         "eval.max_new_tokens": {"baseline", "champion", "evaluate"}, "data.mix.more.weight": {"train"},
         "registry.promote": {"register"}, "eval.sets.b.max_drop": {"evaluate"}, "replay.max_new_tokens": {"replay"},
+        "eval.sets.b.champion_tolerance": {"register"},  # judged, never scored: no scoring stage re-runs
     }
     for key, stages in said.items():
         direct = {n for n, r in rows.items()

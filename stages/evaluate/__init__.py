@@ -34,7 +34,7 @@ from typing import Callable
 
 from stages.chatdata.shards import count_rows
 from stages.core.machine import cores
-from stages.core.cache.artifacts import StageBuild, canonical_json, read_manifest, sha256_text
+from stages.core.cache.artifacts import StageBuild, read_manifest
 from stages.core.config import SFTConfig
 from stages.core.narrow import with_sets
 from stages.core.stats.paired import clears, compare_sets, read_predictions
@@ -42,10 +42,10 @@ from stages.core.stats.scores import by_set
 from stages.models.refs import resolve_eval_model
 from stages.launch.launcher import run_torchrun, torchrun_command
 
-from . import pieces
+from . import pieces, reuse
 from .errors import EvaluationError
 from .placement import place
-from .sets import BASE_KEYS, EvalSpec, eval_samples, eval_set_fingerprint, prepared_sets, set_dir
+from .sets import BASE_KEYS, EvalSpec, eval_samples, prepared_sets, set_dir, set_fingerprint
 
 __all__ = ["BASE_KEYS", "EvalSpec", "EvaluationError", "compare_with_base", "eval_samples", "guard_sets",
            "run_evaluate", "run_reference"]
@@ -127,36 +127,46 @@ def _score(cfg: SFTConfig, out: Path, base_model: str, model: dict, prepare_dir:
 
 
 def _set_fingerprints(cfg: SFTConfig, prepare_dir: str, sets: dict[str, dict], folder: Path) -> dict[str, str]:
-    set_fps = {}
     scored = read_predictions(folder)
-    for name in cfg.eval.set_names:
-        s = cfg.eval.sets.get(name)
-        if s is not None and s.is_harness:  # the documents and targets asked, and how they were put
-            set_fps[name] = sha256_text(canonical_json([eval_set_fingerprint(scored.get(name, [])), s.task,
-                                                        s.num_fewshot, s.uses_chat_template]))[:16]
-            continue
-        set_fps[name] = eval_set_fingerprint(eval_samples(prepare_dir, cfg.eval.max_samples, name,
-                                                          bool(cfg.eval.sets)))
-        if sets[name].get("mode") == "worker":  # the worker's own data and counts: not comparable to prompt scoring
-            set_fps[name] = sha256_text(f"{set_fps[name]}:{cfg.actor.worker}")[:16]
-    return set_fps
+    return {name: set_fingerprint(cfg, prepare_dir, name, sets[name], scored.get(name, []))
+            for name in cfg.eval.set_names}
 
 
 def _score_missing(cfg: SFTConfig, stage: str, build: StageBuild, base_model: str, model_ref: str,
                    identity: dict | None, prepare_dir: str, set_keys: dict[str, str] | None,
-                   on_line: Callable[[str], None]) -> tuple[dict, dict, int | None]:
-    """(each set's numbers, the model scored: kind and source, how many processes scored; None: every set
-    came from a piece), the predictions in `build.partial`: sets with a piece (pieces.py) from it, the others
-    scored (narrowed to them) and kept as pieces."""
+                   scoring: dict[str, str] | None,
+                   on_line: Callable[[str], None]) -> tuple[dict, dict, int | None, dict]:
+    """(each set's numbers, the model scored: kind and source, how many processes scored (None: none did),
+    where each set's scores came from), the predictions in `build.partial`: sets with a piece (pieces.py)
+    from it; for the champion, sets its own evaluation scored as today's plan would (`scoring`: each set's
+    scoring key, reuse.py) copied from there; the others scored (narrowed to them); all kept as pieces."""
     root, names = cfg.artifacts_path, cfg.eval.set_names
     found = {n: pieces.read(root, stage, (set_keys or {}).get(n)) for n in names}
+    sources = {n: {"from": "piece", "folder": str(pieces.folder(root, stage, set_keys[n]))}
+               for n in names if found[n] is not None}
     todo = [n for n in names if found[n] is None]
     if set_keys and len(todo) < len(names):
         on_line(f"{stage}: {', '.join(n for n in names if n not in todo)} scored before (same model, files and "
                 f"scoring); scoring {', '.join(todo) or 'nothing'}")
+    if todo and stage == "champion" and scoring and identity and identity.get("train_fingerprint") \
+            and reuse.enabled():
+        copied = reuse.reusable(cfg, prepare_dir, identity["train_fingerprint"], scoring, todo, on_line)
+        for n, (numbers, lines, folder, kind) in copied.items():
+            model = {"kind": kind, "source": model_ref}
+            found[n] = (numbers, lines, model)
+            sources[n] = {"from": "evaluate", "folder": str(folder)}
+            if set_keys:
+                pieces.write(root, stage, set_keys[n], n, numbers, lines, model)
+        todo = [n for n in todo if n not in copied]
+        for folder in sorted({sources[n]["folder"] for n in copied}):
+            mine = [n for n in copied if sources[n]["folder"] == folder]
+            on_line(f"{stage}: reused {len(mine)} set(s) from {folder} ({', '.join(mine)}: v{identity['version']}'s "
+                    f"own evaluation, same rows, scoring and precision), scored {len(todo)}"
+                    + (f" ({', '.join(todo)})" if todo else ""))
     model = next((f[2] for f in found.values() if f is not None), None)
     processes = None
     if todo:
+        sources.update({n: {"from": "scored"} for n in todo})
         out = build.partial / ".scoring" if set_keys else build.partial
         out.mkdir(exist_ok=True)
         with tempfile.TemporaryDirectory(dir=build.partial, prefix=".download-") as tmp:  # models:/ downloads
@@ -164,7 +174,7 @@ def _score_missing(cfg: SFTConfig, stage: str, build: StageBuild, base_model: st
             scored, processes = _score(with_sets(cfg, todo) if set_keys else cfg, out, base_model, model,
                                        prepare_dir, on_line)
         if not set_keys:
-            return scored, model, processes
+            return scored, model, processes, sources
         lines = pieces.lines_by_set(out / "predictions.jsonl")
         for n in todo:
             pieces.write(root, stage, set_keys[n], n, scored[n], lines.get(n, []), model)
@@ -175,40 +185,46 @@ def _score_missing(cfg: SFTConfig, stage: str, build: StageBuild, base_model: st
         shutil.rmtree(out)
     with open(build.partial / "predictions.jsonl", "w", encoding="utf-8") as f:
         f.writelines(line + "\n" for n in names for line in found[n][1])
-    return {n: found[n][0] for n in names}, model, processes
+    return {n: found[n][0] for n in names}, model, processes, sources
 
 
 def run_reference(cfg: SFTConfig, stage: str, fp: str, base_model: str, model_ref: str, identity: dict | None,
                   prepare_dir: str, on_line: Callable[[str], None] = print,
-                  set_keys: dict[str, str] | None = None) -> dict:
+                  set_keys: dict[str, str] | None = None, scoring: dict[str, str] | None = None) -> dict:
     """A reference stage (`baseline`: the base model; `champion`: a registered version, `identity` as
     the plan saw it): the model scored on every eval set exactly as evaluate scores the trained one.
     With `set_keys` (named sets: what each set's score depends on), a set scored before by the same
-    model the same way is read from its piece rather than scored again (pieces.py)."""
+    model the same way is read from its piece rather than scored again (pieces.py); with `scoring` (each
+    set's scoring key), the champion's sets its own evaluation scored the same way are copied from it
+    (reuse.py). The manifest's `set_sources` says where each set's scores came from."""
     _check_sets(cfg, prepare_dir)
     build = StageBuild(cfg.artifacts_path, stage, fp)
-    sets, model, processes = _score_missing(cfg, stage, build, base_model, model_ref, identity, prepare_dir,
-                                            set_keys, on_line)
+    sets, model, processes, sources = _score_missing(cfg, stage, build, base_model, model_ref, identity,
+                                                     prepare_dir, set_keys, scoring, on_line)
     metrics = by_set(sets, cfg.eval.set_names[0])
     build.commit({"metrics": metrics, "eval_sets": _set_fingerprints(cfg, prepare_dir, sets, build.partial),
                   "model": model_ref, "model_dir": model["source"], "model_kind": model["kind"],
                   **({"version": identity["version"], "model_name": identity["name"],
                       "train_fingerprint": identity.get("train_fingerprint", "")} if identity else {}),
-                  "base_model": base_model, "prepare_dir": prepare_dir, "world_size": processes})
+                  "base_model": base_model, "prepare_dir": prepare_dir, "world_size": processes,
+                  "set_sources": sources})
     return metrics
 
 
 def run_evaluate(cfg: SFTConfig, fp: str, base_model: str, model_ref: str, prepare_dir: str,
                  model_identity: dict | None = None, baseline: str | None = None,
-                 on_line: Callable[[str], None] = print) -> dict:
-    """Scores `model_ref` (the train stage folder, or `eval.model`, whose plan-time identity is
-    `model_identity`) and compares it item by item with the base model's scores (the baseline stage's
-    folder, when the plan has one)."""
+                 on_line: Callable[[str], None] = print, train_fingerprint: str | None = None,
+                 scoring: dict[str, str] | None = None) -> dict:
+    """Scores `model_ref` (the train stage folder, the training `train_fingerprint`, or `eval.model`, whose
+    plan-time identity is `model_identity`) and compares it item by item with the base model's scores (the
+    baseline stage's folder, when the plan has one). The manifest keeps each set's numbers as scored with
+    its scoring key (`scoring`), which the champion stage reuses once this training is the champion."""
     _check_sets(cfg, prepare_dir)
     build = StageBuild(cfg.artifacts_path, "evaluate", fp)
     with tempfile.TemporaryDirectory(dir=build.partial, prefix=".download-") as tmp:  # models:/ downloads
         model = resolve_eval_model(cfg, model_ref, Path(tmp), base_model, model_identity)
         sets, processes = _score(cfg, build.partial, base_model, model, prepare_dir, on_line)
+    scored = reuse.scoring_record(scoring, sets)  # before the comparisons are added to the numbers
     if cfg.eval.eval_base and cfg.eval.model == "base":  # the base model *is* the model
         for m in sets.values():
             m.update({f"base_{k}": m[k] for k in BASE_KEYS if k in m}, delta=0.0)
@@ -217,7 +233,8 @@ def run_evaluate(cfg: SFTConfig, fp: str, base_model: str, model_ref: str, prepa
     (build.partial / "metrics.json").write_text(json.dumps(metrics, indent=2))
     set_fps = _set_fingerprints(cfg, prepare_dir, sets, build.partial)
     build.commit({"metrics": metrics, "eval_set_fingerprint": set_fps[cfg.eval.set_names[0]], "eval_sets": set_fps,
-                  "model": cfg.eval.model or "trained", "model_dir": model["source"], "model_kind": model["kind"],
+                  "model": cfg.eval.model or reuse.TRAINED, "model_dir": model["source"], "model_kind": model["kind"],
+                  **({"train_fingerprint": train_fingerprint} if cfg.eval.model is None and train_fingerprint else {}),
                   "baseline": baseline, "base_model": base_model, "prepare_dir": prepare_dir,
-                  "world_size": processes})
+                  "world_size": processes, "scoring": scored})
     return metrics

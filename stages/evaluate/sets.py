@@ -54,6 +54,19 @@ def eval_set_fingerprint(rows: list[dict]) -> str:
     return sha256_text(canonical_json([[r["prompt"], r["reference"]] for r in rows]))[:16]
 
 
+def set_fingerprint(cfg: SFTConfig, prepare_dir: str, name: str, numbers: dict, records: list[dict]) -> str:
+    """What a scored set asked, as a stage's manifest records it (`eval_sets`): a prepared set's prompts and
+    references (`eval_set_fingerprint`), with the worker when the worker's own counts scored it (its data, not
+    comparable to prompt scoring); a harness set's scored documents and targets (`records`) and how they were
+    put."""
+    s = cfg.eval.sets.get(name)
+    if s is not None and s.is_harness:
+        return sha256_text(canonical_json([eval_set_fingerprint(records), s.task, s.num_fewshot,
+                                           s.uses_chat_template]))[:16]
+    fp = eval_set_fingerprint(eval_samples(prepare_dir, cfg.eval.max_samples, name, bool(cfg.eval.sets)))
+    return sha256_text(f"{fp}:{cfg.actor.worker}")[:16] if numbers.get("mode") == "worker" else fp
+
+
 class EvalSpec(BaseModel):
     """What the evaluation processes are given (`spec.json`): models are `resolve_eval_model` results."""
 

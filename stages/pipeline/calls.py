@@ -21,7 +21,7 @@ from ..models.start import KEY as KEY_INIT_FROM
 from ..models.start import start_folder
 from ..tracking.registry import REGISTRY_PREFIX, version_state
 from .checks import check_launch
-from .fingerprints import reference_set_keys
+from .fingerprints import reference_set_keys, scoring_keys
 from .plans import Plan, held_out_dir, upstream
 
 
@@ -142,7 +142,8 @@ def reference_call(p: Plan, stage: str, dirs: dict, on_line: Callable[[str], Non
         f"{REGISTRY_PREFIX}{p.champion['name']}/{p.champion['version']}", p.champion)
     return partial(run_reference, cfg, stage, p.fingerprints[stage],
                    resolve_model(cfg, p.fingerprints["models"], on_line), ref, identity, held_out_dir(dirs),
-                   on_line=on_line, set_keys=reference_set_keys(p, stage) if cfg.eval.sets and p.facts else None)
+                   on_line=on_line, set_keys=reference_set_keys(p, stage) if cfg.eval.sets and p.facts else None,
+                   scoring=scoring_keys(p) if stage == "champion" else None)
 
 
 @_readies
@@ -151,7 +152,9 @@ def evaluate_call(p: Plan, stage: str, dirs: dict, on_line: Callable[[str], None
     cfg = p.cfg
     model_ref = cfg.eval.model if cfg.eval.model is not None else str(p.folder("train"))
     return partial(run_evaluate, cfg, p.fingerprints[stage], resolve_model(cfg, p.fingerprints["models"], on_line),
-                   model_ref, held_out_dir(dirs), p.eval_model, dirs.get("baseline"), on_line=on_line)
+                   model_ref, held_out_dir(dirs), p.eval_model, dirs.get("baseline"), on_line=on_line,
+                   train_fingerprint=p.fingerprints.get("train") if cfg.eval.model is None else None,
+                   scoring=scoring_keys(p))
 
 
 @_readies

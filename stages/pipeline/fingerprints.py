@@ -4,6 +4,7 @@ champion, the start) and every stage's fingerprint as the stage table declares i
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from ..core.cache.artifacts import deferred_digest_memos, fingerprint, input_digest
@@ -180,10 +181,32 @@ def _champion(cfg: SFTConfig, train_fp: str) -> tuple[dict | None, dict | None, 
 def reference_set_keys(p: Plan, stage: str) -> dict[str, str]:
     """set -> what that set's score by a reference stage depends on: the stage's fingerprint as if the
     config had that set alone, so adding a set re-scores only the new one (evaluate/pieces.py)."""
-    cfg = p.cfg
-    if not cfg.eval.sets:
+    if not p.cfg.eval.sets:
         return {"val": p.fingerprints[stage]}
+    return _set_keys(p, BY_NAME[stage])
+
+
+# What one model's score on one set depends on besides the model: the champion stage's row without the
+# champion fact (the same reads, ignores, inputs and the other facts: the set's files and how they are
+# prepared, the scoring keys of eval and eval.sets.<set>, the scorer's source, the resolved precision).
+_SCORING = replace(BY_NAME["champion"], name="scoring", facts=tuple(f for f in BY_NAME["champion"].facts
+                                                                     if f != "champion"))
+
+
+def scoring_keys(p: Plan) -> dict[str, str] | None:
+    """set -> what any model's score on that set depends on besides the model (`_SCORING`), or None for a
+    plan without facts. evaluate records it per set; the champion stage copies the champion's own
+    evaluation of a set whose key is today's instead of scoring it again (evaluate/reuse.py)."""
+    if not p.facts:
+        return None
+    return _set_keys(p, _SCORING)
+
+
+def _set_keys(p: Plan, stage: Stage) -> dict[str, str]:
+    cfg = p.cfg
     digests = {split: [d for _, d in items] for split, items in p.inputs.items()}
+    if not cfg.eval.sets:
+        return {"val": _stage_fingerprint(stage, cfg, digests, {}, p.facts)}
     keys = {}
     for name in cfg.eval.set_names:
         scorer = p.facts.get("scorer")
@@ -191,5 +214,5 @@ def reference_set_keys(p: Plan, stage: str) -> dict[str, str]:
                  else None,
                  "scorer": {k: v for k, v in scorer.items() if k in ("eval.scorer", f"eval.sets.{name}.scorer")}
                  or None if scorer else None}
-        keys[name] = _stage_fingerprint(BY_NAME[stage], with_sets(cfg, [name]), digests, {}, facts)
+        keys[name] = _stage_fingerprint(stage, with_sets(cfg, [name]), digests, {}, facts)
     return keys
