@@ -148,3 +148,15 @@ def test_a_sets_champion_tolerance_moves_register_alone(tmp_path):
     for stage in ("prepare_eval", "baseline", "train", "champion", "evaluate"):
         assert before.fingerprints[stage] == after.fingerprints[stage], stage
     assert before.fingerprints["register"] != after.fingerprints["register"]
+
+
+def test_the_docs_day_n_config_keeps_the_earlier_sets_and_is_valid():
+    """docs/operations.md "Adding a day's skill": its eval section is the schema's, with every day's set."""
+    import yaml
+
+    from stages.core.config import EvalConfig
+    from test_docs_configs import yaml_blocks
+    (block,) = yaml_blocks("operations.md", "Adding a day's skill")
+    e = EvalConfig.model_validate(yaml.safe_load(block)["eval"])
+    assert e.set_names == ["identity", "retention", "support", "refunds"]
+    assert {n: s.champion_tolerance for n, s in e.sets.items()} == {n: 0.1 for n in e.set_names}

@@ -8,7 +8,8 @@ are prepared, the scoring config of `eval` and `eval.sets.<set>`, the scorer's s
 precision, the evaluate code). evaluate records each set's key with the numbers it scored
 (`scoring_record`, in its manifest's `scoring`); a set is reused when an evaluate folder of the
 champion's training (`model: trained`, its `train_fingerprint`) holds today's key for it and asked
-the same prompts and references today's prepared rows ask (`eval_sets`). Folders written before
+the same prompts and references today's prepared rows ask (`eval_sets`), read from the same rows (each
+record's `source`). Folders written before
 keys were recorded are never reused. The copied prediction lines are evaluate's own, byte for byte
 (tests/test_champion_reuse.py compares them with a fresh scoring).
 
@@ -27,7 +28,7 @@ from stages.core.cache.artifacts import damage, is_complete, read_manifest
 from stages.core.config import SFTConfig
 
 from . import pieces
-from .sets import set_fingerprint
+from .sets import eval_samples, set_fingerprint
 
 ENV = "SFTFLOW_CHAMPION_REUSE"
 TRAINED = "trained"  # evaluate's `model` for the trained model (no eval.model)
@@ -82,7 +83,8 @@ def reusable(cfg: SFTConfig, prepare_dir: str, train_fp: str, keys: dict[str, st
             records = [json.loads(line) for line in lines.get(n, [])]
             if set_fingerprint(cfg, prepare_dir, n, numbers, records) != asked[n]:
                 continue  # other prompts or references than today's rows: scored again
-            if numbers.get("mode") in ("generate", "choice") and len(records) != numbers.get("total"):
-                continue  # a truncated file: its lines are not the numbers' items
+            if numbers.get("mode") in ("generate", "choice") and [r.get("source") for r in records] != [
+                    r["source"] for r in eval_samples(prepare_dir, cfg.eval.max_samples, n, bool(cfg.eval.sets))]:
+                continue  # other rows (a truncated file, the same rows read from elsewhere): as scoring would write
             out[n] = (numbers, lines.get(n, []), folder, m.get("model_kind", "hf"))
     return out
