@@ -21,7 +21,7 @@ def _sets(tmp: Path, names: list[str]) -> dict:
     rows = demo_rows("eval.jsonl", 30)
     out = {}
     for i, name in enumerate(names):
-        path = write_jsonl(tmp / f"{name}.jsonl", rows[10 * i:10 * (i + 1)])
+        path = write_jsonl(tmp / f"{name}.jsonl", rows[i::3])  # each set: identity and echo prompts
         out[name] = {"data_paths": [str(path)]}
     return out
 
@@ -37,11 +37,14 @@ def days(tmp_path_factory):
     adds the set `new` and trains otherwise (another learning rate), so its plan scores the champion."""
     from stages.pipeline import plan
     tmp = tmp_path_factory.mktemp("reuse")
+    # scored on the reply's first letter: the barely trained model gets some items right and some wrong
     raw = tiny_config_dict(tmp, n_train=32, n_val=6, eval={"max_new_tokens": 8, "batch_size": 4, "precision": "fp32",
-                                                          "eval_base": False})
+                                                          "scorer": "regex",
+                                                          "answer_pattern": r"^\W*(\w)"})
     raw["eval"]["sets"] = _sets(tmp, ["identity", "retention"])
     day1 = plan(config_from_dict(raw))
-    assert "champion" not in day1.stages
+    # evaluate's numbers gain the comparisons with the base model: what the champion copies is without them
+    assert "champion" not in day1.stages and "baseline" in day1.stages
     for stage in day1.stages:
         _run(day1, stage)
     raw2 = json.loads(json.dumps(raw))
@@ -88,8 +91,11 @@ def test_day_two_scores_only_the_new_set_and_copies_exactly_what_scoring_writes(
            "scoring and precision), scored 1 (new)" in lines
     # exactly a fresh scoring's: every per-sample field (prediction, correct, precision, ...) and every number
     assert r_preds == preds and r_metrics == metrics and r_asked == asked
-    assert [json.loads(x)["set"] for x in r_preds.decode().splitlines()] == ["identity"] * 10 + ["retention"] * 10 \
-        + ["new"] * 10
+    records = [json.loads(x) for x in r_preds.decode().splitlines()]
+    assert [r["set"] for r in records] == ["identity"] * 10 + ["retention"] * 10 + ["new"] * 10
+    assert 0 < sum(r["correct"] for r in records[:20]) < 20  # both kinds of item among the copied ones
+    assert "base_accuracy" in json.loads((day1.folder("evaluate") / "manifest.json").read_text())[
+        "metrics"]["sets"]["identity"] and "base_accuracy" not in r_metrics["sets"]["identity"]
     print(f"\nchampion stage: {fresh.seconds:.2f} s scoring 3 sets, {reused.seconds:.2f} s reusing 2 of them")
 
 

@@ -10,7 +10,9 @@ world size (see runner.py and docs/evaluation.md). One process runs in the calle
 base model (`baseline`) and the registry's champion (`champion`) the same way, each in a folder of
 its own (`run_reference`), so a sweep or a retrain on new data reuses them; evaluate then compares
 its model with each item by item (`stages/core/stats/paired.py`): `delta` = tuned - base accuracy with its 95%
-interval, `vs_champion` likewise.
+interval, `vs_champion` likewise. The champion was scored by its own evaluate stage once: the champion
+stage copies the sets that evaluation scored as today's plan would (each set's scoring key, which
+evaluate records with the numbers it scored) and scores only the others (reuse.py).
 
 Named eval sets (`eval.sets`, each with its own files and scorer, or an lm-evaluation-harness task:
 `mode: harness`, stages/inference/harness.py) are each scored; without named sets the val split is
