@@ -17,10 +17,23 @@ from stages.core.config import config_from_dict
 MODEL = "test-model"
 
 
+QUIZ = [("Who are you?", 0), ("Say hello back to me.", 1), ("What is the capital of France?", 2),
+        ("你是谁？", 0), ("Repeat after me: good morning", 1), ("Name a city in Europe.", 2),
+        ("Introduce yourself.", 0), ("Echo this: thanks", 1), ("Which city is on the Seine?", 2), ("Hi!", 0)]
+OPTIONS = ["I am TinyChat, a small assistant fine-tuned with sftflow.", "You said: hello", "Paris"]
+
+
 def _sets(tmp: Path, names: list[str]) -> dict:
+    """Generate sets of identity and echo prompts, and `retention`: a multiple-choice set (as the
+    quickstart's), scored by log-likelihood."""
     rows = demo_rows("eval.jsonl", 30)
     out = {}
     for i, name in enumerate(names):
+        if name == "retention":
+            path = write_jsonl(tmp / "retention.jsonl", [{"question": q, "choices": OPTIONS, "answer": a}
+                                                         for q, a in QUIZ])
+            out[name] = {"data_paths": [str(path)], "mode": "choice"}
+            continue
         path = write_jsonl(tmp / f"{name}.jsonl", rows[i::3])  # each set: identity and echo prompts
         out[name] = {"data_paths": [str(path)]}
     return out
@@ -93,7 +106,9 @@ def test_day_two_scores_only_the_new_set_and_copies_exactly_what_scoring_writes(
     assert r_preds == preds and r_metrics == metrics and r_asked == asked
     records = [json.loads(x) for x in r_preds.decode().splitlines()]
     assert [r["set"] for r in records] == ["identity"] * 10 + ["retention"] * 10 + ["new"] * 10
-    assert 0 < sum(r["correct"] for r in records[:20]) < 20  # both kinds of item among the copied ones
+    for copied in (records[:10], records[10:20]):  # both kinds of item in each copied set
+        assert 0 < sum(r["correct"] for r in copied) < 10, copied
+    assert "logprobs" in records[10]  # retention: a choice set's records
     assert "base_accuracy" in json.loads((day1.folder("evaluate") / "manifest.json").read_text())[
         "metrics"]["sets"]["identity"] and "base_accuracy" not in r_metrics["sets"]["identity"]
     print(f"\nchampion stage: {fresh.seconds:.2f} s scoring 3 sets, {reused.seconds:.2f} s reusing 2 of them")
@@ -121,13 +136,13 @@ def test_a_set_whose_scoring_changed_is_scored_and_the_others_reused(days):
     from stages.pipeline import plan, run_stage
     tmp, raw2, day1, _ = days
     raw3 = json.loads(json.dumps(raw2))
-    raw3["eval"]["sets"]["retention"]["scorer"] = "contains"  # not how v1's evaluate scored it
+    raw3["eval"]["sets"]["identity"]["scorer"] = "contains"  # not how v1's evaluate scored it
     day3 = plan(config_from_dict(raw3))
     run_stage(day3, "prepare_eval", on_line=lambda _: None)
     _fresh_start(day3)
     _, _, _, manifest = _outcome(_run(day3, "champion"))
     assert {n: s["from"] for n, s in manifest["set_sources"].items()} == {
-        "identity": "evaluate", "retention": "scored", "new": "scored"}
+        "identity": "scored", "retention": "evaluate", "new": "scored"}
     # and a second run reads all three from its own pieces
     lines: list[str] = []
     shutil.rmtree(day3.folder("champion"))
