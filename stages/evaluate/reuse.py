@@ -7,11 +7,11 @@ What a set's score depends on besides the model is its scoring key (`stages/pipe
 are prepared, the scoring config of `eval` and `eval.sets.<set>`, the scorer's source, the resolved
 precision, the evaluate code). evaluate records each set's key with the numbers it scored
 (`scoring_record`, in its manifest's `scoring`); a set is reused when an evaluate folder of the
-champion's training (`model: trained`, its `train_fingerprint`) holds today's key for it and asked
-the same prompts and references today's prepared rows ask (`eval_sets`), read from the same rows (each
-record's `source`). Folders written before
-keys were recorded are never reused. The copied prediction lines are evaluate's own, byte for byte
-(tests/test_champion_reuse.py compares them with a fresh scoring).
+champion's training (`model: trained`, its `train_fingerprint`) holds today's key for it, asked the
+same prompts and references today's prepared rows ask (`eval_sets`) and read them from the same rows
+(each record's `source`). Folders written before keys were recorded are never reused. The copied
+prediction lines are evaluate's own, byte for byte (tests/test_champion_reuse.py compares them with a
+fresh scoring).
 
 `SFTFLOW_CHAMPION_REUSE=0` turns it off (the test's fresh scoring). Torch-free.
 """
