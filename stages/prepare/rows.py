@@ -35,8 +35,9 @@ class Options:
     @classmethod
     def from_config(cls, cfg: SFTConfig) -> "Options":
         d = cfg.data
-        return cls(dict(d.columns), d.loss_on, d.truncation, d.max_length,
-                   d.val_fraction if not d.val_data_paths else 0.0)
+        # with data.val_data_paths, train's files are split "train" and only a mixture's other sources
+        # ("auto") hold out by it (stage.plan_sources)
+        return cls(dict(d.columns), d.loss_on, d.truncation, d.max_length, d.val_fraction)
 
 
 @dataclass
