@@ -195,7 +195,8 @@ class BestCheck:
             v = guard_values[key]
             worse = self._worse_by(key, v)
             if not worse <= max_drop:  # a NaN breaks it
-                return f"{key} {v:.6g} is {worse:.4g} worse than the start's {self.start[key]:.6g} (max_drop {max_drop:g})"
+                return (f"{key} {v:.6g} is {worse:.4g} worse than the start's {self.start[key]:.6g} "
+                        f"(max_drop {max_drop:g})")
         return None
 
     def observe(self, step: int, value: float, guard_values: dict[str, float] | None = None) -> bool:
