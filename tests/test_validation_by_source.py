@@ -250,3 +250,92 @@ def test_validation_scores_each_source_as_a_naive_loop_does(tmp_path, one_proces
     assert got["val_token_accuracy/rehearse"] == 1.0 and got["val_token_accuracy/train"] < 0.2
     assert not any(k.endswith("/replay") for k in got)  # a source without held-out rows reports nothing
     assert model.training  # validation hands the model back in training mode
+
+
+# --------------------------------------------------------------------------- torchrun (slow)
+
+# lr 0.2 (warmup 4) makes the tiny model's loss on the extra source's held-out rows jump above the
+# start's (6.54) by more than 1 at steps 4, 5 and 7 (measured: 4.94 6.18 6.08 9.89 10.22 7.15 11.50),
+# while its token accuracy on train's held-out rows peaks at step 1 (0.114) and patience 6 stops at 7.
+GUARDED = dict(runner={"max_epochs": 3, "max_steps": 12, "val_check_interval": 1, "save_interval": 1,
+                       "keep_checkpoints": 20, "early_stopping_patience": 6, "load_best_model_at_end": True,
+                       "metric_for_best_model": "val_token_accuracy/train",
+                       "best_model_guard": {"source": "extra", "metric": "val_loss", "max_drop": 1.0}},
+               actor={"optim": {"lr": 0.2, "warmup": 4}})
+
+
+def the_rule_by_hand(folder: Path, start_acc: float, start_extra: float, max_drop: float, patience: int) -> dict:
+    """The shipping rule, applied by hand to the metrics the run logged: the best val_token_accuracy/train
+    among the start and the checks whose val_loss/extra is within max_drop of the start's; patience
+    counts the trained checks that did not improve on it."""
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    best, best_step, since, rejected, stopped = start_acc, 0, 0, [], None
+    for r in rows:
+        if r["val_loss/extra"] - start_extra > max_drop:
+            rejected.append(r["step"])
+            since += 1
+        elif r["val_token_accuracy/train"] > best:
+            best, best_step, since = r["val_token_accuracy/train"], r["step"], 0
+        else:
+            since += 1
+        if since >= patience:
+            stopped = r["step"]
+            break
+    return {"shipped_step": best_step, "best_metric": best, "rejected_steps": rejected, "stopped_at": stopped}
+
+
+@pytest.mark.slow
+def test_a_guarded_run_killed_twice_resumes_to_the_same_choice_and_weights(tmp_path):
+    import re
+
+    from test_early_stopping import checkpoint_weights
+    from test_train_core import train
+    from test_train_core import weights as exported
+
+    from stages.train import TrainingFailed
+    rows = demo_rows("eval.jsonl", 40)[::-1]
+    (tmp_path / "whole").mkdir()
+    (tmp_path / "killed").mkdir()
+    whole = Path(train(mixed(tmp_path / "whole", rows, **GUARDED)[0]).path)
+    runtime = json.loads((whole / "runtime.json").read_text())
+    log = (whole / "train.log").read_text()
+    start = re.search(r"check at step 0: val_token_accuracy/train (\S+); the start's val_loss/extra (\S+)", log)
+    assert runtime["guard_start"] == {"val_loss/extra": pytest.approx(float(start[2]), rel=1e-5)}
+    want = the_rule_by_hand(whole, float(start[1]), runtime["guard_start"]["val_loss/extra"], 1.0, 6)
+    assert want["rejected_steps"] and want["stopped_at"] is not None  # the guard and patience both acted
+    assert runtime["best_metric"] == pytest.approx(want.pop("best_metric"), rel=1e-12)
+    assert {k: runtime[k] for k in want} == want
+    assert runtime["shipped_start"] is (want["shipped_step"] == 0)
+    # visible: every rejection and the choice in train.log, the manifest, the MLflow run
+    assert "validation: " in log and "held-out rows, scored per source: train " in log
+    for step in want["rejected_steps"]:
+        assert re.search(rf"check at step {step}: .*, not eligible: val_loss/extra \S+ is \S+ worse than the "
+                         r"start's", log)
+    assert re.search(rf"shipping step {want['shipped_step']}: val_token_accuracy/train \S+, best of \d+ checks; "
+                     rf"\d+ of \d+ checks kept val_loss/extra within 1 of the start's", log)
+    manifest = json.loads((whole / "manifest.json").read_text())
+    assert manifest["metrics"]["shipped_step"] == want["shipped_step"]
+    assert [m["source"] for m in manifest["held_out"]] == ["train", "extra"]
+    from mlflow.tracking import MlflowClient
+    cfg_whole = mixed(tmp_path / "whole", rows, **GUARDED)[0]
+    run = MlflowClient(cfg_whole.resolved_tracking_uri).get_run(manifest["mlflow_run_id"])
+    assert run.data.tags["sftflow.shipped_step"] == str(want["shipped_step"])
+    assert run.data.params["runtime.rejected_steps"] == str(want["rejected_steps"])
+    # the exported weights are the loop's at the shipped step
+    got, at_best = exported(whole), checkpoint_weights(whole, want["shipped_step"])
+    assert all(torch.equal(got[k], at_best[k]) for k in got)
+
+    # killed after the first checkpoint (the start's values come back from its state, not a new check)
+    # and while saving a rejected check's step; the resumed run decides and ships the same
+    cfg = mixed(tmp_path / "killed", rows, **GUARDED)[0]
+    p = plan(cfg)
+    for fault in ("after_save:1", "save:5"):
+        with pytest.raises(TrainingFailed, match="killed by SIGKILL|training failed"):
+            train(cfg, {"SFTFLOW_FAULT": fault}, p)
+    done = Path(train(cfg, p=p).path)
+    log = (done / "train.log").read_text()
+    assert log.count("check at step 0:") == 1  # the start was validated once, before the first kill
+    assert json.loads((done / "runtime.json").read_text()) == runtime
+    theirs = exported(done)
+    assert theirs.keys() == got.keys()
+    assert max((theirs[k] - got[k]).abs().max().item() for k in got) <= 1e-6
