@@ -19,6 +19,7 @@ from stages.chatdata.shards import read_shards
 from stages.core.config import ConfigError, RunnerConfig, load_config
 from stages.core.config.fields import hashed
 from stages.pipeline import plan, run_stage
+from stages.pipeline.show import validation_report
 from stages.runtime.validation import BestCheck
 
 FRACTION = 0.25
@@ -51,9 +52,15 @@ def test_each_source_holds_out_its_share_by_content_whatever_the_order(tmp_path)
     (tmp_path / "a").mkdir()
     cfg, extra = mixed(tmp_path / "a", rows)
     p = plan(cfg)
+    before = validation_report(p)  # `sftflow show`: the rule applied to the files
     run_stage(p, "prepare", on_line=lambda line: None)
     folder = p.folder("prepare")
     manifest = json.loads((folder / "manifest.json").read_text())
+    after = validation_report(plan(cfg))  # prepare's count
+    assert before["held_out"] == after["held_out"] == [
+        {"source": m["source"], "rule": "0.25 by content hash", "rows": m["rows"]} for m in manifest["val_mix"]]
+    assert after["line"].startswith(f"validation: {sum(m['rows'] for m in manifest['val_mix'])} held-out rows, "
+                                    "scored per source: train ")
     train_lines = Path(cfg.data.train_data_paths[0]).read_text().splitlines()
     extra_lines = extra.read_text().splitlines()
     want = {"train": sum(map(held_by_rule, train_lines)), "extra": sum(map(held_by_rule, extra_lines))}

@@ -14,6 +14,8 @@ show` can compute the counts without torch.
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 # keeps a source's shuffles apart from the epoch's own (rng([seed, epoch])) and from other sources'
@@ -87,3 +89,26 @@ def held_out_line(val_mix: list[dict], val_fraction: float, val_files: bool) -> 
     total = sum(m["rows"] for m in val_mix)
     parts = [f"{m['source']} {m['rows']} ({held_out_rule(m['source'], val_fraction, val_files)})" for m in val_mix]
     return f"validation: {total} held-out rows, scored per source: " + ", ".join(parts)
+
+
+def held_out(content_key: bytes, fraction: float) -> bool:
+    """Whether a row is held out for validation: the first 8 bytes of the BLAKE2b digest of its content
+    (chatdata.readers.row_content_key: a JSONL line's stripped bytes) fall below fraction x 2^64. By
+    content, so a row stays on its side when rows are added, removed or reordered, and a file rehearsed
+    later holds out the rows it held out the day it was new (at the same fraction)."""
+    h = hashlib.blake2b(content_key, digest_size=8).digest()
+    return int.from_bytes(h, "big") < fraction * 2**64
+
+
+def count_held_out(refs: list, fraction: float) -> int | None:
+    """Rows of local files `refs` that `held_out` keeps out, before prepare's quarantine; None when one
+    is not a local file (a hub dataset, an answers file not written yet)."""
+    from pathlib import Path
+
+    from stages.chatdata.readers import iter_records, row_content_key
+    n = 0
+    for ref in refs:
+        if str(ref).startswith("hf:") or not Path(ref).exists():
+            return None
+        n += sum(held_out(row_content_key(rec), fraction) for _, rec in iter_records(Path(ref)))
+    return n
