@@ -121,10 +121,9 @@ def validation_report(p: Plan) -> dict | None:
 def _held_out_now(cfg: SFTConfig, source: str) -> int | None:
     """A source's held-out rows by the rule, counted in its files; None where they can't be read yet."""
     from ..core.config import REHEARSE, mix_split
-    from ..runtime.mixture import count_held_out
     d = cfg.data
     if source == "train" and d.val_data_paths:
-        return count_held_out(cfg.inputs()["val"], 1.0)  # every row of the val files
+        return _count_held_out(cfg.inputs()["val"], 1.0)  # every row of the val files
     if d.val_fraction <= 0:
         return 0
     if source == "train":
@@ -135,4 +134,19 @@ def _held_out_now(cfg: SFTConfig, source: str) -> int | None:
         refs = cfg.inputs()[mix_split(source)]
     else:  # replay: the replay stage's answers, written when it runs
         return None
-    return count_held_out(refs, d.val_fraction)
+    return _count_held_out(refs, d.val_fraction)
+
+
+def _count_held_out(refs: list, fraction: float) -> int | None:
+    """Rows of local files `refs` that `runtime.mixture.held_out` keeps out, before prepare's quarantine;
+    None when one is not a local file (a hub dataset, an answers file not written yet)."""
+    from pathlib import Path
+
+    from ..chatdata.readers import iter_records, row_content_key
+    from ..runtime.mixture import held_out
+    n = 0
+    for ref in refs:
+        if str(ref).startswith("hf:") or not Path(ref).exists():
+            return None
+        n += sum(held_out(row_content_key(rec), fraction) for _, rec in iter_records(Path(ref)))
+    return n

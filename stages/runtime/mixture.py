@@ -99,16 +99,3 @@ def held_out(content_key: bytes, fraction: float) -> bool:
     h = hashlib.blake2b(content_key, digest_size=8).digest()
     return int.from_bytes(h, "big") < fraction * 2**64
 
-
-def count_held_out(refs: list, fraction: float) -> int | None:
-    """Rows of local files `refs` that `held_out` keeps out, before prepare's quarantine; None when one
-    is not a local file (a hub dataset, an answers file not written yet)."""
-    from pathlib import Path
-
-    from stages.chatdata.readers import iter_records, row_content_key
-    n = 0
-    for ref in refs:
-        if str(ref).startswith("hf:") or not Path(ref).exists():
-            return None
-        n += sum(held_out(row_content_key(rec), fraction) for _, rec in iter_records(Path(ref)))
-    return n
