@@ -14,12 +14,16 @@ keeps the quarantined rows. A reused folder is gated on its manifest's counts (r
 
 Output folder:
     train/shard-*.arrow, val/shard-*.arrow   prepared rows (see stages/chatdata/shards.py); val only when
-                                             data.val_data_paths or data.val_fraction asks for it
+                                             data.val_data_paths or data.val_fraction asks for it: the
+                                             `train` source's held-out rows
+    heldout/<source>/shard-*.arrow           with a mixture and data.val_fraction, each other source's
+                                             held-out rows (docs/data.md, "Validation by source")
     eval/<set>/shard-*.arrow                 each named eval set (eval.sets), rows as in val
     quarantine.jsonl                         every row not kept: file, line, split, reason, detail, raw
     preview.txt                              the first samples, trainable spans in [[...]]
     manifest.json                            sources (each with its rows read, kept and dropped by reason),
-                                             counts by split and reason, tokens, trainable tokens
+                                             counts by split and reason, tokens, trainable tokens, the
+                                             mixture's rows per source (`mix`) and held-out rows (`val_mix`)
 """
 
 from __future__ import annotations

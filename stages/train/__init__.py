@@ -7,7 +7,8 @@ Output folder:
     train.log            torchrun's output
     runtime.json         what the workers resolved `auto` to (attention kernel, precision, device), also
                          in the manifest's `runtime` and the MLflow params `runtime.*`; with early stopping
-                         or best-checkpoint selection also the step that shipped and why (`shipped_step`)
+                         or best-checkpoint selection also the step that shipped and why (`shipped_step`;
+                         with runner.best_model_guard the start's values and each check's verdict)
     spec.json            exactly what the workers were given (`WorkerSpec`)
 
 The stage opens the model's MLflow run before torchrun starts, so rank 0 logs into it live
