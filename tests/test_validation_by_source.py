@@ -346,3 +346,15 @@ def test_a_guarded_run_killed_twice_resumes_to_the_same_choice_and_weights(tmp_p
     theirs = exported(done)
     assert theirs.keys() == got.keys()
     assert max((theirs[k] - got[k]).abs().max().item() for k in got) <= 1e-6
+
+
+def test_a_watched_source_without_held_out_rows_stops_before_torchrun(tmp_path):
+    from test_train_core import train
+    cfg, _ = mixed(tmp_path, demo_rows("eval.jsonl", 40), with_val_files=True,
+                   runner={"val_check_interval": 1, "load_best_model_at_end": True,
+                           "best_model_guard": {"source": "extra", "max_drop": 0.1}})
+    cfg.data.val_fraction = 0.0  # val files for train, nothing held out of extra
+    with pytest.raises(ConfigError, match=r"runner.best_model_guard: val_loss/extra needs held-out rows of the source "
+                                          r"'extra'; held out: train 12, extra 0"):
+        train(cfg)
+    assert not list(cfg.artifacts_path.joinpath("train").glob("*/train.log"))
