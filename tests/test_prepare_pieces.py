@@ -115,8 +115,13 @@ def test_prepare_after_a_new_file_equals_a_prepare_from_scratch(tmp_path, tokeni
     dropped = {r: n for split in m["splits"].values() for r, n in split["dropped"].items()}  # by hash, either split
     assert dropped == {"malformed_json": 1, "missing_key": 1, "unknown_role": 1}
     assert [q["line"] for q in map(json.loads, (after / "quarantine.jsonl").read_text().splitlines())] == [4, 31, 62]
-    assert m["mix"] == [{"source": "train", "rows": m["metrics"]["train_rows_kept"] - 30},
-                        {"source": "extra", "rows": 30}]
+    # the mixture source holds out its own share by hash too (docs/data.md, "Validation by source"), in
+    # heldout/extra/: its 30 rows are split between training and there
+    held = {v["source"]: v["rows"] for v in m["val_mix"]}
+    assert 0 < held["extra"] < 30 and (after / "heldout" / "extra").is_dir()
+    assert m["mix"] == [{"source": "train", "rows": m["metrics"]["train_rows_kept"] - (30 - held["extra"])},
+                        {"source": "extra", "rows": 30 - held["extra"]}]
+    assert held["train"] == m["splits"]["val"]["rows_kept"]
     assert (after / "preview.txt").read_text().startswith(f"--- {A}:")
 
 

@@ -244,6 +244,10 @@ def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg
                   f"{launch['attn_implementation'] or '-'}" + (f" ({escape(dev['note'])})" if dev["note"] else ""),
                   highlight=False)
     console.print(f"evaluation runs {escape(launch['eval_launch'])}", highlight=False)
+    if launch["validation"]:  # the held-out rows of each source, and the rule that picks the step that ships
+        v = launch["validation"]
+        console.print(escape(v["line"]) + (f"; checks {escape(v['selection'])}" if v["selection"] else ""),
+                      highlight=False)
     _memory_table(p)
     if launch["refused"]:
         err.print(f"[bold red]would not launch:[/] {escape(launch['refused'])}", highlight=False, soft_wrap=True)

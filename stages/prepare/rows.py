@@ -4,7 +4,6 @@ only (not the stage's, with its config and shard writers), so it is ready sooner
 
 from __future__ import annotations
 
-import hashlib
 import json
 import multiprocessing as mp
 from collections import deque
@@ -12,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
 from stages.chatdata.readers import RowError, parse_record, plain, row_content_key, to_conversations
+
+from stages.runtime.mixture import held_out
 
 from .masking import Renderer, assistant_spans, encode_texts, finish, mask_from_encoding
 
@@ -35,8 +36,9 @@ class Options:
     @classmethod
     def from_config(cls, cfg: SFTConfig) -> "Options":
         d = cfg.data
-        return cls(dict(d.columns), d.loss_on, d.truncation, d.max_length,
-                   d.val_fraction if not d.val_data_paths else 0.0)
+        # with data.val_data_paths, train's files are split "train" and only a mixture's other sources
+        # ("auto") hold out by it (stage.plan_sources)
+        return cls(dict(d.columns), d.loss_on, d.truncation, d.max_length, d.val_fraction)
 
 
 @dataclass
@@ -70,11 +72,6 @@ def _init_worker(opts: Options, backend, renderer: Renderer) -> None:
     _WORKER.update(opts=opts, backend=backend, renderer=renderer)
 
 
-def _held_out(record: Any, fraction: float) -> bool:
-    h = hashlib.blake2b(row_content_key(record), digest_size=8).digest()
-    return int.from_bytes(h, "big") < fraction * 2**64
-
-
 def _raw_text(record: Any) -> str:
     text = (record.decode("utf-8", "replace") if isinstance(record, bytes)
             else json.dumps(record, ensure_ascii=False, default=str))
@@ -89,7 +86,7 @@ def process_chunk(chunk: list[tuple[str, str, str, int, Any]]) -> list[Item]:
     texts, pending = [], []
     for split, fmt, file, line, record in chunk:
         if split == "auto":
-            split = "val" if _held_out(record, opts.val_fraction) else "train"
+            split = "val" if held_out(row_content_key(record), opts.val_fraction) else "train"
         try:
             convs = to_conversations(parse_record(record), fmt, opts.file_columns.get(file, opts.columns))
         except RowError as e:

@@ -14,12 +14,16 @@ keeps the quarantined rows. A reused folder is gated on its manifest's counts (r
 
 Output folder:
     train/shard-*.arrow, val/shard-*.arrow   prepared rows (see stages/chatdata/shards.py); val only when
-                                             data.val_data_paths or data.val_fraction asks for it
+                                             data.val_data_paths or data.val_fraction asks for it: the
+                                             `train` source's held-out rows
+    heldout/<source>/shard-*.arrow           with a mixture and data.val_fraction, each other source's
+                                             held-out rows (docs/data.md, "Validation by source")
     eval/<set>/shard-*.arrow                 each named eval set (eval.sets), rows as in val
     quarantine.jsonl                         every row not kept: file, line, split, reason, detail, raw
     preview.txt                              the first samples, trainable spans in [[...]]
     manifest.json                            sources (each with its rows read, kept and dropped by reason),
-                                             counts by split and reason, tokens, trainable tokens
+                                             counts by split and reason, tokens, trainable tokens, the
+                                             mixture's rows per source (`mix`) and held-out rows (`val_mix`)
 """
 
 from __future__ import annotations
@@ -77,7 +81,13 @@ class Source:
     columns: dict | None = None  # its own data.columns (a mixture source's), else data.columns
 
 
-PARTS = ("train", "eval")  # prepare: what trains (train, val); prepare_eval: the named eval sets
+PARTS = ("train", "eval")
+
+
+def heldout_split(source: str) -> str:
+    """The folder of a mixture source's held-out rows (the `train` source's are `val`)."""
+    return f"heldout/{source}"
+  # prepare: what trains (train, val); prepare_eval: the named eval sets
 
 
 def splits_of(cfg: SFTConfig, part: str = "train") -> list[str]:
@@ -112,18 +122,21 @@ def plan_sources(cfg: SFTConfig, part: str = "train", replay_file: str | None = 
             add(inputs[eval_split(name)], eval_split(name), "choice" if s.mode == "choice" else d.format, kind="val")
         return out
     add(inputs["train"], "auto" if not d.val_data_paths and d.val_fraction > 0 else "train", d.format)
-    add(inputs["val"], "val", d.format, kind="val")
+    add(inputs["val"], "val", d.format, kind="val")  # the validation rows of `train`, the new rows
+    # every other source of a mixture holds out its own share by content hash (docs/data.md, "Validation
+    # by source"): what validation scores per source, e.g. whether the rehearsed rows are still known
+    held = "auto" if d.val_fraction > 0 else "train"
     for name in mix_order(cfg)[1:]:
         if name == "replay":
             if replay_file is None:
                 raise StageError("prepare: data.mix.replay needs the replay stage's answers; run the replay stage")
-            add([replay_file], "train", "messages", name)
+            add([replay_file], held, "messages", name)
         elif name == REHEARSE:  # each file as its version read it
             for e in cfg.rehearsal_files:
-                out.append(Source(e["ref"], "train", e["format"], name, e.get("columns")))
+                out.append(Source(e["ref"], held, e["format"], name, e.get("columns")))
         else:
             m = d.mix[name]
-            add(inputs[mix_split(name)], "train", m.format or d.format, name, m.columns)
+            add(inputs[mix_split(name)], held, m.format or d.format, name, m.columns)
     return out
 
 
@@ -369,16 +382,23 @@ def _assemble(cfg: SFTConfig, fp: str, model_path: str, part: str, stage: str, s
     build.started = started  # the manifest's `seconds`: the whole stage, pieces included
     writers = {s: ShardWriter(build.partial / s, d.shard_rows) for s in splits_of(cfg, part)}
     stats = {s: SplitStats() for s in writers}
+    # the held-out rows of a mixture's other sources: a folder each beside val/ (train's, which evaluate
+    # also scores), validated per source during training (manifest `val_mix`)
+    others = {src.mix for src in sources if src.split == "auto" and src.mix != "train"} if part == "train" else set()
+    heldout = {m: ShardWriter(build.partial / heldout_split(m), d.shard_rows) for m in sorted(others)}
     mixed = Counter()  # kept train rows per mixture source
+    held = Counter()  # kept val rows per mixture source (the val split holds them source after source)
     mix_of = {s.ref: s.mix for s in sources}
     preview: list[str] = []
     with open(build.partial / "quarantine.jsonl", "wb") as quarantine:
         for src, piece in zip(sources, pieces):
             piece.copy_quarantine(quarantine)
             for split in piece.splits:
-                stats[split].add(piece.stats(split))
+                to = heldout[src.mix] if split == "val" and src.mix in heldout else writers[split]
+                if to is writers[split]:
+                    stats[split].add(piece.stats(split))
                 for batch in piece.batches(split):
-                    writers[split].add_batch(batch)
+                    to.add_batch(batch)
                     if split == "train" and len(preview) < PREVIEW_SAMPLES:
                         first = batch.slice(0, PREVIEW_SAMPLES - len(preview))
                         for source, ids, mask in zip(*(first.column(c).to_pylist()
@@ -386,7 +406,10 @@ def _assemble(cfg: SFTConfig, fp: str, model_path: str, part: str, stage: str, s
                             preview.append(f"--- {source}\n{render_preview(tokenizer, ids, mask)}\n")
             if "train" in piece.splits:
                 mixed[mix_of[src.ref]] += piece.splits["train"]["rows_kept"]
+            if "val" in piece.splits:
+                held[mix_of[src.ref]] += piece.splits["val"]["rows_kept"]
     shards = {s: w.close() for s, w in writers.items()}
+    heldout_shards = {m: w.close() for m, w in heldout.items()}
     (build.partial / "preview.txt").write_text("".join(preview), encoding="utf-8")
     for split, st in stats.items():
         if st.rows_kept == 0:
@@ -396,14 +419,19 @@ def _assemble(cfg: SFTConfig, fp: str, model_path: str, part: str, stage: str, s
     empty = [m["source"] for m in mix if m["rows"] == 0]
     if empty:
         raise StageError(f"{stage}: data.mix.{empty[0]} has no usable rows; see {build.partial / 'quarantine.jsonl'}")
+    val_mix = [{"source": m["source"], "rows": held[m["source"]],
+                "dir": "val" if m["source"] == "train" else heldout_split(m["source"]),
+                **({"shards": heldout_shards[m["source"]]} if m["source"] in heldout else {})}
+               for m in mix] if "val" in writers else []
     splits = {s: {**st.to_dict(), "shards": shards[s]} for s, st in stats.items()}
     metrics = {f"{s}_{k}": v for s, st in splits.items() for k, v in st.items()
                if isinstance(v, int) and s in ("train", "val")}  # named eval sets: in `splits`
     metrics.update({f"mix_{m['source']}_rows": m["rows"] for m in mix})
+    metrics.update({f"val_mix_{m['source']}_rows": m["rows"] for m in val_mix})
     if part == "eval":  # every named set's rows (each set's counts: in `splits`)
         metrics.update(rows_kept=sum(st.rows_kept for st in stats.values()),
                        rows_dropped=sum(sum(st.dropped.values()) for st in stats.values()))
-    build.commit({"metrics": metrics, "splits": splits, "model_path": model_path, "mix": mix,
+    build.commit({"metrics": metrics, "splits": splits, "model_path": model_path, "mix": mix, "val_mix": val_mix,
                   "sources": [_source_entry(s, p) for s, p in zip(sources, pieces)],
                   "inputs": {s: [x.ref for x in sources
                                  if x.split == s or (x.split == "auto" and s in ("train", "val"))]

@@ -14,6 +14,8 @@ show` can compute the counts without torch.
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 # keeps a source's shuffles apart from the epoch's own (rng([seed, epoch])) and from other sources'
@@ -70,3 +72,30 @@ def summary_line(rows: list[dict]) -> str:
     parts = [f"{r['source']} {r['per_epoch']} ({100 * r['per_epoch'] / max(total, 1):.0f}%, "
              f"{r['rows']} rows x{r['passes']:g})" for r in rows]
     return f"mixture: {total} samples per epoch: " + ", ".join(parts)
+
+
+def held_out_rule(source: str, val_fraction: float, val_files: bool) -> str:
+    """How a source's validation rows are chosen (docs/data.md, "Validation by source"): the `train`
+    source's are data.val_data_paths when given; every other source's, and train's without them, are
+    the rows whose content hash falls in data.val_fraction."""
+    if source == "train" and val_files:
+        return "data.val_data_paths"
+    return f"{val_fraction:g} by content hash" if val_fraction > 0 else "none held out"
+
+
+def held_out_line(val_mix: list[dict], val_fraction: float, val_files: bool) -> str:
+    """One line for train.log and `sftflow show`: the held-out rows of each mixture source and how they
+    were chosen."""
+    total = sum(m["rows"] for m in val_mix)
+    parts = [f"{m['source']} {m['rows']} ({held_out_rule(m['source'], val_fraction, val_files)})" for m in val_mix]
+    return f"validation: {total} held-out rows, scored per source: " + ", ".join(parts)
+
+
+def held_out(content_key: bytes, fraction: float) -> bool:
+    """Whether a row is held out for validation: the first 8 bytes of the BLAKE2b digest of its content
+    (chatdata.readers.row_content_key: a JSONL line's stripped bytes) fall below fraction x 2^64. By
+    content, so a row stays on its side when rows are added, removed or reordered, and a file rehearsed
+    later holds out the rows it held out the day it was new (at the same fraction)."""
+    h = hashlib.blake2b(content_key, digest_size=8).digest()
+    return int.from_bytes(h, "big") < fraction * 2**64
+

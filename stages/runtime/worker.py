@@ -54,13 +54,13 @@ from .distributed import choose_precision, local_device, log, precision_why
 from .saving.hf_export import export_model
 from .lora import adapters_off, lora_enabled
 from .loss import model_loss, reference_outputs
-from .mixture import describe, summary_line
+from .mixture import describe, held_out_line, summary_line
 from .packing import packs_exactly
 from .model_types import UnknownModelType, build_configured_model, get_model_builder
 from .reporting import PEAK_FLOPS, Reporter, epochs_done, samples_said
 from .schedule import lr_lambda
 from .sharding import Sharding, parallelize, reshard
-from .validation import BestCheck, validate
+from .validation import BestCheck, Joined, validate
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -78,6 +78,7 @@ class WorkerSpec(BaseModel):
     mix: list[dict] = []               # the mixture's sources in the train split's row order: {source, rows, weight}
     epoch_samples: int = 0             # > 0: a mixture epoch's samples (a warm start's, sized by its new rows)
     kl_rows_from: int = 0              # > 0: actor.kl_to_base holds only rows from here on (the earlier sources)
+    val_mix: list[dict] = []           # held-out rows per mixture source, in mixture order: {source, rows, dir}
 
     def write(self, path: Path) -> Path:
         path.write_text(self.model_dump_json(indent=2))
@@ -239,10 +240,12 @@ class SFTWorker:
                            ce_sum=sums.ce.detach() if dft else None)
 
     def get_eval_model_output(self, batch: dict) -> dict:
-        """A dict of summable numbers: `loss_sum` and `n_tokens` (the validation loss), and when the
-        model counts them `correct` and `total` (the accuracy); any other key is summed too."""
-        loss_sum, n_tokens = self._token_loss_sum(batch)
-        return {"loss_sum": loss_sum, "n_tokens": n_tokens}
+        """A dict of summable numbers: `loss_sum` and `n_tokens` (the validation loss), `token_correct`
+        (trained tokens whose argmax is the label: the replies' teacher-forced token accuracy), and when
+        the model counts them `correct` and `total` (the accuracy); any other key is summed too."""
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        sums = model_loss(self.model, inputs, batch["labels"], accuracy=True)
+        return {"loss_sum": sums.ce, "n_tokens": sums.n_tokens, "token_correct": sums.correct}
 
     def add_eval_output(self, sums: dict[str, float], out) -> None:
         """Adds what get_eval_model_output returned into `sums` (the evaluate stage sums with it too)."""
@@ -265,19 +268,30 @@ class SFTWorker:
         return {**self.train_ds[i], "kl": i >= self.spec.kl_rows_from}
 
     def validate(self) -> dict:
-        """`val_loss`, `val_tokens` (and `val_accuracy`) over the validation set; {} without one."""
+        """`val_loss`, `val_tokens`, `val_token_accuracy` (and `val_accuracy`) over the validation set,
+        with a mixture also per source (`val_loss/<source>`, ...: validation.validate); {} without one."""
         return validate(self.model, self.val_ds, lambda samples: self.get_eval_model_output(self.collate(samples)),
                         self._hook("get_eval_model_output"), self.cfg.actor.micro_batch_size, self.rank, self.world,
-                        self.device, self.fsdp)
+                        self.device, self.fsdp, [m for m in self.spec.val_mix if m["rows"]] or None)
 
     def _observe(self, selection: BestCheck, step: int, metrics: dict) -> None:
         """Counts a validation check; keeps its weights when it is the new best and they will ship.
-        The ranks' reduced sums should agree already; rank 0's value is broadcast so that whether to
+        The ranks' reduced sums should agree already; rank 0's values are broadcast so that whether to
         stop and what to keep can never differ between ranks by a rounding."""
-        value = torch.tensor([selection.value(metrics, self._hook("get_eval_model_output"))],
-                             dtype=torch.float64, device=self.device)
-        dist.broadcast(value, src=0)
-        if selection.observe(step, value.item()) and selection.load_best:
+        values = torch.tensor(selection.values(metrics, self._hook("get_eval_model_output")),
+                              dtype=torch.float64, device=self.device)
+        dist.broadcast(values, src=0)
+        value, *guarded = values.tolist()
+        guard_values = dict(zip(selection.keys()[1:], guarded))
+        best = selection.observe(step, value, guard_values if selection.guards else None)
+        if selection.guards:
+            broken = selection.rejected[-1]["guard"] if selection.rejected and selection.rejected[-1]["step"] == step \
+                else None
+            log(f"check at step {step}: {selection.metric} {value:.6g}"
+                + ("" if step == 0 else f" ({'the best so far' if best else 'not better'})" if broken is None
+                   else f", not eligible: {broken}")
+                + ("; the start's " + ", ".join(f"{k} {v:.6g}" for k, v in guard_values.items()) if step == 0 else ""))
+        if best and selection.load_best:
             self.checkpointer.save_best(step, self.model)
 
     # ------------------------------------------------------------------ main loop
@@ -292,6 +306,12 @@ class SFTWorker:
         if len(self.train_ds) == 0:  # 0 steps would export the base model as if it were trained
             raise StageError(f"no training samples in {self.spec.train_dir} ({self._hook('build_dataloader')})")
         self.val_ds = self.build_dataloader(self.spec.val_dir, eval_dataset=True) if self.spec.val_dir else None
+        if self.spec.val_mix and self.val_ds is not None:
+            # every source's held-out rows, one after another: validate scores each apart
+            self.val_ds = Joined([self.val_ds if m["dir"] == self.spec.val_dir else
+                                  self.build_dataloader(m["dir"], eval_dataset=True)
+                                  for m in self.spec.val_mix if m["rows"]])
+            log(held_out_line(self.spec.val_mix, self.cfg.data.val_fraction, bool(self.cfg.data.val_data_paths)))
         ones = np.ones(len(self.train_ds))  # a dataset without the arrays: every sample counts one
         self.sample_lengths = np.asarray(getattr(self.train_ds, "lengths", ones), dtype=np.int64)
         self.sample_trainable_tokens = np.asarray(getattr(self.train_ds, "trainable", ones), dtype=np.int64)
@@ -430,6 +450,10 @@ class SFTWorker:
                        "device": self.device.type, "packing": self.packing, "world_size": self.world}
             reporter.write_runtime(runtime)
             threads = follow_threads(torch.set_num_threads, log)  # the share of the cores other sftflow runs leave
+            if selection is not None and selection.needs_start and step == 0:
+                # the start's check (step 0): the guards' origin, and the candidate that ships when no
+                # trained check is eligible and better; redone by a resume from before the first checkpoint
+                self._observe(selection, 0, self.validate())
             while step < self.total_steps and (selection is None or selection.stopped_at is None):
                 t0 = time.perf_counter()
                 batch_idx = self.sampler.global_batch(pos)
@@ -473,11 +497,16 @@ class SFTWorker:
             raise ConfigError("runner.early_stopping_patience and runner.load_best_model_at_end need a validation "
                               "set: data.val_data_paths or data.val_fraction")
         selection.load_state_dict(self.checkpointer.state.get("selection"))
+        if selection.needs_start and selection.start is None and self.checkpointer.state:
+            raise ConfigError("runner.best_model_guard: the resumed checkpoint holds no start values (the step-0 "
+                              "check the guards are bounded by); runner.resume=never starts afresh")
         every = run.val_check_interval
         log(f"validation every {every} step{'s' if every > 1 else ''} watches {selection.metric}: "
             + (f"early stopping after {selection.patience} checks without an improvement above "
                f"{run.early_stopping_threshold:g}" if selection.patience else "no early stopping")
             + ("; the best check's weights ship" if selection.load_best else "; the last step's weights ship")
+            + ("" if not selection.guards else ", among the checks that keep " + " and ".join(
+                f"{k} within {d:g} of the start's (step 0)" for k, d in selection.guards))
             + (f" (resumed: {selection.checks} checks, best {selection.metric} {selection.best:.6g} at step "
                f"{selection.best_step})" if selection.best_step is not None else ""))
         return selection

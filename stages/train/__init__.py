@@ -7,7 +7,8 @@ Output folder:
     train.log            torchrun's output
     runtime.json         what the workers resolved `auto` to (attention kernel, precision, device), also
                          in the manifest's `runtime` and the MLflow params `runtime.*`; with early stopping
-                         or best-checkpoint selection also the step that shipped and why (`shipped_step`)
+                         or best-checkpoint selection also the step that shipped and why (`shipped_step`;
+                         with runner.best_model_guard the start's values and each check's verdict)
     spec.json            exactly what the workers were given (`WorkerSpec`)
 
 The stage opens the model's MLflow run before torchrun starts, so rank 0 logs into it live
@@ -57,6 +58,21 @@ def start_rank_ahead(cfg: SFTConfig, fp: str, model_type: str | None) -> Ahead |
     return start_ahead(cfg, partial_dir(cfg.artifacts_path, "train", fp) / SPEC, RANK_MODULE, warm_modules(model_type))
 
 
+def check_guarded_sources(cfg: SFTConfig, val_mix: list[dict]) -> None:
+    """Before torchrun: a per-source metric the runner watches needs held-out rows of that source."""
+    r = cfg.runner
+    if not (r.early_stopping_patience or r.load_best_model_at_end):
+        return
+    held = {m["source"]: m["rows"] for m in val_mix}
+    for key, what in [(r.metric_for_best_model, "runner.metric_for_best_model"),
+                      *((g.key, "runner.best_model_guard") for g in r.best_model_guard)]:
+        source = key.partition("/")[2]
+        if source and not held.get(source):
+            have = ", ".join(f"{s} {n}" for s, n in held.items()) or "no mixture"
+            raise ConfigError(f"{what}: {key} needs held-out rows of the source '{source}'; held out: {have} "
+                              "(data.val_fraction holds out each mixture source's share; docs/data.md)")
+
+
 class TrainingFailed(StageError):
     """torchrun or a worker failed; the message names the first cause found in the log."""
 
@@ -78,14 +94,19 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
         raise ConfigError("runner.early_stopping_patience and runner.load_best_model_at_end need a validation set: "
                           "data.val_data_paths or data.val_fraction")
     weights = cfg.mix_weights()
-    mix = [{**m, "weight": weights[m["source"]]} for m in read_manifest(Path(prepare_dir)).get("mix") or []]
+    prepared = read_manifest(Path(prepare_dir))
+    mix = [{**m, "weight": weights[m["source"]]} for m in prepared.get("mix") or []]
+    # each mixture source's held-out rows (prepare: val/ for train, heldout/<source>/ for the others)
+    val_mix = [{"source": m["source"], "rows": m["rows"], "dir": str(Path(prepare_dir) / m["dir"])}
+               for m in prepared.get("val_mix") or []] if val.is_dir() else []
+    check_guarded_sources(cfg, val_mix)
     # the KL holds the earlier sources' rows only: train's (the new ones) come first in the split
     kl_from = mix[0]["rows"] if cfg.rehearsal_files and cfg.data.rehearsal.kl_on == "earlier" and mix else 0
     total = (new_data_epoch([m["weight"] for m in mix], [m["rows"] for m in mix], cfg.data.rehearsal.passes)
              if cfg.rehearsal_files else None)
     spec = WorkerSpec(config=cfg, model_path=model_path, out_dir=str(build.partial),
                       train_dir=str(Path(prepare_dir) / "train"), val_dir=str(val) if val.is_dir() else None, mix=mix,
-                      epoch_samples=total or 0, kl_rows_from=kl_from)
+                      epoch_samples=total or 0, kl_rows_from=kl_from, val_mix=val_mix)
     spec_path = spec.write(build.partial / SPEC)
     metrics_file = build.partial / "metrics.jsonl"
     topology = f"topology: {cfg.actor.topology}"
@@ -120,8 +141,10 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
                "mean_tokens_per_s": sum(r["tokens_per_s"] for r in rows) / len(rows) if rows else None}
     metrics.update({f"mix_{m['source']}_per_epoch": m["per_epoch"] for m in mixture})
     if "shipped_step" in runtime:  # early stopping or best-checkpoint selection: which step's weights model/ holds
-        metrics.update({k: runtime[k] for k in ("shipped_step", "best_step", "best_metric", "stopped_at")})
+        metrics.update({k: runtime[k] for k in ("shipped_step", "best_step", "best_metric", "stopped_at",
+                                                "eligible_checks", "shipped_start") if k in runtime})
     build.commit({"metrics": metrics, "model_dir": str(build.final / "model"), "base_model": model_path,
                   "mixture": mixture, "topology": cfg.actor.topology,
+                  "held_out": [{k: m[k] for k in ("source", "rows")} for m in val_mix],
                   "prepare_dir": prepare_dir, "mlflow_run_id": mlflow_run_id, "runtime": runtime}, waited=waited)
     return metrics

@@ -36,7 +36,7 @@ from ..cache.inputs import expand_paths
 
 # The names of the sections' modules, importable from here as before this module was split:
 # `from stages.core.config import ...` is the one import for anything of the config.
-from .actor import LoraConfig, ModelConfig, OptimConfig  # noqa: F401
+from .actor import HIGHER_IS_BETTER, VAL_METRICS, BestModelGuard, LoraConfig, ModelConfig, OptimConfig  # noqa: F401
 from .fields import hashed, hashed_unless_default  # noqa: F401
 from .data import CANONICAL_FIELDS, FORMATS, MIX_BUILTIN, MixSource, RehearsalConfig  # noqa: F401
 from .eval import DEFAULT_ANSWER_PATTERN, HARNESS_KEYS, SCORER_NAMES, EvalSetConfig, _scorer_name  # noqa: F401

@@ -6,6 +6,7 @@ where the config is loaded (core/machine/topology.py says how many and why).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,6 +19,37 @@ from ..machine.topology import auto_nproc, describe
 # Its effect on results is the config values, which every fingerprint hashes as data; editing
 # a description here must not retrain anything.
 __fingerprint__ = False
+
+
+VAL_METRICS = ("val_loss", "val_token_accuracy", "val_accuracy")  # runtime/validation.py reports them
+HIGHER_IS_BETTER = ("val_token_accuracy", "val_accuracy")
+
+
+def _val_metric(v: str, key: str) -> str:
+    """A validation metric's name: one of VAL_METRICS, or `<metric>/<source>` (a mixture source's rows)."""
+    name, _, source = v.partition("/")
+    if name not in VAL_METRICS or ("/" in v and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", source)):
+        raise ValueError(f"{key}: '{v}' is not {', '.join(VAL_METRICS)}, nor one of them followed by "
+                         "/<mixture source> (e.g. val_token_accuracy/train)")
+    return v
+
+
+class BestModelGuard(_Section):
+    """A bound a check must keep to ship (`runner.best_model_guard`): its `metric` on the held-out rows
+    of `source` may be at most `max_drop` worse than at the start (step 0), e.g. what a warm start
+    rehearses must not be forgotten while the new rows are learned."""
+
+    source: str = Field(description="the mixture source whose held-out rows it watches: rehearse, replay, "
+                                    "train or a data.mix name")
+    metric: Literal["val_loss", "val_token_accuracy", "val_accuracy"] = Field(
+        "val_loss", description="the metric it bounds")
+    max_drop: float = Field(ge=0, description="how much worse than at the start it may get, in the metric's units "
+                                             "(a loss that rises, an accuracy that falls)")
+
+    @property
+    def key(self) -> str:
+        """The metric's name in validation's output."""
+        return f"{self.metric}/{self.source}"
 
 
 class RunnerConfig(_Section):
@@ -39,15 +71,37 @@ class RunnerConfig(_Section):
     resume: str = unhashed("auto", description="auto | never | <checkpoint path>")
     # Early stopping and best-checkpoint selection, under HF Trainer's names. Hashed only once set:
     # the fingerprints of configs that don't use them stay as they were.
-    metric_for_best_model: Literal["val_loss", "val_accuracy"] = hashed_unless_default(
+    metric_for_best_model: str = hashed_unless_default(
         "val_loss", description="the validation metric early stopping and load_best_model_at_end watch: val_loss "
-                                "(lower is better) or val_accuracy (higher; needs a worker that counts correct/total)")
+                                "(lower is better), val_token_accuracy (the replies' teacher-forced token accuracy; "
+                                "higher) or val_accuracy (higher; needs a worker that counts correct/total); "
+                                "`<metric>/<source>` watches one mixture source's held-out rows (val_loss/train)")
     early_stopping_patience: int = hashed_unless_default(
         0, ge=0, description="stop once this many validation checks in a row did not improve the metric; 0: off")
     early_stopping_threshold: float = hashed_unless_default(
         0.0, ge=0, description="min_delta: a check improves only when it beats the best by more than this")
     load_best_model_at_end: bool = hashed_unless_default(
         False, description="export the weights of the best validation check instead of the last step's")
+    best_model_guard: list[BestModelGuard] = hashed_unless_default(
+        [], description="checks eligible to ship: each guard's source metric within max_drop of its value at the "
+                        "start (step 0, validated before the first step); one guard or a list")
+
+    @field_validator("metric_for_best_model")
+    @classmethod
+    def _known_metric(cls, v: str) -> str:
+        return _val_metric(v, "runner.metric_for_best_model")
+
+    @field_validator("best_model_guard", mode="before")
+    @classmethod
+    def _one_guard_is_a_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, dict) else v
+
+    @model_validator(mode="after")
+    def _guard_needs_best(self) -> "RunnerConfig":
+        if self.best_model_guard and not self.load_best_model_at_end:
+            raise ValueError("runner.best_model_guard chooses which check ships: it needs "
+                             "runner.load_best_model_at_end: true")
+        return self
 
     @model_validator(mode="after")
     def _selection_needs_checks(self) -> "RunnerConfig":
