@@ -98,6 +98,7 @@ SPECIAL = {
     "actor.reshard_after_forward": True,
     "actor.init_from": "champion",
     "runner.resume": "never",
+    "runner.metric_for_best_model": "val_token_accuracy",
     "eval.scorer": "normalized",
     "eval.sets.a.scorer": "normalized",
     "eval.sets.b.scorer": "exact",
@@ -125,6 +126,8 @@ NOT_CHANGED = {
     "actor.worker": "a custom worker needs its code (tests/custom_model.py)",
     "actor.nnodes": "more nodes need a rendezvous endpoint (a config error)",
     "actor.node_rank": "a node rank needs nnodes > 1 (a config error)",
+    "runner.best_model_guard": "needs load_best_model_at_end (a config error alone); test_validation_by_source "
+                               "checks that it moves train",
     "eval.sets.a.mode": "a choice or harness set needs rows or a task of that kind",
     "eval.sets.b.mode": "a choice or harness set needs rows or a task of that kind",
 }
