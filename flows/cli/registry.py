@@ -77,7 +77,11 @@ def chat(question: Optional[str] = typer.Argument(None, help="the user message; 
         path = resolve_model_ref(pinned, uri)
     except ValueError as e:
         _fail(str(e))
-    m, tok = load(path, precision=cfg.actor.precision if cfg is not None else "auto")
+    try:  # a LoRA version loads as its base (by content: artifacts/bases/, else the MLflow store) + its adapter
+        m, tok = load(path, precision=cfg.actor.precision if cfg is not None else "auto",
+                      roots=(cfg.artifacts_path,) if cfg is not None else ())
+    except (ValueError, RuntimeError) as e:  # base.json unreadable, its base nowhere
+        _fail(f"{model}: {e}")
 
     def reply(turns: list[dict]) -> str:
         return generate(m, tok, [turns], max_new_tokens, batch_size=1)[0]["text"]

@@ -10,6 +10,7 @@ from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from stages.core.cache.bases import REF as BASE_REF
 from stages.core.errors import ConfigError
 
 from .run import TAG, reachable
@@ -155,7 +156,8 @@ def version_tags(tracking_uri: str, name: str, version: str) -> dict[str, str]:
 
 def download_model(ref: str, tracking_uri: str | None, dst_path: str | None = None) -> str:
     """The Hugging Face folder inside the logged model `ref` names, downloaded (into `dst_path` when
-    given, else a temporary folder)."""
+    given, else a temporary folder): a full model, or a LoRA version's adapter folder, whose base.json
+    names its base by content (stages/core/cache/bases.py; the loaders fetch it from the same store)."""
     import mlflow
     if tracking_uri:
         mlflow.set_tracking_uri(tracking_uri)
@@ -163,10 +165,10 @@ def download_model(ref: str, tracking_uri: str | None, dst_path: str | None = No
         local = Path(mlflow.artifacts.download_artifacts(ref, dst_path=dst_path))
     except Exception as e:  # noqa: BLE001 - unknown name/alias/version, unreachable server
         raise ValueError(f"{ref}: {str(e).splitlines()[0]}{alias_hint(ref)}") from None
-    found = next((p.parent for p in sorted(local.rglob("config.json"))
+    found = next((p.parent for p in sorted([*local.rglob("config.json"), *local.rglob(BASE_REF)])
                   if (p.parent / "tokenizer_config.json").is_file()), None)
     if found is None:
-        raise ValueError(f"{ref}: no Hugging Face model folder inside the logged model")
+        raise ValueError(f"{ref}: no Hugging Face model folder (nor LoRA adapter folder) inside the logged model")
     return str(found)
 
 

@@ -2,6 +2,9 @@
 
 Output folder:
     model/               the exported Hugging Face model (safetensors, tokenizer, chat template)
+    adapter/             LoRA (a model with a tokenizer: instead of model/): the adapter in peft's format,
+                         the tokenizer, generation config and `base.json`, the base it belongs to by content
+                         digest, stored once under artifacts/bases/ (stages/core/cache/bases.py)
     checkpoints/step_*/  DCP checkpoints (resume)
     metrics.jsonl        one row per optimizer step
     train.log            torchrun's output
@@ -21,7 +24,8 @@ from pathlib import Path
 from typing import Callable
 
 from stages.chatdata.shards import count_rows
-from stages.core.cache.artifacts import StageBuild, partial_dir, read_manifest
+from stages.core.cache import bases
+from stages.core.cache.artifacts import StageBuild, file_digest, partial_dir, read_manifest
 from stages.core.config import SFTConfig
 from stages.core.errors import ConfigError, StageError
 from stages.launch.ahead import Ahead
@@ -55,6 +59,23 @@ def start_rank_ahead(cfg: SFTConfig, fp: str, model_type: str | None) -> Ahead |
     """The one-process rank of the training with fingerprint `fp`, started before the stage runs
     (launch/ahead.py); None when it trains on more processes."""
     return start_ahead(cfg, partial_dir(cfg.artifacts_path, "train", fp) / SPEC, RANK_MODULE, warm_modules(model_type))
+
+
+def record_base(cfg: SFTConfig, model_path: str, adapter: Path) -> None:
+    """`adapter/base.json`: the node the adapter belongs to (the base model, or a warm start's LoRA version
+    as a chain), stored once under artifacts/bases/; `quantize`: QLoRA's record of how the base's weights
+    were transformed before training (None without it)."""
+    digest = bases.base_of_training(model_path, cfg.artifacts_path,
+                                    lambda f: file_digest(f, cfg.artifacts_path))
+    bases.write_ref(adapter, digest, quantize_record(cfg))
+
+
+def quantize_record(cfg: SFTConfig) -> dict | None:
+    """QLoRA's record of the base's transform (`stages.core.quantize.quantize_record`), None without it."""
+    if getattr(cfg.actor.lora, "quantize", None) is None:
+        return None
+    from stages.core.quantize import quantize_record as record  # QLoRA's module
+    return record(cfg)
 
 
 class TrainingFailed(StageError):
@@ -105,10 +126,13 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
             log_runtime_params(cfg, mlflow_run_id, {f"{m['source']}.{k}": m[k] for m in mixture
                                                     for k in ("rows", "per_epoch", "passes")}, on_line, prefix="mix.")
     rows = read_metrics_file(metrics_file)
-    if not (build.partial / "model").is_dir():
+    shipped = "model" if (build.partial / "model").is_dir() else "adapter"
+    if not (build.partial / shipped).is_dir():
         raise TrainingFailed(f"train: torchrun finished but exported no model in {build.partial / 'model'}")
+    if shipped == "adapter":
+        record_base(cfg, model_path, build.partial / "adapter")
     started = lineage.tags.get("sftflow.start", "base")
-    (build.partial / "model" / model_card.CARD).write_text(model_card.render(
+    (build.partial / shipped / model_card.CARD).write_text(model_card.render(
         cfg.registry.model_name, cfg.actor.model.model_path, {},
         "Trained from the base model." if started == "base" else f"Continued from `{started}`.",
         model_card.trained_on(cfg, prepare_dir, lineage.inputs), cfg.actor.lora.r > 0), encoding="utf-8")
@@ -121,7 +145,7 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
     metrics.update({f"mix_{m['source']}_per_epoch": m["per_epoch"] for m in mixture})
     if "shipped_step" in runtime:  # early stopping or best-checkpoint selection: which step's weights model/ holds
         metrics.update({k: runtime[k] for k in ("shipped_step", "best_step", "best_metric", "stopped_at")})
-    build.commit({"metrics": metrics, "model_dir": str(build.final / "model"), "base_model": model_path,
+    build.commit({"metrics": metrics, "model_dir": str(build.final / shipped), "base_model": model_path,
                   "mixture": mixture, "topology": cfg.actor.topology,
                   "prepare_dir": prepare_dir, "mlflow_run_id": mlflow_run_id, "runtime": runtime}, waited=waited)
     return metrics
