@@ -278,3 +278,23 @@ def test_a_base_reference_that_names_nothing_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="base.json: not a base reference"):
         load_merged(folder)
 
+
+
+@slow
+def test_export_merges_a_lora_folder_into_the_gguf_peft_s_merge_gives(day1, tmp_path):
+    """`export_gguf` of a LoRA train folder equals the export of the folder peft's merge writes."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    from stages.export.gguf import export_gguf
+    train = day1["train"]
+    merged = tmp_path / "merged" / "model"
+    peft_merged(json.loads((train / "spec.json").read_text())["model_path"], train / "adapter").save_pretrained(merged)
+    AutoTokenizer.from_pretrained(str(train / "adapter")).save_pretrained(merged)
+    got = export_gguf(train, tmp_path / "got", "f32")
+    want = export_gguf(merged, tmp_path / "want", "f32", name=train.name)
+    assert got.gguf.name == want.gguf.name == f"{train.name}-F32.gguf"
+    a, b = ({t.name: t.data.copy() for t in gguf.GGUFReader(str(e.gguf)).tensors} for e in (got, want))
+    assert a.keys() == b.keys() and a
+    for k in a:
+        assert (a[k] == b[k]).all(), k

@@ -194,7 +194,8 @@ def export(model: Optional[str] = typer.Option(None, "--model", "-m", help="mode
             _fail(str(e))
         try:
             done = export_gguf(folder, out, type_, name, cfg.eval.max_new_tokens if cfg else None,
-                               say=lambda line: err.print(escape(line), highlight=False), prepare_dir=prepare_dir)
+                               say=lambda line: err.print(escape(line), highlight=False), prepare_dir=prepare_dir,
+                               roots=(cfg.artifacts_path,) if cfg is not None else ())
         except ConfigError as e:
             _fail(str(e))
     for note in done.notes:
