@@ -230,29 +230,6 @@ def test_a_warm_start_from_a_lora_version_trains_over_it_merged_and_names_its_no
     assert tags[bases.CHAIN_TAG].split(",") == [v1_node, bases.read_ref(t1 / "adapter")["base"]]
 
 
-@slow
-def test_gc_keeps_a_base_while_a_version_names_it_and_frees_it_when_none_does(day1, tmp_path):
-    from mlflow.tracking import MlflowClient
-
-    from stages.core.config import load_config
-    from stages.retention import collect
-    cfg = load_config(day1["cfg_path"], ["retention.keep_days=0"])
-    base = bases.read_ref(day1["train"] / "adapter")["base"]
-    folder = cfg.artifacts_path / "bases" / base
-    report = collect(cfg, delete=True, on_line=lambda _: None)
-    assert folder.is_dir() and str(folder) in report.kept
-    client = MlflowClient(cfg.resolved_tracking_uri)
-    assert bases.find_run(client, base) is not None
-    # no version names it any more (the registered model deleted; its train folders unused): freed
-    for v in client.search_model_versions("name = 'test-model'"):
-        client.delete_registered_model_alias("test-model", "champion") if v.aliases else None
-    client.delete_registered_model("test-model")
-    report = collect(cfg, delete=True, on_line=lambda _: None)
-    assert not folder.exists()
-    assert bases.find_run(client, base) is None
-    assert any("bases" in str(d.path) and d.done for d in report.drops)
-
-
 def test_the_loader_refuses_a_quantize_record_it_cannot_apply(tmp_path):
     from stages.inference.weights import _apply_base_transform
     _apply_base_transform(torch.nn.Linear(2, 2), None)  # no record: nothing to do
@@ -298,3 +275,37 @@ def test_export_merges_a_lora_folder_into_the_gguf_peft_s_merge_gives(day1, tmp_
     assert a.keys() == b.keys() and a
     for k in a:
         assert (a[k] == b[k]).all(), k
+
+
+@slow
+def test_sftflow_models_shows_each_lora_version_s_size_and_its_base_once(day1):
+    from conftest import sftflow
+    out = sftflow("models", "-c", str(day1["cfg_path"]), cwd=day1["tmp"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    base = bases.read_ref(day1["train"] / "adapter")["base"]
+    notes = [line for line in out.stdout.splitlines() if line.startswith("base ")]
+    assert len(notes) == 1 and notes[0].startswith(f"base {base[:12]} (") and "stored once" in notes[0], out.stdout
+    assert "v1" in notes[0]
+
+
+@slow
+def test_gc_keeps_a_base_while_a_version_names_it_and_frees_it_when_none_does(day1, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from stages.core.config import load_config
+    from stages.retention import collect
+    cfg = load_config(day1["cfg_path"], ["retention.keep_days=0"])
+    base = bases.read_ref(day1["train"] / "adapter")["base"]
+    folder = cfg.artifacts_path / "bases" / base
+    report = collect(cfg, delete=True, on_line=lambda _: None)
+    assert folder.is_dir() and str(folder) in report.kept
+    client = MlflowClient(cfg.resolved_tracking_uri)
+    assert bases.find_run(client, base) is not None
+    # no version names it any more (the registered model deleted; its train folders unused): freed
+    for v in client.search_model_versions("name = 'test-model'"):
+        client.delete_registered_model_alias("test-model", "champion") if v.aliases else None
+    client.delete_registered_model("test-model")
+    report = collect(cfg, delete=True, on_line=lambda _: None)
+    assert not folder.exists()
+    assert bases.find_run(client, base) is None
+    assert any("bases" in str(d.path) and d.done for d in report.drops)

@@ -122,7 +122,7 @@ def models(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesA
         console.print(f"no versions of '{escape(name)}': nothing is logged at {escape(str(store))} yet",
                       highlight=False)
         return
-    from stages.tracking.registry import VERSION_COLUMNS, list_versions, version_cells
+    from stages.tracking.registry import VERSION_COLUMNS, bases_note, list_versions, version_cells
     try:
         versions = list_versions(cfg.resolved_tracking_uri, name, cfg.artifacts_path)
     except OSError as e:  # a tracking server that does not answer
@@ -137,6 +137,8 @@ def models(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesA
     for v in versions:
         table.add_row(*(escape(c) for c in version_cells(v)))
     console.print(table)
+    for line in bases_note(versions, cfg.artifacts_path):
+        console.print(escape(line), highlight=False)
 
 
 def champion(version: str = typer.Argument(..., help="the version to make champion, e.g. 3"),

@@ -10,6 +10,7 @@ from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from stages.core.cache.bases import CHAIN_TAG
 from stages.core.cache.bases import REF as BASE_REF
 from stages.core.errors import ConfigError
 
@@ -246,8 +247,9 @@ def version_state(tracking_uri: str, name: str, version: str | int) -> dict | No
 def list_versions(tracking_uri: str, name: str, artifacts_path: Path | None = None) -> list[dict]:
     """Every version of registered model `name`, newest first (`sftflow models`, the flow's summary): its
     aliases, the version it continued from, held-out accuracy, why its aliases are what they are, when and
-    from which run, the training files it added, the tokens it trained, and the disk its train stage
-    folder takes under `artifacts_path` ("" / None where unknown). [] when none."""
+    from which run, the training files it added, the tokens it trained, the disk its train stage
+    folder takes under `artifacts_path` ("" / None where unknown; a LoRA version's is its adapter) and
+    the base nodes it names (`bases`, nearest first: stored once, not in `disk`). [] when none."""
     from mlflow.tracking import MlflowClient
     reachable(tracking_uri)
     client = MlflowClient(tracking_uri)
@@ -271,7 +273,8 @@ def list_versions(tracking_uri: str, name: str, artifacts_path: Path | None = No
                     "data_files": _train_files(tags.get(TAG + "trained_on", "")),
                     "data_digest": tags.get(TAG + "data_digest", ""),
                     "tokens": _tokens_trained(client, v.run_id) if v.run_id else None,
-                    "disk": _folder_bytes(folder) if folder is not None and folder.is_dir() else None})
+                    "disk": _folder_bytes(folder) if folder is not None and folder.is_dir() else None,
+                    "bases": [d for d in tags.get(CHAIN_TAG, "").split(",") if d]})
     return out
 
 
@@ -382,3 +385,19 @@ def set_by_hand(tags: dict[str, str]) -> dict | None:
         return json.loads(raw) if raw else None
     except ValueError:
         return None
+
+
+def bases_note(versions: list[dict], artifacts_path: Path | None) -> list[str]:
+    """One line per base model the LoRA versions of `versions` name (the last node of each chain), with
+    its size where `artifacts_path/bases/` holds it: stored once, so no version's `disk` counts it."""
+    roots: dict[str, list[str]] = {}
+    for v in versions:
+        if v.get("bases"):
+            roots.setdefault(v["bases"][-1], []).append(f"v{v['version']}")
+    out = []
+    for digest, named in roots.items():
+        folder = artifacts_path / "bases" / digest if artifacts_path is not None else None
+        size = human_bytes(_folder_bytes(folder)) if folder is not None and folder.is_dir() else "in the MLflow store"
+        out.append(f"base {digest[:12]} ({size}, stored once): the base of LoRA {', '.join(named)}; "
+                   "their disk is the adapter's")
+    return out
