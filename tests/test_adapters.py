@@ -81,6 +81,9 @@ def test_a_lora_training_keeps_its_adapter_and_a_reference_not_a_merged_copy(day
     client = MlflowClient(cfg.resolved_tracking_uri)
     run = bases.find_run(client, ref["base"])
     assert run is not None and client.get_model_version("test-model", "1").tags[bases.CHAIN_TAG] == ref["base"]
+    # a local file store holds it as hard links of the base model's files: on disk once
+    logged = bases._local_artifacts(run.info.artifact_uri) / bases.ARTIFACT / "model.safetensors"
+    assert os.path.samefile(logged, base_dir / "model.safetensors")
 
 
 def peft_merged(base_dir, adapter):
@@ -215,6 +218,9 @@ def test_a_warm_start_from_a_lora_version_trains_over_it_merged_and_names_its_no
     v1_node = bases.node_digest(t1 / "adapter")
     assert bases.read_ref(t2 / "adapter")["base"] == v1_node
     assert json.loads((start.parent / bases.START_NODE).read_text())["digest"] == v1_node
+    # v1's node is the files of v1's train folder (hard links), not a third copy of its adapter
+    assert os.path.samefile(cfg.artifacts_path / "bases" / v1_node / "adapter_model.safetensors",
+                            t1 / "adapter" / "adapter_model.safetensors")
     base_dir = json.loads((t1 / "spec.json").read_text())["model_path"]
     v1 = peft_merged(base_dir, t1 / "adapter")
     started = __import__("safetensors.torch", fromlist=["load_file"]).load_file(str(start / "model.safetensors"))

@@ -84,18 +84,23 @@ def save_merged(model_dir, dest, trust_remote_code: bool = False, roots=(), trac
     AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code).save_pretrained(dest)
 
 
-def merged_start(adapter, root, tracking_uri: str | None = None, trust_remote_code: bool = False) -> str:
+def merged_start(adapter, root, tracking_uri: str | None = None, trust_remote_code: bool = False,
+                 same_as=None) -> str:
     """A warm start from a LoRA version: the adapter node stored under `root/bases/` and the version merged
     once into `root/models/start/merged-<digest>/model/`, a full folder training builds from as it built
     from the merged copy versions had before, with `node.json` beside it naming the node, so the new
     adapter's base.json names that chain rather than a merged copy (bases.base_of_training). Dropped by
-    retention with the other start copies; merged again when a run needs it."""
+    retention with the other start copies; merged again when a run needs it. `same_as`: the version's
+    adapter in this machine's train folder, which the node links instead of the downloaded copy."""
     import json
     import os
     import shutil
     import uuid
     digest = bases.node_digest(adapter)
-    bases.store_local(root, adapter, digest)
+    # the version's own train folder, when this machine trained it: the node shares its files (no copy)
+    here = same_as if same_as is not None and bases.is_adapter(same_as) and bases.node_digest(same_as) == digest \
+        else adapter
+    bases.store_local(root, here, digest)
     dest = Path(root) / "models" / "start" / f"merged-{digest[:16]}"
     if (dest / "model" / "config.json").is_file():
         return str(dest / "model")

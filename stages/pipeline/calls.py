@@ -133,8 +133,9 @@ def train_call(p: Plan, stage: str, dirs: dict, on_line: Callable[[str], None], 
         weights = start_folder(cfg, p.start, on_line)
         if is_adapter(weights):  # a LoRA version: merged once, as the copy registered before held it
             from ..inference.weights import merged_start
+            trained_here = cfg.artifacts_path / "train" / p.start["identity"].get("train_fingerprint", "-") / "adapter"
             weights = merged_start(weights, cfg.artifacts_path, cfg.resolved_tracking_uri,
-                                   cfg.actor.model.trust_remote_code)
+                                   cfg.actor.model.trust_remote_code, same_as=trained_here)
     return partial(run_train, cfg, p.fingerprints[stage], weights, dirs["prepare"], p.lineage(dirs, tags),
                    on_line=on_line)
 

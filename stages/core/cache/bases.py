@@ -14,7 +14,7 @@ NF4 round trip); the loader applies the same transform before merging (inference
 
 Nodes live in `artifacts/bases/<digest>/` (hard links where the source is on the same file system, so
 the base model under artifacts/models/ costs no second copy) and, once a version that names them is
-registered, in the MLflow store: one run per node in the experiment `sftflow-bases`, tagged
+registered, in the MLflow store (a local file store: hard links again): one run per node in the experiment `sftflow-bases`, tagged
 `sftflow.base_digest`, its files under the artifact path `model`. A registered version loads on a
 fresh machine from the store alone (`locate` downloads what is missing into the user's cache).
 Retention keeps a node while a kept version's chain (`sftflow.base_chain`) or a kept train folder names it.
@@ -191,6 +191,14 @@ def local_chain(root, digest: str) -> list[str]:
     return out
 
 
+def _local_artifacts(uri: str) -> Path | None:
+    """A run's artifact folder when the store keeps artifacts as local files, else None."""
+    if uri.startswith("file://"):
+        from urllib.parse import unquote, urlparse
+        return Path(unquote(urlparse(uri).path))
+    return Path(uri) if uri.startswith("/") else None
+
+
 def publish(client, digest: str, roots=(), artifact_location: str | None = None) -> list[str]:
     """Logs node `digest` and every node under it to the MLflow store, each once (a run already tagged
     with its digest is reused). Returns the chain, nearest first. `artifact_location`: the experiment's,
@@ -209,10 +217,14 @@ def publish(client, digest: str, roots=(), artifact_location: str | None = None)
                                           "mlflow.note.content": "A base that registered LoRA versions name by "
                                                                  "content (stages/core/cache/bases.py); kept by "
                                                                  "retention while a kept version names it."})
-            import tempfile
-            with tempfile.TemporaryDirectory() as scratch:
-                _link_tree(folder, Path(scratch) / ARTIFACT)  # its content files only
-                client.log_artifacts(run.info.run_id, str(Path(scratch) / ARTIFACT), ARTIFACT)
+            local = _local_artifacts(run.info.artifact_uri)
+            if local is not None:  # a file store: hard links where it shares the file system (no second copy)
+                _link_tree(folder, local / ARTIFACT)
+            else:
+                import tempfile
+                with tempfile.TemporaryDirectory() as scratch:
+                    _link_tree(folder, Path(scratch) / ARTIFACT)  # its content files only
+                    client.log_artifacts(run.info.run_id, str(Path(scratch) / ARTIFACT), ARTIFACT)
             client.set_terminated(run.info.run_id)
         digest = read_ref(folder)["base"] if is_adapter(folder) else ""
     return out
