@@ -15,8 +15,9 @@ NF4 round trip); the loader applies the same transform before merging (inference
 Nodes live in `artifacts/bases/<digest>/` (hard links where the source is on the same file system, so
 the base model under artifacts/models/ costs no second copy) and, once a version that names them is
 registered, in the MLflow store (a local file store: hard links again): one run per node in the
-experiment `sftflow-bases`, tagged `sftflow.base_digest`, its files under the artifact path `model`. A registered version loads on a
-fresh machine from the store alone (`locate` downloads what is missing into the user's cache).
+experiment `sftflow-bases`, tagged `sftflow.base_digest`, its files under the artifact path `model`.
+A registered version loads on a fresh machine from the store alone (`locate` downloads what is
+missing into the user's cache).
 Retention keeps a node while a kept version's chain (`sftflow.base_chain`) or a kept train folder names it.
 
 Shipped with the registered model's code (register's code_paths): stdlib and mlflow only.
