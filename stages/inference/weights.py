@@ -41,8 +41,11 @@ def _apply_base_transform(model: torch.nn.Module, record: dict | None) -> None:
     try:
         from stages.core.quantize import round_trip_base  # QLoRA's module (actor.lora.quantize)
     except ImportError:
-        raise RuntimeError(f"base.json: the base was quantized ({record}) but this sftflow cannot apply "
-                           "that transform (no stages.core.quantize)") from None
+        try:  # inside a logged model: quantize.py ships beside this file once register lists it in code_paths
+            from quantize import round_trip_base
+        except ImportError:
+            raise RuntimeError(f"base.json: the base was quantized ({record}) but this sftflow cannot apply "
+                               "that transform (no stages.core.quantize)") from None
     round_trip_base(model, record)
 
 
