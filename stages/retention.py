@@ -39,6 +39,7 @@ from typing import Callable
 
 from filelock import FileLock, Timeout
 
+from .core.cache import bases
 from .core.cache.artifacts import MANIFEST, is_complete, remove_tree
 from .core.config import SFTConfig
 from .graph import STAGES
@@ -63,6 +64,7 @@ class Drop:
     busy: tuple[str, ...] = ()
     checkpoints_of: Path | None = None  # a train folder whose checkpoints these are (its manifest is rewritten)
     version: tuple[str, str] | None = None  # (model name, version) to remove from the registry first
+    base_run: str | None = None  # an MLflow run holding a base node (core/cache/bases.py), deleted with its files
     done: bool = False  # freed (by `apply`)
 
 
@@ -274,6 +276,7 @@ def plan_drops(cfg: SFTConfig, protect: dict[str, str] | None = None, now: float
 
     ask = versions_added or _stale(root, protect or {}, r.keep_days, now)
     versions = registered(cfg) if ask else []
+    chains: set[str] | None = set() if ask and _has_store(cfg) else None  # base nodes kept versions name
     if versions:
         client = _client(cfg)
         name = cfg.registry.model_name
@@ -292,6 +295,7 @@ def plan_drops(cfg: SFTConfig, protect: dict[str, str] | None = None, now: float
                                          "files, its run stays", version=(name, str(v.version))))
                 continue
             report.versions.append(f"{name} v{v.version} ({why}) and its lineage")
+            chains.update(_chain_of(v))
             for stage, fp in lineage(client, v).items():
                 kept_fps[stage].setdefault(fp, f"v{v.version}'s lineage")
     if ask and _has_store(cfg):
@@ -299,6 +303,7 @@ def plan_drops(cfg: SFTConfig, protect: dict[str, str] | None = None, now: float
         by_model: dict[str, list[str]] = {}
         for v in others_versions(cfg, client):
             by_model.setdefault(v.name, []).append(f"v{v.version}")
+            chains.update(_chain_of(v))
             for stage, fp in lineage(client, v).items():
                 kept_fps[stage].setdefault(fp, f"{v.name} v{v.version}'s lineage (another registered model)")
         report.versions += [f"{other} {', '.join(vs)} (another registered model in this store: all its versions) "
@@ -343,6 +348,8 @@ def plan_drops(cfg: SFTConfig, protect: dict[str, str] | None = None, now: float
     report.drops += _piece_drops(root, [Path(p) for p in report.kept if Path(p).parent.name in
                                         ("prepare", "prepare_eval")], now, r.keep_days)
 
+    report.drops += _base_drops(cfg, root, report, chains)
+
     start = root.joinpath(*START_COPIES)
     for path in sorted(start.iterdir()) if start.is_dir() else []:
         if path.is_dir():
@@ -351,11 +358,67 @@ def plan_drops(cfg: SFTConfig, protect: dict[str, str] | None = None, now: float
     return report
 
 
+def _chain_of(version) -> list[str]:
+    """The base nodes a registered LoRA version stands on (its tag `sftflow.base_chain`)."""
+    return [d for d in (version.tags or {}).get(bases.CHAIN_TAG, "").split(",") if d]
+
+
+def _base_drops(cfg: SFTConfig, root: Path, report: Report, chains: set[str] | None) -> list[Drop]:
+    """Base nodes (artifacts/bases/<digest>/, and their runs in the MLflow store) that nothing kept names:
+    no kept train folder's adapter/base.json (through its chain of nodes), no kept version's chain
+    (of any registered model in the store). `chains` None: the registry was not asked (a run that
+    registered nothing): nothing is dropped, the next policy that asks decides."""
+    named: set[str] = set()
+    for kept in report.kept:
+        ref = Path(kept) / "adapter" / bases.REF
+        if Path(kept).parent.name == "train" and ref.is_file():
+            try:
+                named.update(bases.local_chain(root, bases.read_ref(ref.parent)["base"]))
+            except ValueError:
+                continue
+    for digest in chains or ():
+        named.update(bases.local_chain(root, digest))
+    out = []
+    folder = root / bases.BASES
+    local = sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+    for path in local:
+        if path.name in named:
+            report.kept[str(path)] = "a base a kept version or train folder names"
+        elif chains is not None and not path.name.startswith("."):  # not asked: the next policy that asks decides
+            out.append(Drop(path, disk_usage(path), "a base no kept version or train folder names (its "
+                            "content stays where it came from: artifacts/models/, the MLflow store)",
+                            busy=("train", "register")))
+    if chains is not None:
+        out += _base_run_drops(cfg, chains)
+    return out
+
+
+def _base_run_drops(cfg: SFTConfig, chains: set[str]) -> list[Drop]:
+    """The MLflow store's base runs (bases.py) that no remaining version of any registered model names."""
+    client = _client(cfg)
+    exp = client.get_experiment_by_name(bases.EXPERIMENT)
+    if exp is None:
+        return []
+    out = []
+    for run in client.search_runs([exp.experiment_id], max_results=10000):
+        digest = run.data.tags.get(bases.DIGEST_TAG, "")
+        if digest in chains:
+            continue
+        uri = run.info.artifact_uri
+        path = Path(uri.removeprefix("file://")) if uri.startswith(("file://", "/")) else None
+        out.append(Drop(path.parent if path is not None else cfg.artifacts_path / f"<base run {digest[:12]}>",
+                        disk_usage(path) if path is not None and path.is_dir() else 0,
+                        f"the MLflow store's base {digest[:12]}: no registered version names it",
+                        busy=("register",), base_run=run.info.run_id))
+    return out
+
+
 def _checkpoint_drops(cfg: SFTConfig, stage: str, path: Path, lock: Path) -> list[Drop]:
-    """A kept train folder's checkpoints once it finished and exported `model/` (drop_checkpoints)."""
+    """A kept train folder's checkpoints once it finished and exported `model/` or, LoRA, `adapter/`
+    (drop_checkpoints)."""
     ckpt = path / "checkpoints"
     if not (stage == "train" and cfg.retention.drop_checkpoints and ckpt.is_dir() and is_complete(path)
-            and (path / "model").is_dir()):
+            and ((path / "model").is_dir() or bases.is_adapter(path / "adapter"))):
         return []
     return [Drop(ckpt, disk_usage(ckpt), "checkpoints of a training that finished and exported model/ "
                  "(retention.drop_checkpoints)", locks=(lock,), checkpoints_of=path)]
@@ -430,6 +493,17 @@ def apply(cfg: SFTConfig, report: Report, on_line: Callable[[str], None] = print
             continue
         if set(d.busy) & busy:
             report.skipped.append(f"{_rel(d.path, root)}: a running flow is in {'/'.join(sorted(set(d.busy) & busy))}")
+            continue
+        if d.base_run is not None:
+            client = client or _client(cfg)
+            try:
+                client.delete_run(d.base_run)
+            except Exception:  # noqa: BLE001 - deleted meanwhile
+                continue
+            if d.path.is_dir():
+                shutil.rmtree(d.path, ignore_errors=True)
+            report.freed += d.size
+            d.done = True
             continue
         locks = [FileLock(str(lock)) for lock in d.locks]
         taken = []

@@ -39,7 +39,7 @@ ALLOWED = {
     "pipeline": {"core", "chatdata", "graph", "models", "planning", "runtime", "inference", "tracking",
                  "replay", "train", "evaluate"},
     "sweep": {"core", "pipeline"},
-    "export": {"core"},  # a model folder -> GGUF; what a ref names is the CLI's to resolve
+    "export": {"core", "inference"},  # a model folder -> GGUF (a LoRA folder merged by inference.weights first)
     "retention": {"core", "graph", "tracking"},  # the disk policy: folders, locks, the registry
 }
 

@@ -15,10 +15,11 @@ from transformers import AutoModelForCausalLM
 
 from conftest import ROOT, base_model
 from stages.chatdata.shards import read_shards
+from stages.core.cache import bases
 from stages.pipeline import plan, run_stage
 from stages.runtime.saving.checkpoint import read_metadata
 from stages.launch.launcher import worker_env
-from test_train_core import assert_same_weights, killed, make_cfg, train, weights
+from test_train_core import assert_same_weights, killed, make_cfg, train
 
 pytestmark = pytest.mark.slow
 
@@ -114,18 +115,22 @@ def test_lora_resume_after_sigkill_gives_the_same_adapters(tmp_path, lora_uninte
     b = load_file(str(Path(lora_uninterrupted.path) / "adapter" / "adapter_model.safetensors"))
     assert a and all("lora_" in k for k in a)
     assert_same_weights(a, b, atol=1e-6)
-    assert_same_weights(weights(done.path), weights(lora_uninterrupted.path), atol=1e-6)
+    assert not (Path(done.path) / "model").exists()  # the adapter and its base reference, no merged copy
+    assert bases.read_ref(Path(done.path) / "adapter") == bases.read_ref(Path(lora_uninterrupted.path) / "adapter")
 
 
 def test_merged_model_logits_equal_base_plus_adapter(lora_uninterrupted, tmp_path):
-    """`model/` (merged, plain HF) against peft's unmerged forward of `adapter/` on the base model."""
+    """`adapter/` loaded merged by the one loader (inference/weights.py: its base by content) against
+    peft's unmerged forward of `adapter/` on the base model."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
+    from stages.inference.weights import load_merged
     folder = Path(lora_uninterrupted.path)
     cfg_path = json.loads((folder / "spec.json").read_text())["model_path"]
     base = AutoModelForCausalLM.from_pretrained(cfg_path, dtype=torch.float32)
     reference = PeftModel.from_pretrained(base, str(folder / "adapter")).eval()
-    merged = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32).eval()
+    merged = load_merged(folder / "adapter", roots=(folder.parents[1],)).eval()
     ids = torch.randint(0, merged.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want, got = reference(input_ids=ids).logits, merged(input_ids=ids).logits

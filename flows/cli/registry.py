@@ -77,7 +77,11 @@ def chat(question: Optional[str] = typer.Argument(None, help="the user message; 
         path = resolve_model_ref(pinned, uri)
     except ValueError as e:
         _fail(str(e))
-    m, tok = load(path, precision=cfg.actor.precision if cfg is not None else "auto")
+    try:  # a LoRA version loads as its base (by content: artifacts/bases/, else the MLflow store) + its adapter
+        m, tok = load(path, precision=cfg.actor.precision if cfg is not None else "auto",
+                      roots=(cfg.artifacts_path,) if cfg is not None else ())
+    except (ValueError, RuntimeError) as e:  # base.json unreadable, its base nowhere
+        _fail(f"{model}: {e}")
 
     def reply(turns: list[dict]) -> str:
         return generate(m, tok, [turns], max_new_tokens, batch_size=1)[0]["text"]
@@ -118,7 +122,7 @@ def models(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesA
         console.print(f"no versions of '{escape(name)}': nothing is logged at {escape(str(store))} yet",
                       highlight=False)
         return
-    from stages.tracking.registry import VERSION_COLUMNS, list_versions, version_cells
+    from stages.tracking.registry import VERSION_COLUMNS, bases_note, list_versions, version_cells
     try:
         versions = list_versions(cfg.resolved_tracking_uri, name, cfg.artifacts_path)
     except OSError as e:  # a tracking server that does not answer
@@ -133,6 +137,8 @@ def models(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesA
     for v in versions:
         table.add_row(*(escape(c) for c in version_cells(v)))
     console.print(table)
+    for line in bases_note(versions, cfg.artifacts_path):
+        console.print(escape(line), highlight=False)
 
 
 def champion(version: str = typer.Argument(..., help="the version to make champion, e.g. 3"),
@@ -190,7 +196,8 @@ def export(model: Optional[str] = typer.Option(None, "--model", "-m", help="mode
             _fail(str(e))
         try:
             done = export_gguf(folder, out, type_, name, cfg.eval.max_new_tokens if cfg else None,
-                               say=lambda line: err.print(escape(line), highlight=False), prepare_dir=prepare_dir)
+                               say=lambda line: err.print(escape(line), highlight=False), prepare_dir=prepare_dir,
+                               roots=(cfg.artifacts_path,) if cfg is not None else ())
         except ConfigError as e:
             _fail(str(e))
     for note in done.notes:

@@ -32,6 +32,7 @@ from stages.runtime.saving.checkpoint import load_model_weights
 from stages.runtime.distributed import (add_up, choose_precision, gather, local_device, log, precision_why,
                                         rank_and_world, rank_slice)
 from stages.inference.generation import generate
+from stages.inference.weights import load_merged
 from stages.inference.harness import score_task
 from stages.runtime.lora import lora_enabled
 from stages.runtime.worker import SFTWorker, WorkerSpec, load_worker_class
@@ -61,10 +62,15 @@ def load_model(cfg: SFTConfig, ref: dict, base_model: str, device: torch.device)
     weights = {"checkpoint": lambda m: load_model_weights(m, path),
                "state_dict": lambda m: load_file(str(Path(path) / "model.safetensors"))}.get(kind)
     try:
-        model = build_configured_model(cfg, path if kind == "hf" else base_model, seed=cfg.runner.seed, lora=lora,
-                                       weights=weights, where=path)
+        if kind == "adapter":  # a LoRA folder: its base (by content) with the adapter merged, in memory
+            model = load_merged(path, mc.trust_remote_code, roots=(cfg.artifacts_path,))
+        else:
+            model = build_configured_model(cfg, path if kind == "hf" else base_model, seed=cfg.runner.seed,
+                                           lora=lora, weights=weights, where=path)
     except WeightsLoadError as e:
         raise EvaluationError(f"eval.model: {e} (actor.model builds that model)") from None
+    except (ValueError, RuntimeError) as e:  # base.json unreadable, its base nowhere
+        raise EvaluationError(f"eval.model: {path}: {e}") from None
     if lora:
         model = model.merge_and_unload()
     is_hf = isinstance(model, PreTrainedModel)
@@ -74,7 +80,7 @@ def load_model(cfg: SFTConfig, ref: dict, base_model: str, device: torch.device)
     model.eval()
     tok = None
     if is_hf:
-        tok = AutoTokenizer.from_pretrained(path if kind == "hf" else base_model,
+        tok = AutoTokenizer.from_pretrained(path if kind in ("hf", "adapter") else base_model,
                                             trust_remote_code=mc.trust_remote_code)
     return model, tok
 

@@ -51,6 +51,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from stages.core.cache.bases import is_adapter
 from stages.core.errors import ConfigError
 from stages.core.chat.chat_tokens import END_OF_TURN, stop_token_ids
 from stages.core.chat.model_card import CARD
@@ -107,7 +108,8 @@ class Exported:
 def _trained_on(src: Path) -> str | None:
     """The prepare folder a train stage folder's manifest says it trained on; None for other folders."""
     try:
-        return json.loads((src / "manifest.json").read_text()).get("prepare_dir") if (src / "model").is_dir() else None
+        return json.loads((src / "manifest.json").read_text()).get("prepare_dir") if (
+            (src / "model").is_dir() or is_adapter(src / "adapter")) else None
     except (OSError, ValueError):
         return None
 
@@ -424,7 +426,7 @@ def _safe_name(name: str) -> str:
 
 def default_name(folder: Path) -> str:
     """The folder's name; for a train stage's model/ (or a train stage folder), the stage folder's."""
-    return _safe_name(folder.parent.name if folder.name == "model" else folder.name)
+    return _safe_name(folder.parent.name if folder.name in ("model", "adapter") else folder.name)
 
 
 def _temp(out: Path, final: Path) -> Path:
@@ -439,15 +441,30 @@ def _temp(out: Path, final: Path) -> Path:
 
 def export_gguf(src: Path | str, out: Path | str, type_: str = "f16", name: str | None = None,
                 max_new_tokens: int | None = None, say=lambda line: None,
-                prepare_dir: Path | str | None = None) -> Exported:
+                prepare_dir: Path | str | None = None, roots=()) -> Exported:
     """Writes `<out>/<name>-<TYPE>.gguf` and `<out>/Modelfile` for the model `src` names; returns them.
     `prepare_dir`: the prepare folder the model was trained on (a train stage folder's manifest names its
-    own), whose rows' system prompt the Modelfile's SYSTEM offers (modelfile.trained_system)."""
+    own), whose rows' system prompt the Modelfile's SYSTEM offers (modelfile.trained_system). A LoRA folder
+    (adapter + base.json) is merged first (inference/weights.py; `roots`: artifacts folders whose bases/
+    may hold its base, else the MLflow store)."""
     from stages.export.modelfile import ChatML, chatml_form, modelfile_text, trained_system
 
     type_ = check_type(type_)
     if max_new_tokens is not None and max_new_tokens < 1:
         raise ExportError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
+    path = Path(src).expanduser()
+    adapter = path / "adapter" if is_adapter(path / "adapter") else path if is_adapter(path) else None
+    if adapter is not None:  # a LoRA folder: its base with the adapter merged, then converted as any model
+        from stages.inference.weights import save_merged  # torch and peft, for a LoRA folder only
+        here = (adapter.parents[2],) if adapter.parent.parent.name == "train" else ()  # train/<fp>/adapter
+        with tempfile.TemporaryDirectory() as tmp:
+            say(f"merging the LoRA adapter {adapter} into its base")
+            try:
+                save_merged(adapter, Path(tmp) / "model", roots=(*roots, *here))
+            except (ValueError, RuntimeError) as e:  # base.json unreadable, its base nowhere
+                raise ExportError(f"{src}: {e}") from None
+            return export_gguf(Path(tmp) / "model", out, type_, name or default_name(adapter), max_new_tokens, say,
+                               prepare_dir or _trained_on(path))
     folder = model_dir(src)
     cfg = read_config(folder)
     hf_class = family(cfg, folder)

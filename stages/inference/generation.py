@@ -23,10 +23,12 @@ try:  # inside the project
     from stages.core.chat.chat_tokens import stop_token_ids
     from stages.core.machine.bf16_speed import dims_of
     from stages.core.machine.precision import on_device as resolve_precision
+    from stages.inference.weights import config_folder, load_merged
 except ImportError:  # inside a logged model: these files ship beside this one (register's code_paths)
     from chat_tokens import stop_token_ids
     from bf16_speed import dims_of
     from precision import on_device as resolve_precision
+    from weights import config_folder, load_merged
 
 # Generation-config fields that make greedy `generate` differ from the argmax of the last logits,
 # with the value that changes nothing; our loop applies none of them, so any other value means
@@ -48,17 +50,18 @@ MIN_SHARED = 4
 
 
 def load(model_dir: str, trust_remote_code: bool = False, device: str | None = None, precision: str = "auto",
-         key: str = "actor.precision"):
+         key: str = "actor.precision", roots=()):
     """(model, tokenizer) on `device` in `precision` as `key` (replay, chat and the registered model: the
     config's `actor.precision`) resolves there (the one rule, core/machine/precision.py: `auto` is bf16 on
     a GPU that computes it natively, or a CPU where it measured faster at this model's shapes).
-    `model.sftflow_precision` says which ran."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    `model.sftflow_precision` says which ran. A LoRA folder (adapter + base.json) loads merged
+    (inference/weights.py; `roots`: artifacts folders whose bases/ may hold its base)."""
+    from transformers import AutoTokenizer
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    chosen = resolve_precision(precision, device, dims_of(model_dir), key)
+    chosen = resolve_precision(precision, device, dims_of(config_folder(model_dir, roots)), key)
     dtype = torch.bfloat16 if chosen == "bf16" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=trust_remote_code, dtype=dtype).to(device)
+    model = load_merged(model_dir, trust_remote_code, dtype, roots).to(device)
     model.eval()
     model.sftflow_precision = chosen
     return model, tok

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from stages.core.cache.artifacts import file_digest
+from stages.core.cache.bases import is_adapter
 from stages.core.config import SFTConfig
 from stages.core.errors import ConfigError
 from stages.tracking.registry import REGISTRY_PREFIX, download_model, registry_version
@@ -19,22 +20,30 @@ def resolve_model_ref(ref: str, tracking_uri: str | None = None, dst_path: str |
     path = Path(ref).expanduser()
     if (path / "model" / "config.json").is_file():  # a train stage folder
         return str(path / "model")
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise ValueError(f"{ref}: neither a model folder (no config.json) nor a train stage folder")
+    if is_adapter(path / "adapter"):  # a LoRA train stage folder
+        return str(path / "adapter")
+    if path.is_dir() and not (path / "config.json").is_file() and not is_adapter(path):
+        raise ValueError(f"{ref}: neither a model folder (no config.json), a LoRA adapter folder (base.json) "
+                         "nor a train stage folder")
     return str(path) if path.is_dir() else ref
 
 
 def model_folder(path: Path) -> tuple[str, Path] | None:
-    """What a local folder holds: ("hf", it) a Hugging Face model, ("checkpoint", it) a DCP training
-    checkpoint, ("state_dict", it) a non-HF export (model.safetensors); a train stage folder means its model/."""
+    """What a local folder holds: ("hf", it) a Hugging Face model, ("adapter", it) a LoRA adapter with its
+    base reference (base.json), ("checkpoint", it) a DCP training checkpoint, ("state_dict", it) a non-HF
+    export (model.safetensors); a train stage folder means its model/ (LoRA: its adapter/)."""
     if (path / "config.json").is_file():
         return "hf", path
+    if is_adapter(path):
+        return "adapter", path
     if (path / "COMPLETE").is_file() or (path / ".metadata").is_file():
         return "checkpoint", path
     if (path / "model.safetensors").is_file():
         return "state_dict", path
     if (path / "model").is_dir():
         return model_folder(path / "model")
+    if is_adapter(path / "adapter"):
+        return "adapter", path / "adapter"
     return None
 
 

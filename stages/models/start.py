@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from stages.core.cache.artifacts import canonical_json, file_digest, input_digest
+from stages.core.cache.bases import is_adapter
 from stages.core.config import SFTConfig
 from stages.core.errors import ConfigError
 from stages.core.cache.lineage_paths import locate
@@ -39,9 +40,10 @@ KEY = "actor.init_from"
 def _folder_start(cfg: SFTConfig, ref: str) -> dict:
     path = Path(ref).expanduser()
     found = model_folder(path) if path.is_dir() else None
-    if found is None or found[0] != "hf":
-        raise ConfigError(f"{KEY}: '{ref}' is not a Hugging Face model folder (config.json) or a train stage folder "
-                          "with model/; base, champion and models:/name/N are the other choices")
+    if found is None or found[0] not in ("hf", "adapter"):
+        raise ConfigError(f"{KEY}: '{ref}' is not a Hugging Face model folder (config.json), a LoRA adapter folder "
+                          "(base.json) or a train stage folder with model/ or adapter/; base, champion and "
+                          "models:/name/N are the other choices")
     folder = found[1].resolve()
     files = sorted(f for f in folder.rglob("*") if f.is_file())
     return {"ref": str(folder), "parent_version": None, "note": f"starting from {folder}",
@@ -148,15 +150,16 @@ def start_tag(start: dict | None) -> str:
 
 
 def start_folder(cfg: SFTConfig, start: dict, on_line: Callable[[str], None] = print) -> str:
-    """The Hugging Face folder training loads: a folder as it is; a registry version downloaded once into
-    artifacts/models/start/<identity digest>/ (atomically: a crash leaves no half folder)."""
+    """The folder training starts from: a folder as it is; a registry version downloaded once into
+    artifacts/models/start/<identity digest>/ (atomically: a crash leaves no half folder). A LoRA version
+    is its adapter folder (base.json): the train call merges it (`inference.weights.merged_start`)."""
     if not start["ref"].startswith(REGISTRY_PREFIX):
         return start["ref"]
     import hashlib
     key = hashlib.sha256(canonical_json(start["identity"]).encode()).hexdigest()[:16]
     dest = cfg.artifacts_path / "models" / "start" / key
     done = dest / "model"
-    if (done / "config.json").is_file():
+    if (done / "config.json").is_file() or is_adapter(done):
         return str(done)
     tmp = dest.parent / f".{key}.{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

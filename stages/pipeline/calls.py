@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..core.cache.artifacts import WAITED, StageResult, cached_result, damage, input_digest, read_manifest, stage_lock
+from ..core.cache.bases import is_adapter
 from ..core.cache.inputs import HUB_PREFIX
 from ..core.errors import ConfigError, MissingUpstream, StageError
 from ..core.quarantine import check_folder
@@ -130,6 +131,11 @@ def train_call(p: Plan, stage: str, dirs: dict, on_line: Callable[[str], None], 
     if p.start is not None:
         on_line(f"train: {p.start['note']} ({KEY_INIT_FROM}={cfg.actor.init_from})")
         weights = start_folder(cfg, p.start, on_line)
+        if is_adapter(weights):  # a LoRA version: merged once, as the copy registered before held it
+            from ..inference.weights import merged_start
+            trained_here = cfg.artifacts_path / "train" / p.start["identity"].get("train_fingerprint", "-") / "adapter"
+            weights = merged_start(weights, cfg.artifacts_path, cfg.resolved_tracking_uri,
+                                   cfg.actor.model.trust_remote_code, same_as=trained_here)
     return partial(run_train, cfg, p.fingerprints[stage], weights, dirs["prepare"], p.lineage(dirs, tags),
                    on_line=on_line)
 

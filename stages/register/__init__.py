@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from stages.core.cache import bases
 from stages.core.chat import model_card
 from stages.core.cache.artifacts import StageBuild, read_manifest
 from stages.core.config import SFTConfig
@@ -56,9 +57,10 @@ from stages.tracking.run import (FLOW_RUN_ID, FLOW_RUN_URL, NOTE_TAG, RUN_TAG, T
 # shipped with the logged model as its code (found, not imported: register never needs torch itself):
 # generation.py and what it imports of the project, each imported there by its bare name
 CODE_PATHS = [importlib.util.find_spec(m).origin
-              for m in ("stages.inference.generation", "stages.core.machine.precision",
-                        "stages.core.machine.bf16_speed", "stages.core.chat.chat_tokens")]
-PIP_REQUIREMENTS = ["torch", "transformers", "tokenizers", "safetensors", "mlflow", "pandas"]
+              for m in ("stages.inference.generation", "stages.inference.weights", "stages.core.cache.bases",
+                        "stages.core.machine.precision", "stages.core.machine.bf16_speed",
+                        "stages.core.chat.chat_tokens")]
+PIP_REQUIREMENTS = ["torch", "transformers", "tokenizers", "safetensors", "mlflow", "pandas", "peft"]
 UNION_HINT_WARNING = re.compile(r"^Union type hint")  # chat_model.py's, for log_model (it can't import the project)
 # What the model page shows and `mlflow models serve` documents: a prompt and a conversation; its
 # params are the signature's defaults (chat_model.MAX_NEW_TOKENS).
@@ -344,7 +346,9 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
     evaluate_manifest = read_manifest(Path(dirs["evaluate"]))
     eval_metrics = evaluate_manifest["metrics"]
     eval_set = evaluate_manifest["eval_set_fingerprint"]
-    model_dir = str(Path(dirs["train"]) / "model")
+    lora_dir = Path(dirs["train"]) / "adapter"
+    adapter = bases.is_adapter(lora_dir)  # a LoRA version: its adapter and a reference to its base
+    model_dir = str(lora_dir if adapter else Path(dirs["train"]) / "model")
 
     versus = champion_comparison(eval_metrics, dirs["evaluate"], dirs["champion"]) if "champion" in dirs else None
     existing = _existing_version(client, name, fingerprints["train"])
@@ -365,6 +369,11 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
         card = model_card.render(name, cfg.actor.model.model_path, eval_metrics,
                                  version_description(cfg, lineage).split(": ", 1)[-1], learned, cfg.actor.lora.r > 0,
                                  run_url(ui_url(cfg), client.get_run(run_id).info.experiment_id, run_id))
+        # the base a LoRA version names, and the nodes under it, logged to the store once (bases.py)
+        sqlite = cfg.resolved_tracking_uri.startswith("sqlite:///")
+        chain = bases.publish(client, bases.read_ref(lora_dir)["base"], (cfg.artifacts_path,),
+                              (cfg.artifacts_path / "mlartifacts" / bases.BASES).as_uri() if sqlite else None
+                              ) if adapter else []
         with mlflow.start_run(run_id=run_id), _with_card(model_dir, card, build.partial) as hf_model:
             _log_run_files(mlflow, dirs, eval_metrics)
             here = Path(__file__).resolve().parent
@@ -382,6 +391,7 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
                  "parent_version": lineage.tags.get("sftflow.parent_version", ""),
                  "models_fingerprint": lineage.tags.get("sftflow.models_fingerprint", ""),
                  "trained_on": json.dumps(learned, separators=(",", ":")),
+                 "base_chain": ",".join(chain),
                  "rehearsed": json.dumps([{**e, "ref": project_ref(e["ref"])} for e in cfg.rehearsal_files],
                                          separators=(",", ":")) if cfg.rehearsal_files else ""}
         vtags.update({f"eval_{n}_accuracy": str(m["accuracy"]) for n, m in named_sets(eval_metrics).items()})

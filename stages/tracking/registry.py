@@ -10,6 +10,8 @@ from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from stages.core.cache.bases import CHAIN_TAG
+from stages.core.cache.bases import REF as BASE_REF
 from stages.core.errors import ConfigError
 
 from .run import TAG, reachable
@@ -155,7 +157,8 @@ def version_tags(tracking_uri: str, name: str, version: str) -> dict[str, str]:
 
 def download_model(ref: str, tracking_uri: str | None, dst_path: str | None = None) -> str:
     """The Hugging Face folder inside the logged model `ref` names, downloaded (into `dst_path` when
-    given, else a temporary folder)."""
+    given, else a temporary folder): a full model, or a LoRA version's adapter folder, whose base.json
+    names its base by content (stages/core/cache/bases.py; the loaders fetch it from the same store)."""
     import mlflow
     if tracking_uri:
         mlflow.set_tracking_uri(tracking_uri)
@@ -163,10 +166,10 @@ def download_model(ref: str, tracking_uri: str | None, dst_path: str | None = No
         local = Path(mlflow.artifacts.download_artifacts(ref, dst_path=dst_path))
     except Exception as e:  # noqa: BLE001 - unknown name/alias/version, unreachable server
         raise ValueError(f"{ref}: {str(e).splitlines()[0]}{alias_hint(ref)}") from None
-    found = next((p.parent for p in sorted(local.rglob("config.json"))
+    found = next((p.parent for p in sorted([*local.rglob("config.json"), *local.rglob(BASE_REF)])
                   if (p.parent / "tokenizer_config.json").is_file()), None)
     if found is None:
-        raise ValueError(f"{ref}: no Hugging Face model folder inside the logged model")
+        raise ValueError(f"{ref}: no Hugging Face model folder (nor LoRA adapter folder) inside the logged model")
     return str(found)
 
 
@@ -244,8 +247,9 @@ def version_state(tracking_uri: str, name: str, version: str | int) -> dict | No
 def list_versions(tracking_uri: str, name: str, artifacts_path: Path | None = None) -> list[dict]:
     """Every version of registered model `name`, newest first (`sftflow models`, the flow's summary): its
     aliases, the version it continued from, held-out accuracy, why its aliases are what they are, when and
-    from which run, the training files it added, the tokens it trained, and the disk its train stage
-    folder takes under `artifacts_path` ("" / None where unknown). [] when none."""
+    from which run, the training files it added, the tokens it trained, the disk its train stage
+    folder takes under `artifacts_path` ("" / None where unknown; a LoRA version's is its adapter) and
+    the base nodes it names (`bases`, nearest first: stored once, not in `disk`). [] when none."""
     from mlflow.tracking import MlflowClient
     reachable(tracking_uri)
     client = MlflowClient(tracking_uri)
@@ -269,7 +273,8 @@ def list_versions(tracking_uri: str, name: str, artifacts_path: Path | None = No
                     "data_files": _train_files(tags.get(TAG + "trained_on", "")),
                     "data_digest": tags.get(TAG + "data_digest", ""),
                     "tokens": _tokens_trained(client, v.run_id) if v.run_id else None,
-                    "disk": _folder_bytes(folder) if folder is not None and folder.is_dir() else None})
+                    "disk": _folder_bytes(folder) if folder is not None and folder.is_dir() else None,
+                    "bases": [d for d in tags.get(CHAIN_TAG, "").split(",") if d]})
     return out
 
 
@@ -380,3 +385,19 @@ def set_by_hand(tags: dict[str, str]) -> dict | None:
         return json.loads(raw) if raw else None
     except ValueError:
         return None
+
+
+def bases_note(versions: list[dict], artifacts_path: Path | None) -> list[str]:
+    """One line per base model the LoRA versions of `versions` name (the last node of each chain), with
+    its size where `artifacts_path/bases/` holds it: stored once, so no version's `disk` counts it."""
+    roots: dict[str, list[str]] = {}
+    for v in versions:
+        if v.get("bases"):
+            roots.setdefault(v["bases"][-1], []).append(f"v{v['version']}")
+    out = []
+    for digest, named in roots.items():
+        folder = artifacts_path / "bases" / digest if artifacts_path is not None else None
+        size = human_bytes(_folder_bytes(folder)) if folder is not None and folder.is_dir() else "in the MLflow store"
+        out.append(f"base {digest[:12]} ({size}, stored once): the base of LoRA {', '.join(named)}; "
+                   "their disk is the adapter's")
+    return out

@@ -2,6 +2,9 @@
 
 Output folder:
     model/               the exported Hugging Face model (safetensors, tokenizer, chat template)
+    adapter/             LoRA (a model with a tokenizer: instead of model/): the adapter in peft's format,
+                         the tokenizer, generation config and `base.json`, the base it belongs to by content
+                         digest, stored once under artifacts/bases/ (stages/core/cache/bases.py)
     checkpoints/step_*/  DCP checkpoints (resume)
     metrics.jsonl        one row per optimizer step
     train.log            torchrun's output
@@ -22,7 +25,8 @@ from pathlib import Path
 from typing import Callable
 
 from stages.chatdata.shards import count_rows
-from stages.core.cache.artifacts import StageBuild, partial_dir, read_manifest
+from stages.core.cache import bases
+from stages.core.cache.artifacts import StageBuild, file_digest, partial_dir, read_manifest
 from stages.core.config import SFTConfig
 from stages.core.errors import ConfigError, StageError
 from stages.launch.ahead import Ahead
@@ -71,6 +75,23 @@ def check_guarded_sources(cfg: SFTConfig, val_mix: list[dict]) -> None:
             have = ", ".join(f"{s} {n}" for s, n in held.items()) or "no mixture"
             raise ConfigError(f"{what}: {key} needs held-out rows of the source '{source}'; held out: {have} "
                               "(data.val_fraction holds out each mixture source's share; docs/data.md)")
+
+
+def record_base(cfg: SFTConfig, model_path: str, adapter: Path) -> None:
+    """`adapter/base.json`: the node the adapter belongs to (the base model, or a warm start's LoRA version
+    as a chain), stored once under artifacts/bases/; `quantize`: QLoRA's record of how the base's weights
+    were transformed before training (None without it)."""
+    digest = bases.base_of_training(model_path, cfg.artifacts_path,
+                                    lambda f: file_digest(f, cfg.artifacts_path))
+    bases.write_ref(adapter, digest, quantize_record(cfg))
+
+
+def quantize_record(cfg: SFTConfig) -> dict | None:
+    """QLoRA's record of the base's transform (`stages.core.quantize.quantize_record`), None without it."""
+    if getattr(cfg.actor.lora, "quantize", None) is None:
+        return None
+    from stages.core.quantize import quantize_record as record  # QLoRA's module
+    return record(cfg)
 
 
 class TrainingFailed(StageError):
@@ -126,10 +147,13 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
             log_runtime_params(cfg, mlflow_run_id, {f"{m['source']}.{k}": m[k] for m in mixture
                                                     for k in ("rows", "per_epoch", "passes")}, on_line, prefix="mix.")
     rows = read_metrics_file(metrics_file)
-    if not (build.partial / "model").is_dir():
+    shipped = "model" if (build.partial / "model").is_dir() else "adapter"
+    if not (build.partial / shipped).is_dir():
         raise TrainingFailed(f"train: torchrun finished but exported no model in {build.partial / 'model'}")
+    if shipped == "adapter":
+        record_base(cfg, model_path, build.partial / "adapter")
     started = lineage.tags.get("sftflow.start", "base")
-    (build.partial / "model" / model_card.CARD).write_text(model_card.render(
+    (build.partial / shipped / model_card.CARD).write_text(model_card.render(
         cfg.registry.model_name, cfg.actor.model.model_path, {},
         "Trained from the base model." if started == "base" else f"Continued from `{started}`.",
         model_card.trained_on(cfg, prepare_dir, lineage.inputs), cfg.actor.lora.r > 0), encoding="utf-8")
@@ -143,7 +167,7 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
     if "shipped_step" in runtime:  # early stopping or best-checkpoint selection: which step's weights model/ holds
         metrics.update({k: runtime[k] for k in ("shipped_step", "best_step", "best_metric", "stopped_at",
                                                 "eligible_checks", "shipped_start") if k in runtime})
-    build.commit({"metrics": metrics, "model_dir": str(build.final / "model"), "base_model": model_path,
+    build.commit({"metrics": metrics, "model_dir": str(build.final / shipped), "base_model": model_path,
                   "mixture": mixture, "topology": cfg.actor.topology,
                   "held_out": [{k: m[k] for k in ("source", "rows")} for m in val_mix],
                   "prepare_dir": prepare_dir, "mlflow_run_id": mlflow_run_id, "runtime": runtime}, waited=waited)

@@ -314,8 +314,11 @@ def check_lora(base_spec: dict, folder: Path, out: Path, tee: Tee | None, rank: 
     tuned = sharded_logits(w, probe)
     w.export()
     if rank == 0:
-        from transformers import AutoModelForCausalLM
-        merged = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32).eval()
+        from stages.core.cache import bases
+        from stages.inference.weights import load_merged
+        # what the train stage adds to the exported adapter: its base by content (stored under out/bases/)
+        bases.write_ref(out / "adapter", bases.base_of_training(str(folder), out), None)
+        merged = load_merged(out / "adapter", roots=(out,)).eval()
         with torch.no_grad():
             res["lora_export_gap"] = (merged(**probe, use_cache=False).logits.float() - tuned).abs().max().item()
             res["lora_moved"] = (plain(folder)(**probe, use_cache=False).logits.float() - tuned).abs().max().item()
