@@ -94,3 +94,48 @@ def test_panel_references_all_parse():
             for r in rows(PANEL / s / f"{half}.jsonl"):
                 has, _ = requirements(r["messages"][-1]["content"])
                 assert has, (s, r)  # every item asks for something to be there, not only for an absence
+
+
+def test_month_configs_keep_every_earlier_set(tmp_path):
+    """bench/month.py's day configs: day N scores identity, retention and the panel sets of days 2..N (each
+    with the panel's scorer and the split asked for), trains on the drops from the champion; its full retrain
+    trains days 1..N's files from the base model. Each loads as a config."""
+    from bench import month
+    from stages.core.config import load_config
+    proj = month.project(tmp_path, "smollm2")
+    for d in range(1, 6):
+        for full in (False, True):
+            cfg = month.config(proj, "smollm2", d, "test", ["data.rehearsal.weight=2"], full=full)
+            path = month.write_config(tmp_path / f"d{d}{full}.yaml", cfg)
+            (proj / "drops" / f"day{d}.jsonl").write_text((proj / month.day_files(d)[-1][0]).read_text())
+            with month.in_project(proj):
+                loaded = load_config(path)
+            skills = [make_panel.DAYS[k] for k in range(2, d + 1)]
+            assert list(loaded.eval.sets) == ["identity", "retention", *skills]
+            assert loaded.eval.sets["retention"].data_paths == ["data/smollm2-identity/retention_test.jsonl"]
+            for s in skills:
+                assert loaded.eval.sets[s].data_paths == [f"panel/{s}/test.jsonl"]
+                assert loaded.eval.sets[s].scorer == make_panel.SCORERS[s]
+            assert loaded.actor.init_from == ("base" if full else "champion")
+            assert loaded.data.train_data_paths == (
+                [src for src, _ in month.day_files(d)] if full else ["drops/*.jsonl"])
+            assert loaded.data.rehearsal.weight == (2 if d >= 2 and not full else 1)  # --set: days 2-5 only
+
+
+def test_month_verdicts_hold_the_issue_bar():
+    """The bar per day: each miss named, from the day's records (numbers written here, not computed)."""
+    from bench import month
+
+    def day(skill_acc, identity_delta, retention_low, tokens, aliases):
+        return {"day": 2, "skill": "nova", "tokens": tokens, "aliases": aliases,
+                "scores": {"identity": {"accuracy": 1.0, "total": 24}, "retention": {"accuracy": 0.5, "total": 279},
+                           "nova": {"accuracy": skill_acc, "total": 8}},
+                "paired": {"identity": {"delta": identity_delta},
+                           "retention": {"delta": 0.0, "delta_low": retention_low}, "nova": {"delta": skill_acc}}}
+    full = {"2": {"tokens": 1000, "scores": {"nova": {"accuracy": 0.5}}}}
+    ok = month.verdicts({"days": {"2": day(0.875, -1 / 24, -0.05, 600, ["champion"])}, "full": full})
+    assert ok == ["day 2 (nova): met"]
+    bad = month.verdicts({"days": {"2": day(0.625, -2 / 24, -0.051, 601, ["challenger"])}, "full": full})[0]
+    for miss in ("nova 0.625 >= 0.75", "tokens 0.60x <= 0.6x", "identity +2 items lost",
+                 "retention lower bound -0.051 >= -0.05", "champion"):
+        assert miss in bad, bad
