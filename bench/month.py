@@ -238,9 +238,11 @@ def record_version(proj: Path, cfg_path: Path, before: int) -> dict:
                          "see the serve log")
     art = Path(cfg.artifacts_dir)
     tags = newest.tags
-    reg = next(read_json(m)["metrics"] for m in (art / "register").glob("*/manifest.json")
-               if read_json(m).get("version") == int(newest.version) and
-               read_json(m)["metrics"].get("reused_version") is False)
+    regs = [read_json(m)["metrics"] for m in (art / "register").glob("*/manifest.json")
+            if read_json(m).get("version") == int(newest.version)]
+    if not regs:
+        raise SystemExit(f"no register folder under {art / 'register'} records v{newest.version}")
+    reg = regs[0]
     ev = read_json(art / "evaluate" / tags["sftflow.evaluate_fingerprint"] / "metrics.json")
     train = art / "train" / tags["sftflow.train_fingerprint"]
     paired = {}
