@@ -46,6 +46,9 @@ def test_no_held_out_prompt_trains_and_none_repeats():
     trains.append((ROOT / "data" / "smollm2-identity" / "replay_prompts.jsonl", "prompt", None))
     evals = {f"{s}/{half}": [(PANEL / s / f"{half}.jsonl", "messages", None)]
              for s in make_panel.SKILLS for half in ("dev", "test")}
+    # the month scores the quickstart's sets every day too: no panel training prompt may be one of theirs
+    evals.update({f: [(ROOT / "data" / "smollm2-identity" / f"{f}.jsonl", "messages", None)]
+                  for f in ("identity_eval", "retention_dev", "retention_test")})
     assert first_collision(trains, evals) is None
     # a held-out item is its whole prompt (every turn before the reference): none twice, across dev and test
     prompts = [json.dumps([normalize_prompt(m["content"]) for m in r["messages"][:-1]], ensure_ascii=False)
