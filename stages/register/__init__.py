@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Iterator
 
 from stages.core.chat import model_card
+from stages.core.quantize import quantize_record
 from stages.core.cache.artifacts import StageBuild, read_manifest
 from stages.core.config import SFTConfig
 from stages.core.config.eval import EvalSetConfig
@@ -364,7 +365,8 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
         learned = model_card.trained_on(cfg, read_manifest(Path(dirs["train"]))["prepare_dir"], lineage.inputs)
         card = model_card.render(name, cfg.actor.model.model_path, eval_metrics,
                                  version_description(cfg, lineage).split(": ", 1)[-1], learned, cfg.actor.lora.r > 0,
-                                 run_url(ui_url(cfg), client.get_run(run_id).info.experiment_id, run_id))
+                                 run_url(ui_url(cfg), client.get_run(run_id).info.experiment_id, run_id),
+                                 quantized=quantize_record(cfg))
         with mlflow.start_run(run_id=run_id), _with_card(model_dir, card, build.partial) as hf_model:
             _log_run_files(mlflow, dirs, eval_metrics)
             here = Path(__file__).resolve().parent

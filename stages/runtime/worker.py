@@ -174,7 +174,8 @@ class SFTWorker:
             attn = resolve_attn_implementation(actor.attn_implementation, self.device.type, actor.packing,
                                                self.precision)
             model = build_configured_model(self.cfg, self.spec.model_path, seed=self.cfg.runner.seed,
-                                           device=self.device, lora=lora_enabled(self.cfg), attn_implementation=attn)
+                                           device=self.device, lora=lora_enabled(self.cfg), nf4=True,
+                                           attn_implementation=attn)
         except UnknownModelType as e:
             raise ConfigError(str(e)) from None
         return model, parallelize(model, actor, self.device, self.world, self.precision)

@@ -1,0 +1,123 @@
+"""QLoRA's base weights (`actor.lora.quantize: nf4`): which linear layers are stored 4-bit, what that
+costs in bytes, and the NF4 round trip (quantize, then dequantize) that makes a plain model equal to
+the one that trained.
+
+torchao's NF4 (`torchao...nf4_tensor.to_nf4`, the format torchtune's QLoRA uses): a weight of n
+elements in blocks of `block_size` (64) holds n/2 bytes of 4-bit codes, one int8 scale per block,
+and per `scaler_block_size` (256) blocks one factor in the weight's dtype that dequantizes those
+scales, plus the scales' mean and the 16-entry NF4 table. Dequantized, a code is table[code] x its
+block's scale, computed in the weight's dtype: a linear over an NF4 weight is exactly a linear over
+`roundtrip` of the original weight (tests/test_quantize.py).
+
+The rule of which layers (`quantized_linears`) is world-size free and shared by training (4-bit
+weights), the export (the adapters merged into the round-tripped base) and anything else that
+rebuilds a quantized run's model from its base (`roundtrip_nf4_` with `quantize_record`): every
+`nn.Linear` but the output head and LoRA's own adapters, as QLoRA does; embeddings and norms are not
+linear layers and stay in the training precision. A layer whose element count is not a multiple of
+block_size x scaler_block_size (torchao's layout needs whole scaler blocks) stays unquantized too,
+and the record lists how many did.
+
+torch and torchao are imported inside the functions: core is imported by torch-free processes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+INSTALL = "pip install 'sftflow[qlora]' (torchao==0.18.0)"
+
+
+def quantize_record(cfg) -> dict | None:
+    """What a run's base weights were trained as, for whoever rebuilds its model from the base (the
+    export, a version stored as adapters + base): None unless `actor.lora.quantize` is set."""
+    lora = cfg.actor.lora
+    if lora.r == 0 or lora.quantize == "none":
+        return None
+    return {"kind": lora.quantize, "block_size": lora.quantize_block_size,
+            "scaler_block_size": lora.quantize_scaler_block_size,
+            "modules": "every nn.Linear but the output head and the adapters, whose size is a multiple of "
+                       "block_size x scaler_block_size"}
+
+
+def describe(record: dict | None) -> str:
+    """One line for logs and model cards."""
+    if not record:
+        return "full precision"
+    return f"{record['kind']} (block {record['block_size']}, scaler block {record['scaler_block_size']})"
+
+
+def quantizable(numel: int, block_size: int, scaler_block_size: int) -> bool:
+    return numel > 0 and numel % 2 == 0 and numel % (block_size * scaler_block_size) == 0
+
+
+def nf4_bytes(numel: int, block_size: int = 64, scaler_block_size: int = 256, dtype_bytes: int = 4) -> int:
+    """Bytes torchao's NF4Tensor holds for a weight of `numel` elements quantized from a `dtype_bytes`
+    dtype: 4-bit codes (numel/2), int8 block scales (numel/block_size), one factor per scaler block
+    (the weight's dtype), the scales' mean and the 16-entry NF4 table (the weight's dtype). A weight
+    of a single scaler block keeps its factor as a view of the scaler_block_size factors torchao
+    computed (its `.contiguous()` copies only a strided one): measured, tests/test_quantize.py."""
+    blocks = numel // block_size
+    factors = blocks // scaler_block_size
+    return numel // 2 + blocks + (factors if factors > 1 else scaler_block_size) * dtype_bytes + 17 * dtype_bytes
+
+
+def output_head(model) -> Any:
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    get = getattr(base, "get_output_embeddings", None)
+    return get() if callable(get) else None
+
+
+def quantized_linears(model, block_size: int, scaler_block_size: int) -> list[tuple[str, Any]]:
+    """(name, module) of the linear layers whose weights a quantized run stores 4-bit (module docstring)."""
+    import torch.nn as nn
+    head = output_head(model)
+    out = []
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear) or m is head or any(p.startswith("lora_") for p in name.split(".")):
+            continue
+        if m.weight.dim() == 2 and quantizable(m.weight.numel(), block_size, scaler_block_size):
+            out.append((name, m))
+    return out
+
+
+def torchao_nf4():
+    """torchao's NF4 module (to_nf4, NF4Tensor, linear_nf4); a one-line ConfigError naming the key
+    when torchao is not installed. Its import logs that this build lacks some CUDA kernels (none of
+    them NF4's) and a torch deprecation: quieted, they would fill every rank's log."""
+    import logging
+
+    from .errors import ConfigError
+    quiet = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.ERROR)
+    try:
+        from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+    except ImportError as e:
+        raise ConfigError(f"actor.lora.quantize: nf4 needs torchao ({e}); {INSTALL}") from None
+    finally:
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
+    return nf4_tensor
+
+
+def roundtrip(weight, block_size: int, scaler_block_size: int):
+    """`weight` quantized to NF4 and dequantized, in its own dtype: what a 4-bit linear computes with."""
+    return torchao_nf4().to_nf4(weight.detach(), block_size, scaler_block_size).get_original_weight()
+
+
+def roundtrip_nf4_(model, record: dict | None) -> list[str]:
+    """Replaces in place every weight a run quantized (`record`: `quantize_record`'s) by its NF4 round
+    trip, so that merging adapters into `model` gives the model that trained; the names changed.
+    Nothing without a record."""
+    if not record:
+        return []
+    if record["kind"] != "nf4":
+        raise ValueError(f"unknown base quantization {record['kind']!r} (this sftflow knows nf4)")
+    import torch
+    names = []
+    with torch.no_grad():
+        for name, m in quantized_linears(model, record["block_size"], record["scaler_block_size"]):
+            m.weight.copy_(roundtrip(m.weight, record["block_size"], record["scaler_block_size"]))
+            names.append(name)
+    return names
