@@ -31,10 +31,10 @@ CODES = [-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0, 0.0796
          0.5626, 0.7230, 1.0]
 
 
-def decoded_by_hand(t, block: int, scaler_block: int) -> torch.Tensor:
+def decoded_by_hand(t) -> torch.Tensor:
     """An NF4Tensor's weight from its stored parts, element by element in its own dtype: two codes a
     byte (high nibble first), each block's int8 scale over its scaler block's factor, plus the mean."""
-    n = t.numel()
+    n, block, scaler_block = t.numel(), t.block_size, t.scaler_block_size
     codes = torch.empty(n, dtype=torch.long)
     codes[0::2], codes[1::2] = (t.quantized_data >> 4).long(), (t.quantized_data & 15).long()
     table = torch.tensor(CODES, dtype=t.dtype)
@@ -50,7 +50,7 @@ def test_a_4bit_linear_equals_a_linear_over_its_dequantized_weight(dtype):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(128, 256, generator=g) * 0.05
     q = nf4.to_nf4(w, 64, 256)
-    plain = decoded_by_hand(q, 64, 256)
+    plain = decoded_by_hand(q)
     assert torch.equal(plain, cq.roundtrip(w, 64, 256))
     # 4 bits: each weight within half the widest gap of the code book (0.3038) x its block's absmax
     absmax = w.view(-1, 64).abs().amax(1, keepdim=True)
@@ -64,7 +64,7 @@ def test_a_4bit_linear_equals_a_linear_over_its_dequantized_weight(dtype):
     # in bf16 the weight is quantized from bf16: the reference decodes that one
     assert quantize_base_(model, SimpleNamespace(quantize_block_size=64, quantize_scaler_block_size=256)) == ["0"]
     assert is_nf4(model[0].weight) and not model[0].weight.requires_grad
-    plain = decoded_by_hand(model[0].weight, 64, 256)
+    plain = decoded_by_hand(model[0].weight)
     with torch.no_grad():
         got = model(x)
     assert torch.equal(got, F.linear(x, plain, bias))  # the bias inside the matmul, as a plain layer adds it
@@ -103,7 +103,7 @@ def test_lora_gradients_over_a_4bit_base_equal_those_over_its_dequantized_weight
     with torch.no_grad():
         plain = dict(ref.named_parameters())
         for n, p in quantized.items():
-            plain[n].copy_(decoded_by_hand(p, 64, 256))
+            plain[n].copy_(decoded_by_hand(p))
     for n, p in q.named_parameters():  # what isn't quantized is the same tensor values
         if n not in quantized:
             assert torch.equal(p, plain[n]), n
@@ -148,8 +148,9 @@ def test_only_frozen_base_linears_are_quantized_and_fsdp_keeps_the_unsplittable_
     q = build_configured_model(cfg, path, seed=0, device="cpu", lora=True, nf4=True)
     names = [n for n, p in q.named_parameters() if is_nf4(p)]
     assert names and all(n.endswith("base_layer.weight") and not q.get_parameter(n).requires_grad for n in names)
-    # the builtin's k_proj and v_proj (128 x 64 = 8192) are not whole scaler blocks of 64 x 256
-    assert not any("k_proj" in n or "v_proj" in n for n in names)
+    # every block linear: the builtin's k_proj and v_proj (128 x 64: 128 blocks) with scaler blocks of 128
+    assert len(names) == 7 * 4
+    assert {q.get_parameter(n).scaler_block_size for n in names if "k_proj" in n} == {128}
     assert unshardable(q, 1) == set()
     # q_proj (128 x 128) has 1 second-level factor, the MLP's 3: none split evenly over 2 ranks, all stay whole
     assert unshardable(q, 2) == {p for p in q.parameters() if is_nf4(p)}
@@ -184,7 +185,7 @@ def test_the_merge_is_into_the_dequantized_base(tiny, tmp_path):
             continue
         b = next(v for k, v in adapters.items() if k.endswith(f"{name}.lora_B.default.weight"))
         quantized = cq.quantizable(w.numel(), 64, 256)
-        want = (decoded_by_hand(cq.torchao_nf4().to_nf4(w, 64, 256), 64, 256) if quantized else w) + scale * b @ a
+        want = (decoded_by_hand(cq.to_nf4(w, 64, 256)) if quantized else w) + scale * b @ a
         torch.testing.assert_close(merged[key], want, atol=1e-6, rtol=0)
         checked += quantized
     assert checked
@@ -326,3 +327,16 @@ def test_qlora_resume_after_sigkill_gives_the_weights_of_an_uninterrupted_run(tm
     key = "model.layers.0.mlp.down_proj.weight"  # not a LoRA target here: its weight is the round trip alone
     assert torch.equal(weights(done.path)[key], cq.roundtrip(base[key], 64, 256))
     assert not torch.equal(weights(done.path)[key], base[key])
+
+
+def test_each_layer_takes_the_largest_scaler_block_that_divides_it():
+    from test_memory_plan import SMOLLM2
+    assert cq.scaler_block(576 * 576, 64, 256) == 216  # SmolLM2's q_proj: 5184 blocks = 24 x 216
+    assert cq.scaler_block(576 * 192, 64, 256) == 216  # its k_proj: 1728 blocks = 8 x 216
+    assert cq.scaler_block(576 * 1536, 64, 256) == 256
+    assert cq.scaler_block(100, 64, 256) is None  # not whole blocks: stays in the training precision
+    arch = mp.Arch.from_hf_config(SMOLLM2)
+    assert len(arch.quantized_linears(64, 256)) == 7  # every linear of a SmolLM2 block
+    w = torch.randn(576, 192)
+    t = cq.to_nf4(w, 64, 256)
+    assert t.scaler_block_size == 216 and resident_bytes([t]) == cq.nf4_bytes(w.numel(), 64, 256, 4)

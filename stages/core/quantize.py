@@ -13,9 +13,11 @@ The rule of which layers (`quantized_linears`) is world-size free and shared by 
 weights), the export (the adapters merged into the round-tripped base) and anything else that
 rebuilds a quantized run's model from its base (`roundtrip_nf4_` with `quantize_record`): every
 `nn.Linear` but the output head and LoRA's own adapters, as QLoRA does; embeddings and norms are not
-linear layers and stay in the training precision. A layer whose element count is not a multiple of
-block_size x scaler_block_size (torchao's layout needs whole scaler blocks) stays unquantized too,
-and the record lists how many did.
+linear layers and stay in the training precision. torchao's layout needs whole scaler blocks: a
+layer's scaler block is the largest divisor of its block count up to `scaler_block_size`
+(`scaler_block`), so SmolLM2's 576-wide attention (5184 blocks: 216 a scaler block) is quantized
+as its MLP is (smaller scaler blocks only store the scales more precisely). A layer whose size is
+not a multiple of block_size stays in the training precision.
 
 torch and torchao are imported inside the functions: core is imported by torch-free processes.
 """
@@ -35,8 +37,8 @@ def quantize_record(cfg) -> dict | None:
         return None
     return {"kind": lora.quantize, "block_size": lora.quantize_block_size,
             "scaler_block_size": lora.quantize_scaler_block_size,
-            "modules": "every nn.Linear but the output head and the adapters, whose size is a multiple of "
-                       "block_size x scaler_block_size"}
+            "modules": "every nn.Linear but the output head and the adapters whose size is a multiple of block_size; "
+                       "scaler_block_size at most: per layer the largest divisor of its block count"}
 
 
 def describe(record: dict | None) -> str:
@@ -46,8 +48,17 @@ def describe(record: dict | None) -> str:
     return f"{record['kind']} (block {record['block_size']}, scaler block {record['scaler_block_size']})"
 
 
+def scaler_block(numel: int, block_size: int, scaler_block_size: int) -> int | None:
+    """The scaler block a weight of `numel` elements is quantized with: the largest divisor of its block
+    count up to `scaler_block_size`; None when it is not quantized (not whole blocks)."""
+    if numel <= 0 or numel % block_size:
+        return None
+    blocks = numel // block_size
+    return next(s for s in range(min(scaler_block_size, blocks), 0, -1) if blocks % s == 0)
+
+
 def quantizable(numel: int, block_size: int, scaler_block_size: int) -> bool:
-    return numel > 0 and numel % 2 == 0 and numel % (block_size * scaler_block_size) == 0
+    return scaler_block(numel, block_size, scaler_block_size) is not None
 
 
 def nf4_bytes(numel: int, block_size: int = 64, scaler_block_size: int = 256, dtype_bytes: int = 4) -> int:
@@ -57,6 +68,7 @@ def nf4_bytes(numel: int, block_size: int = 64, scaler_block_size: int = 256, dt
     of a single scaler block keeps its factor as a view of the scaler_block_size factors torchao
     computed (its `.contiguous()` copies only a strided one): measured, tests/test_quantize.py."""
     blocks = numel // block_size
+    scaler_block_size = scaler_block(numel, block_size, scaler_block_size) or scaler_block_size
     factors = blocks // scaler_block_size
     return numel // 2 + blocks + (factors if factors > 1 else scaler_block_size) * dtype_bytes + 17 * dtype_bytes
 
@@ -101,9 +113,15 @@ def torchao_nf4():
     return nf4_tensor
 
 
+def to_nf4(weight, block_size: int, scaler_block_size: int):
+    """`weight` as torchao's NF4Tensor, with this layer's scaler block (`scaler_block`)."""
+    scaler = scaler_block(weight.numel(), block_size, scaler_block_size)
+    return torchao_nf4().to_nf4(weight.detach(), block_size, scaler)
+
+
 def roundtrip(weight, block_size: int, scaler_block_size: int):
     """`weight` quantized to NF4 and dequantized, in its own dtype: what a 4-bit linear computes with."""
-    return torchao_nf4().to_nf4(weight.detach(), block_size, scaler_block_size).get_original_weight()
+    return to_nf4(weight, block_size, scaler_block_size).get_original_weight()
 
 
 def roundtrip_nf4_(model, record: dict | None) -> list[str]:

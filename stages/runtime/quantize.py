@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from stages.core.quantize import quantized_linears, torchao_nf4
+from stages.core.quantize import quantized_linears, to_nf4
 
 
 class _LinearNF4(torch.autograd.Function):
@@ -45,11 +45,10 @@ def quantize_base_(model: nn.Module, lora) -> list[str]:
     """Replaces, in place, the weight of every layer `quantized_linears` names by its NF4Tensor
     (frozen); the names. `lora`: the `actor.lora` section. The weights are quantized where they are
     (call it before moving a big model to a GPU: the full weights never reach it)."""
-    nf4 = torchao_nf4()
     names = []
     for name, m in quantized_linears(model, lora.quantize_block_size, lora.quantize_scaler_block_size):
         w = m.weight.detach()
-        m.weight = nn.Parameter(nf4.to_nf4(w, lora.quantize_block_size, lora.quantize_scaler_block_size),
+        m.weight = nn.Parameter(to_nf4(w, lora.quantize_block_size, lora.quantize_scaler_block_size),
                                 requires_grad=False)
         m.forward = types.MethodType(_forward, m)
         del w
