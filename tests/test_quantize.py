@@ -16,13 +16,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from conftest import ROOT, base_model
-from stages.core import quantize as cq
+from stages.core import nf4 as cq
 from stages.core.errors import ConfigError
 from stages.launch.launcher import worker_env
 from stages.pipeline import plan, run_stage
 from stages.planning import memory_plan as mp
 from stages.runtime.model_types import build_configured_model
-from stages.runtime.quantize import is_nf4, quantize_base_, resident_bytes, unshardable
+from stages.runtime.qlora import is_nf4, quantize_base_, resident_bytes, unshardable
 from test_train_core import assert_same_weights, killed, make_cfg, train, weights
 
 NF4 = {"r": 4, "alpha": 8, "quantize": "nf4"}

@@ -21,8 +21,8 @@ What one rank holds during a step (P parameters, Pt of them trained: all, or LoR
   size are its transient, not T x vocab of them. With activation checkpointing a layer keeps only
   its input (h per token); backward recomputes one at a time.
 
-QLoRA (`actor.lora.quantize: nf4`): the block linears whose size allows it (core/quantize.py's rule)
-hold torchao's NF4 layout instead of fp32, `core.quantize.nf4_bytes` each (codes, int8 block scales,
+QLoRA (`actor.lora.quantize: nf4`): the block linears whose size allows it (core/nf4.py's rule)
+hold torchao's NF4 layout instead of fp32, `core.nf4.nf4_bytes` each (codes, int8 block scales,
 second-level factors: ~0.516 bytes a weight at block 64 / scaler block 256), sharded and gathered in
 that layout (the gather moves 4-bit codes). Each forward and backward dequantizes one weight at a
 time: a transient of `DEQUANT_BYTES` per weight of the largest quantized linear.
@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stages.core.machine.precision import cpu_speed, native_bf16
-from stages.core.quantize import nf4_bytes, quantizable
+from stages.core.nf4 import nf4_bytes, quantizable
 from stages.core.machine.precision import resolve as resolve_precision
 from stages.core.machine.precision import why as precision_why
 
@@ -117,7 +117,7 @@ class Arch:
         return self.layers * sum(r * (i + o) for i, o in names.values())
 
     def quantized_linears(self, block_size: int, scaler_block_size: int) -> list[int]:
-        """A block's linears that a quantized run stores 4-bit: their sizes (core/quantize.py's rule)."""
+        """A block's linears that a quantized run stores 4-bit: their sizes (core/nf4.py's rule)."""
         return [i * o for i, o in self.linears().values() if quantizable(i * o, block_size, scaler_block_size)]
 
     def layer_bytes_per_token(self, act: int) -> int:

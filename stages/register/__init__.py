@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Iterator
 
 from stages.core.chat import model_card
-from stages.core.quantize import quantize_record
+from stages.core.nf4 import quantize_record
 from stages.core.cache.artifacts import StageBuild, read_manifest
 from stages.core.config import SFTConfig
 from stages.core.config.eval import EvalSetConfig

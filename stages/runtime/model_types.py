@@ -19,10 +19,10 @@ import torch.nn as nn
 
 from stages.core.errors import ConfigError
 from stages.core.cache.imports import import_object
-from stages.core.quantize import quantize_record, roundtrip_nf4_
+from stages.core.nf4 import quantize_record, roundtrip_nf4_
 
 from .lora import apply_lora, load_adapters_checked
-from .quantize import quantize_base_
+from .qlora import quantize_base_
 
 if TYPE_CHECKING:
     from stages.core.config import SFTConfig
@@ -77,7 +77,8 @@ class WeightsLoadError(ValueError):
 
 def build_configured_model(cfg: SFTConfig, weights_path: str | None, *, seed: int | None = None,
                            device: torch.device | str | None = None, float32: bool = False, lora: bool = False,
-                           nf4: bool = False, weights: dict | Callable[[nn.Module], dict] | None = None, where: str = "",
+                           nf4: bool = False, weights: dict | Callable[[nn.Module], dict] | None = None,
+                           where: str = "",
                            attn_implementation: str | None = None) -> nn.Module:
     """The model `cfg.actor.model` configures, built as training, export and evaluation all build it:
 

@@ -13,7 +13,7 @@ from stages.core.errors import ConfigError
 
 from .lora import unwrap
 from .model_types import fsdp_units
-from .quantize import unshardable
+from .qlora import unshardable
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from stages.core.errors import ConfigError, StageError
 from stages.launch.ahead import Ahead
 from stages.launch.launcher import run_torchrun, start_ahead, torchrun_command
 from stages.core.chat import model_card
-from stages.core.quantize import quantize_record
+from stages.core.nf4 import quantize_record
 from stages.runtime.mixture import describe, new_data_epoch
 from stages.runtime.reporting import RUNTIME_FILE
 from stages.runtime.worker import WorkerSpec

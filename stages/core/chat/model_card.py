@@ -73,7 +73,7 @@ def render(name: str, base_model: str, metrics: dict, started: str, trained_on: 
              f"# {name}", "", f"Fine-tuned from `{base_model}` with sftflow (supervised fine-tuning, "
              f"{'LoRA merged into the weights' if lora else 'full weights'}). {started}", ""]
     if quantized:
-        # the merge is into the dequantized base (core/quantize.py): these weights are not the original's
+        # the merge is into the dequantized base (core/nf4.py): these weights are not the original's
         lines += [f"The base trained quantized ({describe_quantized(quantized)}): the adapters are merged into "
                   "its dequantized weights, so every weight of the base differs from the original by its 4-bit "
                   "rounding.", ""]

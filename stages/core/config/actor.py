@@ -103,7 +103,7 @@ class LoraConfig(_Section):
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: str | list[str] = Field("all-linear",
                                             description="'all-linear' or module names (q_proj, v_proj, ...)")
-    # QLoRA (stages/core/quantize.py, docs/models.md): hashed only once set, so LoRA's fingerprints stay
+    # QLoRA (stages/core/nf4.py, docs/models.md): hashed only once set, so LoRA's fingerprints stay
     quantize: Literal["none", "nf4"] = hashed_unless_default(
         "none", description="nf4: the frozen base linear weights stored 4-bit (torchao NF4, QLoRA's format) while "
                             "training; the adapters and the rest stay in the training precision")

@@ -5,7 +5,7 @@ shards the model; the adapters and every other weight stay in the training preci
 torchao's NF4Tensor dequantizes inside `F.linear` (its `__torch_function__`, to the input's dtype)
 and shards under FSDP2 (`fsdp_pre_all_gather`: the codes and scales travel, never a dequantized
 weight). Which layers, and the plain-tensor equivalent the export merges into, are
-stages/core/quantize.py's; the tests hold the two equal (tests/test_quantize.py).
+stages/core/nf4.py's; the tests hold the two equal (tests/test_quantize.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from stages.core.quantize import quantized_linears, to_nf4
+from stages.core.nf4 import quantized_linears, to_nf4
 
 
 class _LinearNF4(torch.autograd.Function):
@@ -91,3 +91,17 @@ def resident_bytes(tensors) -> int:
     for t in tensors:
         add(t.detach() if isinstance(t, nn.Parameter) else t)
     return sum(seen.values())
+
+
+def base_bytes_line(model: nn.Module) -> str:
+    """What this rank's frozen base weights occupy, measured (`resident_bytes`), against the same
+    weights in fp32: the 4-bit ones, and the whole base (embeddings and norms stay full)."""
+    def local(p):
+        return p.to_local() if hasattr(p, "to_local") else p
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    nf4 = [p for p in frozen if is_nf4(local(p))]
+    q, q32 = resident_bytes(nf4), 4 * sum(local(p).numel() for p in nf4)
+    b, b32 = resident_bytes(frozen), 4 * sum(local(p).numel() for p in frozen)
+    mib = 2 ** 20
+    return (f"QLoRA: {len(nf4)} base weights 4-bit: {q / mib:.1f} MiB on this rank ({q / max(q32, 1):.3f}x their "
+            f"fp32 {q32 / mib:.1f} MiB); whole frozen base {b / mib:.1f} MiB ({b / max(b32, 1):.3f}x fp32)")
