@@ -151,7 +151,8 @@ def test_only_frozen_base_linears_are_quantized_and_fsdp_keeps_the_unsplittable_
     # every block linear: the builtin's k_proj and v_proj (128 x 64: 128 blocks) with scaler blocks of 128
     assert len(names) == 7 * 4
     assert {q.get_parameter(n).scaler_block_size for n in names if "k_proj" in n} == {128}
-    assert unshardable(q, 1) == set()
+    # one rank: kept whole, torch's FSDP2 skips the all-gather that NF4's sharding hooks need
+    assert unshardable(q, 1) == {p for p in q.parameters() if is_nf4(p)}
     # q_proj (128 x 128) has 1 second-level factor, the MLP's 3: none split evenly over 2 ranks, all stay whole
     assert unshardable(q, 2) == {p for p in q.parameters() if is_nf4(p)}
     # scaler blocks of 32: every block linear quantized, every one split evenly over 2 (and 4)

@@ -64,10 +64,12 @@ def unshardable(model: nn.Module, world: int) -> set[nn.Parameter]:
     """The 4-bit weights FSDP2 cannot split evenly over `world` ranks: torchao splits the codes, the
     block scales and the second-level factors by rows, so each must divide by the world size. They
     stay whole on every rank (`fully_shard(ignored_params=...)`): frozen, they have no gradient to
-    reduce, and a rank computes with the same bytes as it would gathered."""
+    reduce, and a rank computes with the same bytes as it would gathered. On one rank (bf16 on one
+    GPU) all of them: torch 2.13's FSDP2 skips the all-gather there and hands a tensor subclass's
+    `fsdp_post_all_gather` one input where NF4 returned three (a ValueError in the first forward)."""
     out = set()
     for p in model.parameters():
-        if is_nf4(p) and (p.shape[0] % world or any(getattr(p, a).numel() % world for a in
+        if is_nf4(p) and (world == 1 or p.shape[0] % world or any(getattr(p, a).numel() % world for a in
                                                       ("quantized_data", "quantized_scalers", "quantization_factor"))):
             out.add(p)
     return out
