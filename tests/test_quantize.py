@@ -218,7 +218,7 @@ def test_the_record_and_the_model_card_say_the_base_trained_quantized(tmp_path):
 # --------------------------------------------------------------------------- the plan (fast)
 
 
-def test_the_plan_counts_4bit_weights_as_torchao_stores_them(tiny):
+def test_the_plan_counts_4bit_weights_as_torchao_stores_them(tiny, tmp_path):
     """The plan's 4-bit parameter bytes against the measured bytes of the built model's quantized linears."""
     cfg, path = tiny
     hf = json.loads((Path(path) / "config.json").read_text())
@@ -231,10 +231,18 @@ def test_the_plan_counts_4bit_weights_as_torchao_stores_them(tiny):
     assert nf4.n_quantized == sum(p.numel() for p in quantized)
     assert plain.params - nf4.params == 4 * nf4.n_quantized - resident_bytes(quantized)
     assert nf4.dequant == mp.DEQUANT_BYTES * max(p.numel() for p in quantized)
-    # under FSDP2 (gathered weights kept) the 4-bit layout is what is sharded and gathered, not a bf16 copy
-    two = mp.estimate(arch, world=2, precision="bf16", batch=batch, checkpointing=False, lora_r=4, nf4=(64, 256))
-    P, Pq, Q = arch.n_params(), nf4.n_quantized, resident_bytes(quantized)
-    assert two.params == (4 * (P - Pq) + Q) // 2 + 2 * (P - Pq) + Q
+    # under FSDP2 (gathered weights kept) the 4-bit layout is what is sharded and gathered, not a bf16 copy;
+    # what the rank keeps whole (runtime's `unshardable` on the built model) is neither sharded nor gathered
+    P, Pq = arch.n_params(), nf4.n_quantized
+    for scaler in (256, 32):
+        qs = build_configured_model(make_cfg(tmp_path, f"s{scaler}.yaml", actor={"lora": {
+            **NF4, "quantize_scaler_block_size": scaler}}), path, seed=0, device="cpu", lora=True, nf4=True)
+        whole = resident_bytes(unshardable(qs, 2))
+        sharded = resident_bytes([p for p in qs.parameters() if is_nf4(p)]) - whole
+        two = mp.estimate(arch, world=2, precision="bf16", batch=batch, checkpointing=False, lora_r=4,
+                          nf4=(64, scaler))
+        assert two.params == (4 * (P - Pq) + sharded) // 2 + whole + 2 * (P - Pq) + sharded, scaler
+        assert (whole, sharded)[scaler == 32] > 0  # 256: every one whole on the builtin; 32: every one sharded
 
 
 def test_the_dequantization_transient_is_what_torchao_allocates():

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stages.core.machine.precision import cpu_speed, native_bf16
-from stages.core.nf4 import nf4_bytes, quantizable
+from stages.core.nf4 import nf4_bytes, quantizable, scaler_block
 from stages.core.machine.precision import resolve as resolve_precision
 from stages.core.machine.precision import why as precision_why
 
@@ -116,9 +116,9 @@ class Arch:
         names = self.linears() if targets == "all-linear" else {n: d for n, d in self.linears().items() if n in targets}
         return self.layers * sum(r * (i + o) for i, o in names.values())
 
-    def quantized_linears(self, block_size: int, scaler_block_size: int) -> list[int]:
-        """A block's linears that a quantized run stores 4-bit: their sizes (core/nf4.py's rule)."""
-        return [i * o for i, o in self.linears().values() if quantizable(i * o, block_size, scaler_block_size)]
+    def quantized_linears(self, block_size: int, scaler_block_size: int) -> list[tuple[int, int]]:
+        """A block's linears that a quantized run stores 4-bit (core/nf4.py's rule): (rows, size) each."""
+        return [(o, i * o) for i, o in self.linears().values() if quantizable(i * o, block_size, scaler_block_size)]
 
     def layer_bytes_per_token(self, act: int) -> int:
         """Bytes autograd keeps per token for one block, `act` the bytes of the compute dtype:
@@ -180,6 +180,18 @@ class MemoryPlan:
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + max(self.activations, self.optimizer_step)
+
+
+def nf4_shardable(rows: int, numel: int, world: int, nf4: tuple[int, int]) -> bool:
+    """Whether FSDP2 splits a 4-bit weight of `rows` x (numel / rows) over `world` ranks, as
+    runtime/qlora.py's `unshardable` decides: rows, blocks and second-level factors each divide by
+    the world size; never on one rank."""
+    if world == 1:
+        return False
+    block_size, scaler = nf4
+    blocks = numel // block_size
+    factors = blocks // (scaler_block(numel, block_size, scaler) or scaler)
+    return rows % world == 0 and blocks % world == 0 and factors % world == 0 and (numel // 2) % world == 0
 
 
 def longest_batch_bound(max_length: int, micro_batch_size: int, max_tokens: int, packing: bool) -> Batch:
@@ -244,13 +256,19 @@ def estimate(arch: Arch, *, world: int, precision: str, batch: Batch, checkpoint
     act = 2 if precision == "bf16" else 4
     fsdp = world > 1 or precision == "bf16"  # the worker wraps one fp32 process in nothing
     quantized = arch.quantized_linears(*nf4) if nf4 and lora_r > 0 else []
-    Pq_block = sum(quantized)  # a block's 4-bit weights, and their bytes
-    Q_block = sum(nf4_bytes(n, *nf4) for n in quantized) if quantized else 0
+    Pq_block = sum(n for _, n in quantized)  # a block's 4-bit weights, and their bytes
+    Q_block = sum(nf4_bytes(n, *nf4) for _, n in quantized) if quantized else 0
+    # what FSDP2 can't split evenly stays whole on every rank (runtime/qlora.py's `unshardable`)
+    whole_block = sum(nf4_bytes(n, *nf4) for rows, n in quantized if not nf4_shardable(rows, n, world, nf4)) \
+        if fsdp else 0
     Pq, Q = arch.layers * Pq_block, arch.layers * Q_block
+    Q_whole = arch.layers * whole_block
     block = arch.block_params() - Pq_block  # what a block holds in full precision
     if fsdp:
         gathered = P - Pq if keep_gathered else arch.root_params() + 2 * block
-        params = (4 * (P - Pq) + Q) // world + act * gathered + (Q if keep_gathered else 2 * Q_block)
+        Q_sharded = Q - Q_whole
+        params = ((4 * (P - Pq) + Q_sharded) // world + Q_whole + act * gathered
+                  + (Q_sharded if keep_gathered else 2 * (Q_block - whole_block)))
         # LoRA's unsharded gradients are the adapters' (tiny); a full model's are its units'
         grads = 4 * Pt // world + act * (Pt if keep_gathered or lora_r > 0 else min(Pt, arch.root_params() + 2 * block))
     else:
@@ -274,7 +292,7 @@ def estimate(arch: Arch, *, world: int, precision: str, batch: Batch, checkpoint
                       checkpointing=checkpointing, dense_attention=mask > 0 or scores > 0, batch=batch,
                       n_params=P, n_trainable=Pt, n_quantized=Pq, params=params, grads=grads, optimizer=optimizer,
                       optimizer_step=4 * Pt // world, activations_full=full, activations_checkpointed=checkpointed,
-                      dequant=DEQUANT_BYTES * max(quantized, default=0))
+                      dequant=DEQUANT_BYTES * max((n for _, n in quantized), default=0))
 
 
 @dataclass(frozen=True)
