@@ -199,7 +199,7 @@ def test_quantize_needs_lora_and_names_its_key(tmp_path):
 
 def test_a_missing_torchao_is_one_line_naming_the_key(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao", None)
-    monkeypatch.setitem(sys.modules, "torchao.quantization.quantize_.workflows.nf4", None)
+    monkeypatch.setitem(sys.modules, "torchao.quantization.quantize_.workflows.nf4.nf4_tensor", None)
     with pytest.raises(ConfigError, match=r"actor.lora.quantize: nf4 needs torchao .*pip install") as e:
         cq.torchao_nf4()
     assert "\n" not in str(e.value)

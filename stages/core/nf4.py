@@ -92,25 +92,40 @@ def quantized_linears(model, block_size: int, scaler_block_size: int) -> list[tu
     return out
 
 
-def torchao_nf4():
-    """torchao's NF4 module (to_nf4, NF4Tensor, linear_nf4); a one-line ConfigError naming the key
-    when torchao is not installed. Its import logs that this build lacks some CUDA kernels (none of
-    them NF4's) and a torch deprecation: quieted, they would fill every rank's log."""
+def _import_quietly(module: str):
+    """Imports `module` (of torchao) with torchao's import-time warnings quieted: that this build lacks
+    some CUDA kernels (none of them NF4's), no triton, and a torch deprecation; they would fill every
+    rank's log. ImportError when it is not installed."""
+    import importlib
     import logging
-
-    from .errors import ConfigError
-    quiet = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    quiet = [logging.getLogger(n) for n in ("torchao", "torchao.kernel.intmm", "torch.utils._pytree")]
     levels = [q.level for q in quiet]
     for q in quiet:
         q.setLevel(logging.ERROR)
     try:
-        from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
-    except ImportError as e:
-        raise ConfigError(f"actor.lora.quantize: nf4 needs torchao ({e}); {INSTALL}") from None
+        return importlib.import_module(module)
     finally:
         for q, level in zip(quiet, levels):
             q.setLevel(level)
-    return nf4_tensor
+
+
+def preimport_torchao() -> None:
+    """peft imports torchao whenever it is installed (to recognise its tensors): importing it first,
+    quietly, keeps those warnings out of every LoRA run's log. Nothing when it is not installed."""
+    try:
+        _import_quietly("torchao.quantization")
+    except ImportError:
+        pass
+
+
+def torchao_nf4():
+    """torchao's NF4 module (to_nf4, NF4Tensor, linear_nf4); a one-line ConfigError naming the key
+    when torchao is not installed."""
+    from .errors import ConfigError
+    try:
+        return _import_quietly("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    except ImportError as e:
+        raise ConfigError(f"actor.lora.quantize: nf4 needs torchao ({e}); {INSTALL}") from None
 
 
 def to_nf4(weight, block_size: int, scaler_block_size: int):
