@@ -4,6 +4,10 @@ artifacts of their own under --out.
 
     .venv/bin/python bench/qlora.py --out /tmp/qlora            # both: ~20 min on 2 idle cores
     .venv/bin/python bench/qlora.py --out /tmp/qlora --only nf4 # the QLoRA run alone
+    .venv/bin/python bench/qlora.py --out /tmp/qlora --steps 3  # the train stage alone, 3 steps each
+
+With --steps N only the train stage runs, N steps, on the quickstart's identity rows without the
+replay mixture (no generation): the quick measure of tokens/s, peak RSS and the base's bytes.
 
 The QLoRA run is registered (it must become the champion of its own registry: identity >= 0.9 and
 the retention guard); the LoRA run is scored, not registered. Prints, beside each other: identity and
@@ -41,6 +45,40 @@ r = run_stage(p, sys.argv[2], on_line=lambda line: print("  " + line, flush=True
 print(json.dumps({"path": r.path, "cached": r.cached, "seconds": round(time.monotonic() - t0, 1),
                   "children_max_rss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))
 """
+
+
+def train_only(out: Path, steps: int) -> dict:
+    """Both runs' train stage alone, `steps` steps, sharing one artifacts folder (prepare and the model's
+    conversion once)."""
+    cfg = yaml.safe_load(config(out, "short").read_text())
+    cfg["data"].pop("mix", None)
+    cfg.pop("replay", None)
+    cfg["artifacts_dir"] = str(out / "nf4" / "artifacts")  # the full run's, when there: its converted model
+    cfg["runner"].update(max_steps=steps, save_interval=0, val_check_interval=0)
+    path = out / "short.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False, allow_unicode=True))
+    results = {}
+    for name, overrides in (("nf4", ["actor.lora.quantize=nf4"]), ("lora", [])):
+        r: dict = {"stages": {}, "folders": {}}
+        for s in ("prepare", "train"):
+            proc = subprocess.run([sys.executable, "-c", STAGE, str(path), s, *overrides], cwd=ROOT,
+                                  capture_output=True, text=True)
+            if proc.returncode:
+                raise SystemExit(f"{name} {s} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+            got = json.loads(proc.stdout.strip().splitlines()[-1])
+            r["stages"][s], r["folders"][s] = {"seconds": got["seconds"], "cached": got["cached"]}, got["path"]
+            if s == "train":
+                r["train_peak_rss"] = got["children_max_rss"]
+            print(f"{name} {s}: {r['stages'][s]}", flush=True)
+        train = Path(r["folders"]["train"])
+        rows = [json.loads(line) for line in (train / "metrics.jsonl").read_text().splitlines()]
+        speeds = [x["tokens_per_s"] for x in rows[1:] if "tokens_per_s" in x]
+        r["tokens_per_s"] = sum(speeds) / len(speeds) if speeds else None
+        r["losses"] = [x.get("loss") for x in rows]
+        r["base_bytes"] = next((m.group(0) for m in re.finditer(r"QLoRA: .*", (train / "train.log").read_text())),
+                               None)
+        results[name] = r
+    return results
 
 
 def config(out: Path, name: str) -> Path:
@@ -92,8 +130,20 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--only", choices=["nf4", "lora"], default=None, help="one of the two runs")
+    ap.add_argument("--steps", type=int, default=0, help="> 0: the train stage alone, this many steps each")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.steps > 0:
+        results = train_only(args.out, args.steps)
+        (args.out / "qlora_steps.json").write_text(json.dumps(results, indent=2, default=str))
+        for name, r in results.items():
+            rss = r.get("train_peak_rss")
+            print(f"{name}: train {r['stages']['train']['seconds']} s for {len(r['losses'])} steps, "
+                  f"{r['tokens_per_s'] or 0:.0f} tokens/s (steps after the first), peak RSS of the train tree "
+                  f"{rss / 2 ** 20:.0f} MiB, losses {r['losses']}")
+            if r.get("base_bytes"):
+                print(f"  {r['base_bytes']}")
+        return 0
     results = {}
     if args.only != "lora":
         results["nf4"] = run(config(args.out, "nf4"), ["actor.lora.quantize=nf4"], register=True)

@@ -313,14 +313,17 @@ QRESUME = dict(runner={"max_epochs": 1, "max_steps": 6, "save_interval": 2, "val
 
 
 @pytest.mark.slow
-def test_qlora_resume_after_sigkill_gives_the_weights_of_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("nproc,scaler", [(1, 256), (2, 32)])  # one process; two, every 4-bit weight sharded
+def test_qlora_resume_after_sigkill_gives_the_weights_of_an_uninterrupted_run(tmp_path, nproc, scaler):
     from safetensors.torch import load_file
 
     from stages.runtime.saving.checkpoint import read_metadata
     (tmp_path / "ref").mkdir()
     (tmp_path / "run").mkdir()
-    ref = train(make_cfg(tmp_path / "ref", **QRESUME))
-    cfg = make_cfg(tmp_path / "run", **QRESUME)
+    sections = {**QRESUME, "actor": {"nproc_per_node": nproc, "lora": {**QRESUME["actor"]["lora"],
+                                                                        "quantize_scaler_block_size": scaler}}}
+    ref = train(make_cfg(tmp_path / "ref", **sections))
+    cfg = make_cfg(tmp_path / "run", **sections)
     partial = killed(cfg, "after_save:4")
     saved = read_metadata(partial / "checkpoints" / "step_00000004").state_dict_metadata
     model_keys = [k for k in saved if k.startswith("model.")]
@@ -334,7 +337,7 @@ def test_qlora_resume_after_sigkill_gives_the_weights_of_an_uninterrupted_run(tm
     # the merged model is over the dequantized base: not the original weights plus the adapters
     base = load_file(str(Path(base_model(cfg)) / "model.safetensors"))
     key = "model.layers.0.mlp.down_proj.weight"  # not a LoRA target here: its weight is the round trip alone
-    assert torch.equal(weights(done.path)[key], cq.roundtrip(base[key], 64, 256))
+    assert torch.equal(weights(done.path)[key], cq.roundtrip(base[key], 64, scaler))
     assert not torch.equal(weights(done.path)[key], base[key])
 
 
