@@ -41,13 +41,6 @@ def quantize_record(cfg) -> dict | None:
                        "scaler_block_size at most: per layer the largest divisor of its block count"}
 
 
-def describe(record: dict | None) -> str:
-    """One line for logs and model cards."""
-    if not record:
-        return "full precision"
-    return f"{record['kind']} (block {record['block_size']}, scaler block {record['scaler_block_size']})"
-
-
 def scaler_block(numel: int, block_size: int, scaler_block_size: int) -> int | None:
     """The scaler block a weight of `numel` elements is quantized with: the largest divisor of its block
     count up to `scaler_block_size`; None when it is not quantized (not whole blocks)."""
