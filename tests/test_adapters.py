@@ -239,13 +239,8 @@ def test_a_warm_start_from_a_lora_version_trains_over_it_merged_and_names_its_no
 def test_the_loader_refuses_a_quantize_record_it_cannot_apply(tmp_path):
     from stages.inference.weights import _apply_base_transform
     _apply_base_transform(torch.nn.Linear(2, 2), None)  # no record: nothing to do
-    try:
-        import stages.core.quantize  # noqa: F401 - QLoRA's module, once merged
-        pytest.skip("stages.core.quantize exists: its own tests cover the transform")
-    except ImportError:
-        pass
-    with pytest.raises(RuntimeError, match="base.json: the base was quantized"):
-        _apply_base_transform(torch.nn.Linear(2, 2), {"method": "nf4"})
+    with pytest.raises(ValueError, match="unknown base quantization 'int3'"):
+        _apply_base_transform(torch.nn.Linear(2, 2), {"kind": "int3", "block_size": 64, "scaler_block_size": 256})
 
 
 def test_a_base_reference_that_names_nothing_is_one_line(tmp_path, monkeypatch):

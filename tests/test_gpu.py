@@ -184,3 +184,50 @@ def test_gpu_check_refuses_to_run_as_a_gpu_check_without_cuda(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "use --dry-run" in proc.stderr
+
+
+@needs_cuda
+def test_qlora_peak_memory_against_the_plan(tmp_path):
+    """QLoRA (nf4, LoRA r 16 all-linear) on a SmolLM2-135M-shaped model (4 of its layers, random init)
+    through the real worker: the CUDA allocator's peak over 3 steps against the memory plan's total at
+    the prepared data's longest micro-batch. Written to $SFTFLOW_GPU_CHECK_OUT/qlora_peak.json for
+    bench/gpu_check.py's table. On CPU (SFTFLOW_GPU_TESTS_ON_CPU) the same path runs; no peak to compare."""
+    import subprocess
+
+    from stages.core.config import config_from_dict
+    from stages.pipeline import plan, run_stage
+    from stages.planning import memory_plan as mp
+    from test_memory_plan import long_rows, smollm2_shaped
+    from conftest import write_jsonl
+    from stages.runtime.worker import WorkerSpec
+    raw = tiny_config_dict(tmp_path, actor={"nproc_per_node": 1, "micro_batch_size": 2, "global_batch_size": 4,
+                                            "lora": {"r": 16, "alpha": 32, "quantize": "nf4"},
+                                            **({} if CUDA else {"precision": "bf16"})},
+                           data={"max_length": 384, "truncation": "keep_start"})
+    tok = base_model(load_config(write_config(tmp_path, raw)))
+    raw["actor"]["model"] = {"model_type": "causal_lm", "model_path": smollm2_shaped(tmp_path, tok)}
+    raw["data"]["train_data_paths"] = [str(write_jsonl(tmp_path / "long.jsonl", long_rows(24)))]
+    cfg = config_from_dict(raw)
+    p = plan(cfg)
+    run_stage(p, "prepare", on_line=lambda _: None)
+    (tmp_path / "out").mkdir()
+    WorkerSpec(config=cfg, model_path=cfg.actor.model.model_path, out_dir=str(tmp_path / "out"),
+               train_dir=str(p.folder("prepare") / "train")).write(tmp_path / "spec.json")
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "dist" / "qlora_peak.py"), str(tmp_path / "spec.json")],
+                       env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["base"].startswith("QLoRA: 28 base weights 4-bit"), got["base"]  # 7 linears x 4 layers
+    hf = json.loads((Path(cfg.actor.model.model_path) / "config.json").read_text())
+    lengths = mp.prepared_lengths(p.folder("prepare") / "train")
+    device = mp.visible_device() if CUDA else mp.Device("cpu", "CPU", 0)
+    planned = mp.for_config(cfg, hf, device, lengths)
+    result = {"planned": planned.total, "measured": got["peak"], "device": got["device"],
+              "precision": got["precision"], "attn": got["attn"], "base": got["base"]}
+    if os.environ.get("SFTFLOW_GPU_CHECK_OUT"):
+        Path(os.environ["SFTFLOW_GPU_CHECK_OUT"], "qlora_peak.json").write_text(json.dumps(result))
+    if CUDA:
+        assert got["peak"] <= planned.total * mp.MARGIN, result
+        assert got["peak"] >= planned.total * 0.5, result

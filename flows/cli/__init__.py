@@ -81,13 +81,16 @@ def _memory_table(p: Plan) -> None:
         t.add_column(col)
     trained = f"{mp.n_trainable:,} trained of {mp.n_params:,}"
     sharded = f", sharded over {mp.world}" if mp.fsdp and mp.world > 1 else ""
+    nf4 = f"; {mp.n_quantized:,} base weights 4-bit NF4" if mp.n_quantized else ""
     t.add_row("parameters", human(mp.params), f"{mp.n_params:,} (fp32 masters{sharded}"
-              + (f"; {mp.precision} copy gathered" if mp.fsdp else "") + ")")
+              + (f"; {mp.precision} copy gathered" if mp.fsdp else "") + nf4 + ")")
     t.add_row("gradients", human(mp.grads), trained)
     t.add_row("optimizer", human(mp.optimizer), "AdamW, 2 fp32 moments")
     t.add_row("activations", human(mp.activations_full), "" if mp.checkpointing else "in use")
     t.add_row("activations, checkpointed", human(mp.activations_checkpointed), "in use" if mp.checkpointing else
               "with activation_checkpointing")
+    if mp.dequant:
+        t.add_row("4-bit dequantization", human(mp.dequant), "the largest quantized weight, unpacked for its matmul")
     t.add_row("total", human(mp.total), f"model dims: {escape(source)}")
     if budget is None:
         t.add_row("budget", "-", "not checked (actor.memory_budget_gb=0)")

@@ -12,6 +12,8 @@ Its rooms, each a package whose `__init__` says what it owns:
     chat/     chat text: where a reply ends, the model card
 
 and at its top: errors (the project's error types), quarantine (the rows a stage left out, the data
-gate) and narrow (a config narrowed to some eval sets). Within core: errors imports nothing; cache
-imports errors; machine imports cache; config imports cache and machine; chat imports cache and config.
+gate), narrow (a config narrowed to some eval sets) and nf4 (QLoRA's rule of which base weights
+are 4-bit, their bytes, and the NF4 round trip a merge goes through; torch inside its functions).
+Within core: errors imports nothing; nf4 imports errors; cache imports errors; machine imports cache;
+config imports cache and machine; chat imports cache and config.
 """

@@ -35,18 +35,18 @@ def config_folder(model_dir, roots=(), tracking_uri: str | None = None) -> str:
 def _apply_base_transform(model: torch.nn.Module, record: dict | None) -> None:
     """What training did to the base's weights before the adapter trained on them, done again here:
     the one place a `quantize` record of `base.json` is applied (QLoRA: the NF4 round trip of the base
-    weights, stages/core/quantize.py)."""
+    weights, stages/core/nf4.py, which needs torchao)."""
     if not record:
         return
     try:
-        from stages.core.quantize import round_trip_base  # QLoRA's module (actor.lora.quantize)
-    except ImportError:
-        try:  # inside a logged model: quantize.py ships beside this file once register lists it in code_paths
-            from quantize import round_trip_base
+        from stages.core.nf4 import roundtrip_nf4_
+    except ImportError:  # inside a logged model: nf4.py ships beside this file (register's code_paths)
+        try:
+            from nf4 import roundtrip_nf4_
         except ImportError:
             raise RuntimeError(f"base.json: the base was quantized ({record}) but this sftflow cannot apply "
-                               "that transform (no stages.core.quantize)") from None
-    round_trip_base(model, record)
+                               "that transform (no stages.core.nf4)") from None
+    roundtrip_nf4_(model, record)
 
 
 def _full(folder: str, trust_remote_code: bool, dtype: torch.dtype):

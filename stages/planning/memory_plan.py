@@ -20,6 +20,12 @@ What one rank holds during a step (P parameters, Pt of them trained: all, or LoR
   backward (runtime/loss.py), so one chunk's fp32 log-probabilities and the two gradients of that
   size are its transient, not T x vocab of them. With activation checkpointing a layer keeps only
   its input (h per token); backward recomputes one at a time.
+
+QLoRA (`actor.lora.quantize: nf4`): the block linears whose size allows it (core/nf4.py's rule)
+hold torchao's NF4 layout instead of fp32, `core.nf4.nf4_bytes` each (codes, int8 block scales,
+second-level factors: ~0.516 bytes a weight at block 64 / scaler block 256), sharded and gathered in
+that layout (the gather moves 4-bit codes). Each forward and backward dequantizes one weight at a
+time: a transient of `DEQUANT_BYTES` per weight of the largest quantized linear.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stages.core.machine.precision import cpu_speed, native_bf16
+from stages.core.nf4 import nf4_bytes, quantizable, scaler_block
 from stages.core.machine.precision import resolve as resolve_precision
 from stages.core.machine.precision import why as precision_why
 
@@ -51,6 +58,9 @@ FLASH_KERNELS = ("flash_attention_2", "flash_attention_3", "flex_attention")
 # Trained positions per output-head + loss chunk: stages/runtime/loss.py's LOSS_CHUNK (this module
 # imports no torch; tests/test_memory_plan.py holds the two equal).
 LOSS_CHUNK = 1024
+# torchao's NF4 dequantization (NF4Tensor.get_original_weight, an fp32 base): the codes unpacked to
+# two int64 halves (8 bytes a weight), looked up, scaled and stacked (3 x 4), all alive at its end
+DEQUANT_BYTES = 20
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,10 @@ class Arch:
         names = self.linears() if targets == "all-linear" else {n: d for n, d in self.linears().items() if n in targets}
         return self.layers * sum(r * (i + o) for i, o in names.values())
 
+    def quantized_linears(self, block_size: int, scaler_block_size: int) -> list[tuple[int, int]]:
+        """A block's linears that a quantized run stores 4-bit (core/nf4.py's rule): (rows, size) each."""
+        return [(o, i * o) for i, o in self.linears().values() if quantizable(i * o, block_size, scaler_block_size)]
+
     def layer_bytes_per_token(self, act: int) -> int:
         """Bytes autograd keeps per token for one block, `act` the bytes of the compute dtype:
 
@@ -150,20 +164,34 @@ class MemoryPlan:
     batch: Batch
     n_params: int
     n_trainable: int
+    n_quantized: int  # base weights stored 4-bit (QLoRA); 0 without
     params: int
     grads: int
     optimizer: int
     optimizer_step: int  # the foreach step's temporary: after backward, so it overlaps no activation
     activations_full: int
     activations_checkpointed: int
+    dequant: int = 0  # QLoRA: one quantized weight dequantized for its matmul (forward and backward)
 
     @property
     def activations(self) -> int:
-        return self.activations_checkpointed if self.checkpointing else self.activations_full
+        return (self.activations_checkpointed if self.checkpointing else self.activations_full) + self.dequant
 
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + max(self.activations, self.optimizer_step)
+
+
+def nf4_shardable(rows: int, numel: int, world: int, nf4: tuple[int, int]) -> bool:
+    """Whether FSDP2 splits a 4-bit weight of `rows` x (numel / rows) over `world` ranks, as
+    runtime/qlora.py's `unshardable` decides: rows, blocks and second-level factors each divide by
+    the world size; never on one rank."""
+    if world == 1:
+        return False
+    block_size, scaler = nf4
+    blocks = numel // block_size
+    factors = blocks // (scaler_block(numel, block_size, scaler) or scaler)
+    return rows % world == 0 and blocks % world == 0 and factors % world == 0 and (numel // 2) % world == 0
 
 
 def longest_batch_bound(max_length: int, micro_batch_size: int, max_tokens: int, packing: bool) -> Batch:
@@ -219,20 +247,32 @@ def loss_bytes(arch: Arch, tokens: int, act: int, kl_to_base: bool = False) -> t
 
 def estimate(arch: Arch, *, world: int, precision: str, batch: Batch, checkpointing: bool,
              lora_r: int = 0, lora_targets: str | list[str] = "all-linear", keep_gathered: bool = True,
-             attn_implementation: str | None = None, kl_to_base: bool = False) -> MemoryPlan:
-    """The per-rank plan (see the module's docstring for each term)."""
+             attn_implementation: str | None = None, kl_to_base: bool = False,
+             nf4: tuple[int, int] | None = None) -> MemoryPlan:
+    """The per-rank plan (see the module's docstring for each term). `nf4`: (block size, scaler block
+    size) of a QLoRA run's 4-bit base weights."""
     P = arch.n_params()
     Pt = arch.lora_params(lora_r, lora_targets) if lora_r > 0 else P
     act = 2 if precision == "bf16" else 4
     fsdp = world > 1 or precision == "bf16"  # the worker wraps one fp32 process in nothing
-    block = arch.block_params()
+    quantized = arch.quantized_linears(*nf4) if nf4 and lora_r > 0 else []
+    Pq_block = sum(n for _, n in quantized)  # a block's 4-bit weights, and their bytes
+    Q_block = sum(nf4_bytes(n, *nf4) for _, n in quantized) if quantized else 0
+    # what FSDP2 can't split evenly stays whole on every rank (runtime/qlora.py's `unshardable`)
+    whole_block = sum(nf4_bytes(n, *nf4) for rows, n in quantized if not nf4_shardable(rows, n, world, nf4)) \
+        if fsdp else 0
+    Pq, Q = arch.layers * Pq_block, arch.layers * Q_block
+    Q_whole = arch.layers * whole_block
+    block = arch.block_params() - Pq_block  # what a block holds in full precision
     if fsdp:
-        gathered = P if keep_gathered else arch.root_params() + 2 * block
-        params = 4 * P // world + act * gathered
+        gathered = P - Pq if keep_gathered else arch.root_params() + 2 * block
+        Q_sharded = Q - Q_whole
+        params = ((4 * (P - Pq) + Q_sharded) // world + Q_whole + act * gathered
+                  + (Q_sharded if keep_gathered else 2 * (Q_block - whole_block)))
         # LoRA's unsharded gradients are the adapters' (tiny); a full model's are its units'
         grads = 4 * Pt // world + act * (Pt if keep_gathered or lora_r > 0 else min(Pt, arch.root_params() + 2 * block))
     else:
-        params, grads = 4 * P, 4 * Pt
+        params, grads = 4 * (P - Pq) + Q, 4 * Pt
     optimizer = 8 * Pt // world
     T = batch.tokens
     # The attention kernel: eager keeps every head's scores and probabilities; SDPA (the default)
@@ -250,8 +290,9 @@ def estimate(arch: Arch, *, world: int, precision: str, batch: Batch, checkpoint
     checkpointed = arch.layers * T * arch.hidden * act + layer + logits + head
     return MemoryPlan(world=world, precision=precision, fsdp=fsdp, keep_gathered=fsdp and keep_gathered,
                       checkpointing=checkpointing, dense_attention=mask > 0 or scores > 0, batch=batch,
-                      n_params=P, n_trainable=Pt, params=params, grads=grads, optimizer=optimizer,
-                      optimizer_step=4 * Pt // world, activations_full=full, activations_checkpointed=checkpointed)
+                      n_params=P, n_trainable=Pt, n_quantized=Pq, params=params, grads=grads, optimizer=optimizer,
+                      optimizer_step=4 * Pt // world, activations_full=full, activations_checkpointed=checkpointed,
+                      dequant=DEQUANT_BYTES * max((n for _, n in quantized), default=0))
 
 
 @dataclass(frozen=True)
@@ -323,7 +364,8 @@ def fits(plan: MemoryPlan, budget: Budget, alternatives: dict[str, int] | None =
     ok = [k for k, n in (alternatives or {}).items() if n <= budget.bytes]
     hint = ("; would fit: " + " or ".join(ok)) if ok else (
         "; no single change fits: combine actor.micro_batch_size or actor.max_tokens_per_micro_batch, "
-        "actor.activation_checkpointing=true, actor.lora.r, more processes (actor.nproc_per_node, actor.nnodes)")
+        "actor.activation_checkpointing=true, actor.lora.r, actor.lora.quantize=nf4, more processes "
+        "(actor.nproc_per_node, actor.nnodes)")
     band = ("" if refuse else f"; within the estimate's {MARGIN:g}x margin, so it runs, but may run out of memory")
     return Verdict(refuse, f"actor: training needs ~{human(plan.total)}{per} ({parts}) but {budget.what} has "
                            f"{human(budget.bytes)}{band}{hint} (actor.memory_budget_gb sets the budget, 0 skips "
@@ -394,7 +436,7 @@ def prepared_lengths(folder) -> list[int] | None:
 
 def for_config(cfg, hf_config: dict, device: Device, lengths=None, **changes) -> MemoryPlan:
     """The plan of config `cfg` (an SFTConfig) on `device`; `changes` override actor settings
-    (micro_batch_size, max_tokens_per_micro_batch, activation_checkpointing, lora_r, world)."""
+    (micro_batch_size, max_tokens_per_micro_batch, activation_checkpointing, lora_r, quantize, world)."""
     a = cfg.actor
     mbs = changes.get("micro_batch_size", a.micro_batch_size)
     max_tokens = changes.get("max_tokens_per_micro_batch", a.max_tokens_per_micro_batch)
@@ -407,7 +449,9 @@ def for_config(cfg, hf_config: dict, device: Device, lengths=None, **changes) ->
                     batch=batch, checkpointing=changes.get("activation_checkpointing", a.activation_checkpointing),
                     lora_r=changes.get("lora_r", a.lora.r), lora_targets=a.lora.target_modules,
                     keep_gathered=not reshard, attn_implementation=kernel,
-                    kl_to_base=a.kl_to_base > 0)
+                    kl_to_base=a.kl_to_base > 0,
+                    nf4=(a.lora.quantize_block_size, a.lora.quantize_scaler_block_size)
+                    if changes.get("quantize", a.lora.quantize) == "nf4" else None)
 
 
 def budget_for(cfg, device: Device) -> Budget | None:
@@ -453,6 +497,8 @@ def check_fits(cfg, hf_config: dict, device: Device, lengths=None) -> Verdict | 
         alternatives["actor.activation_checkpointing=true"] = need(activation_checkpointing=True)
     if a.lora.r == 0:
         alternatives["actor.lora.r=16"] = need(lora_r=16)
+    elif a.lora.quantize == "none":
+        alternatives["actor.lora.quantize=nf4"] = need(quantize="nf4")
     world = a.world_size * 2
     while world <= 1024 and need(world=world) > budget.bytes:
         world *= 2

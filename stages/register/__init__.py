@@ -40,6 +40,7 @@ from typing import Iterator
 
 from stages.core.cache import bases
 from stages.core.chat import model_card
+from stages.core.nf4 import quantize_record
 from stages.core.cache.artifacts import StageBuild, read_manifest
 from stages.core.config import SFTConfig
 from stages.core.config.eval import EvalSetConfig
@@ -59,7 +60,7 @@ from stages.tracking.run import (FLOW_RUN_ID, FLOW_RUN_URL, NOTE_TAG, RUN_TAG, T
 CODE_PATHS = [importlib.util.find_spec(m).origin
               for m in ("stages.inference.generation", "stages.inference.weights", "stages.core.cache.bases",
                         "stages.core.machine.precision", "stages.core.machine.bf16_speed",
-                        "stages.core.chat.chat_tokens")]
+                        "stages.core.chat.chat_tokens", "stages.core.nf4")]
 PIP_REQUIREMENTS = ["torch", "transformers", "tokenizers", "safetensors", "mlflow", "pandas", "peft"]
 UNION_HINT_WARNING = re.compile(r"^Union type hint")  # chat_model.py's, for log_model (it can't import the project)
 # What the model page shows and `mlflow models serve` documents: a prompt and a conversation; its
@@ -368,7 +369,8 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
         learned = model_card.trained_on(cfg, read_manifest(Path(dirs["train"]))["prepare_dir"], lineage.inputs)
         card = model_card.render(name, cfg.actor.model.model_path, eval_metrics,
                                  version_description(cfg, lineage).split(": ", 1)[-1], learned, cfg.actor.lora.r > 0,
-                                 run_url(ui_url(cfg), client.get_run(run_id).info.experiment_id, run_id))
+                                 run_url(ui_url(cfg), client.get_run(run_id).info.experiment_id, run_id),
+                                 quantized=quantize_record(cfg))
         # the base a LoRA version names, and the nodes under it, logged to the store once (bases.py)
         sqlite = cfg.resolved_tracking_uri.startswith("sqlite:///")
         chain = bases.publish(client, bases.read_ref(lora_dir)["base"], (cfg.artifacts_path,),
@@ -377,10 +379,12 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
         with mlflow.start_run(run_id=run_id), _with_card(model_dir, card, build.partial) as hf_model:
             _log_run_files(mlflow, dirs, eval_metrics)
             here = Path(__file__).resolve().parent
+            # a QLoRA version's base is rebuilt through the NF4 round trip (nf4.py), which needs torchao
+            pip = PIP_REQUIREMENTS + (["torchao==0.18.0"] if quantize_record(cfg) else [])
             with suppress_logs("mlflow.types.type_hints", UNION_HINT_WARNING):  # chat_model.py says why
                 info = mlflow.pyfunc.log_model(
                     name=name, python_model=str(here / "chat_model.py"), artifacts={"hf_model": hf_model},
-                    code_paths=CODE_PATHS, pip_requirements=PIP_REQUIREMENTS,
+                    code_paths=CODE_PATHS, pip_requirements=pip,
                     input_example=INPUT_EXAMPLE, registered_model_name=name)
         version = client.get_model_version(name, str(info.registered_model_version))
         client.set_tag(run_id, NOTE_TAG, run_note(cfg, client.get_run(run_id).data.tags, (name, version.version)))

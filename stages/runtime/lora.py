@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from stages.core.config import LoraConfig
 from stages.core.errors import ConfigError
+from stages.core.nf4 import preimport_torchao
 
 
 def lora_enabled(cfg) -> bool:
@@ -25,6 +26,7 @@ def lora_enabled(cfg) -> bool:
 
 def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
     """`model` wrapped with fresh adapters (initialized from torch's RNG, so every rank agrees)."""
+    preimport_torchao()  # before peft, which imports it noisily when installed
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
     target = lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules)

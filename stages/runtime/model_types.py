@@ -19,8 +19,10 @@ import torch.nn as nn
 
 from stages.core.errors import ConfigError
 from stages.core.cache.imports import import_object
+from stages.core.nf4 import quantize_record, roundtrip_nf4_
 
 from .lora import apply_lora, load_adapters_checked
+from .qlora import quantize_base_
 
 if TYPE_CHECKING:
     from stages.core.config import SFTConfig
@@ -75,7 +77,8 @@ class WeightsLoadError(ValueError):
 
 def build_configured_model(cfg: SFTConfig, weights_path: str | None, *, seed: int | None = None,
                            device: torch.device | str | None = None, float32: bool = False, lora: bool = False,
-                           weights: dict | Callable[[nn.Module], dict] | None = None, where: str = "",
+                           nf4: bool = False, weights: dict | Callable[[nn.Module], dict] | None = None,
+                           where: str = "",
                            attn_implementation: str | None = None) -> nn.Module:
     """The model `cfg.actor.model` configures, built as training, export and evaluation all build it:
 
@@ -83,6 +86,9 @@ def build_configured_model(cfg: SFTConfig, weights_path: str | None, *, seed: in
        `model_type` on `weights_path` (UnknownModelType when none is registered);
     2. moved to `device`, then cast to fp32 (`float32`), when asked;
     3. with `lora`: wrapped with fresh adapters as `cfg.actor.lora` describes (from torch's RNG);
+       with `actor.lora.quantize` set, its base linear weights are then, with `nf4`, 4-bit NF4Tensors
+       as training holds them (quantized on the CPU, then moved to `device`), else their NF4 round
+       trip as plain tensors: the base the adapters trained over (export, evaluation);
     4. with `weights` (a state dict, or a function of the model built so far that reads one):
        loaded into it -- with `lora` the adapters, every trainable parameter required
        (`load_adapters_checked`), else the whole model, tied weights aside (`load_state_checked`).
@@ -97,12 +103,21 @@ def build_configured_model(cfg: SFTConfig, weights_path: str | None, *, seed: in
     if seed is not None:
         torch.manual_seed(seed)
     model = builder({**mc.model_dump(), "attn_implementation": attn_implementation}, weights_path)
-    if device is not None:
+    record = quantize_record(cfg) if lora else None
+    # a 4-bit base is quantized before it reaches the device: its full weights never do
+    late = record is not None and nf4 and device is not None
+    if device is not None and not late:
         model.to(device)
     if float32:
         model.float()
     if lora:
         model = apply_lora(model, cfg.actor.lora)
+    if record and nf4:
+        quantize_base_(model, cfg.actor.lora)
+    elif record:
+        roundtrip_nf4_(model, record)
+    if late:
+        model.to(device)
     if weights is not None:
         try:
             state = weights(model) if callable(weights) else weights

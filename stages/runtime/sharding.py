@@ -13,6 +13,7 @@ from stages.core.errors import ConfigError
 
 from .lora import unwrap
 from .model_types import fsdp_units
+from .qlora import unshardable
 
 
 @dataclass(frozen=True)
@@ -51,9 +52,11 @@ def parallelize(model: torch.nn.Module, actor: ActorConfig, device: torch.device
     # step instead of twice per micro-batch is most of what FSDP costs there
     reshard = actor.reshard_after_forward
     keep_gathered = not (reshard if reshard is not None else device.type != "cpu")
+    # QLoRA: 4-bit weights torchao can't split evenly over the ranks stay whole on each (frozen: nothing to reduce)
+    whole = unshardable(model, world)
     for unit in units:
-        fully_shard(unit, mp_policy=mp, reshard_after_forward=not keep_gathered)
-    fully_shard(model, mp_policy=mp, reshard_after_forward=not keep_gathered)
+        fully_shard(unit, mp_policy=mp, reshard_after_forward=not keep_gathered, ignored_params=whole)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=not keep_gathered, ignored_params=whole)
     return Sharding(fsdp=True, keep_gathered=keep_gathered)
 
 

@@ -53,6 +53,7 @@ from .contract import TrainOutput, add_eval_output, check_worker_class, train_ou
 from .distributed import choose_precision, local_device, log, precision_why
 from .saving.hf_export import export_model
 from .lora import adapters_off, lora_enabled
+from .qlora import base_bytes_line
 from .loss import model_loss, reference_outputs
 from .mixture import describe, held_out_line, summary_line
 from .packing import packs_exactly
@@ -175,7 +176,8 @@ class SFTWorker:
             attn = resolve_attn_implementation(actor.attn_implementation, self.device.type, actor.packing,
                                                self.precision)
             model = build_configured_model(self.cfg, self.spec.model_path, seed=self.cfg.runner.seed,
-                                           device=self.device, lora=lora_enabled(self.cfg), attn_implementation=attn)
+                                           device=self.device, lora=lora_enabled(self.cfg), nf4=True,
+                                           attn_implementation=attn)
         except UnknownModelType as e:
             raise ConfigError(str(e)) from None
         return model, parallelize(model, actor, self.device, self.world, self.precision)
@@ -355,6 +357,8 @@ class SFTWorker:
             n_train = sum(p.numel() for p in trainable_params)
             log(f"LoRA r={actor.lora.r}: {n_train:,} trainable of {self.n_params:,} parameters "
                 f"({100 * n_train / self.n_params:.2f}%)")
+            if actor.lora.quantize != "none":
+                log(base_bytes_line(self.model))
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
         self.peak_flops = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 

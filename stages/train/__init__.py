@@ -32,6 +32,7 @@ from stages.core.errors import ConfigError, StageError
 from stages.launch.ahead import Ahead
 from stages.launch.launcher import run_torchrun, start_ahead, torchrun_command
 from stages.core.chat import model_card
+from stages.core.nf4 import quantize_record
 from stages.runtime.mixture import describe, new_data_epoch
 from stages.runtime.reporting import RUNTIME_FILE
 from stages.runtime.worker import WorkerSpec
@@ -84,14 +85,6 @@ def record_base(cfg: SFTConfig, model_path: str, adapter: Path) -> None:
     digest = bases.base_of_training(model_path, cfg.artifacts_path,
                                     lambda f: file_digest(f, cfg.artifacts_path))
     bases.write_ref(adapter, digest, quantize_record(cfg))
-
-
-def quantize_record(cfg: SFTConfig) -> dict | None:
-    """QLoRA's record of the base's transform (`stages.core.quantize.quantize_record`), None without it."""
-    if getattr(cfg.actor.lora, "quantize", None) is None:
-        return None
-    from stages.core.quantize import quantize_record as record  # QLoRA's module
-    return record(cfg)
 
 
 class TrainingFailed(StageError):
@@ -156,7 +149,8 @@ def run_train(cfg: SFTConfig, fp: str, model_path: str, prepare_dir: str, lineag
     (build.partial / shipped / model_card.CARD).write_text(model_card.render(
         cfg.registry.model_name, cfg.actor.model.model_path, {},
         "Trained from the base model." if started == "base" else f"Continued from `{started}`.",
-        model_card.trained_on(cfg, prepare_dir, lineage.inputs), cfg.actor.lora.r > 0), encoding="utf-8")
+        model_card.trained_on(cfg, prepare_dir, lineage.inputs), cfg.actor.lora.r > 0,
+        quantized=quantize_record(cfg)), encoding="utf-8")
     last = rows[-1] if rows else {}
     vals = [r for r in rows if "val_loss" in r]
     metrics = {"steps": last.get("step", 0), "final_loss": last.get("loss"),

@@ -57,16 +57,26 @@ def front_matter(name: str, base_model: str, metrics: dict, tags: list[str], dat
     return meta
 
 
+def describe_quantized(record: dict) -> str:
+    return f"{record['kind']}, block {record['block_size']}, scaler block {record['scaler_block_size']}"
+
+
 def render(name: str, base_model: str, metrics: dict, started: str, trained_on: list[dict], lora: bool,
-           run_url: str = "") -> str:
+           run_url: str = "", quantized: dict | None = None) -> str:
     """The card's text. `started`: where training started (a sentence), `trained_on`: the training
-    files ({ref, source}) as register tags them."""
-    tags = ["sftflow", "sft"] + (["lora"] if lora else [])
+    files ({ref, source}) as register tags them; `quantized`: the base's 4-bit record
+    (core/quantize.quantize_record), None for a base trained in full precision."""
+    tags = ["sftflow", "sft"] + (["lora"] if lora else []) + (["qlora"] if quantized else [])
     datasets = sorted({Path(e["ref"]).name for e in trained_on})
     meta = front_matter(name, base_model, metrics, tags, datasets)
     lines = ["---", yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).rstrip(), "---", "",
              f"# {name}", "", f"Fine-tuned from `{base_model}` with sftflow (supervised fine-tuning, "
              f"{'LoRA merged into the weights' if lora else 'full weights'}). {started}", ""]
+    if quantized:
+        # the merge is into the dequantized base (core/nf4.py): these weights are not the original's
+        lines += [f"The base trained quantized ({describe_quantized(quantized)}): the adapters are merged into "
+                  "its dequantized weights, so every weight of the base differs from the original by its 4-bit "
+                  "rounding.", ""]
     if trained_on:
         lines += ["## Training data", "", "| file | source |", "|---|---|"]
         lines += [f"| `{e['ref']}` | {e.get('source', 'train')} |" for e in trained_on]

@@ -157,6 +157,22 @@ class LoraConfig(_Section):
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: str | list[str] = Field("all-linear",
                                             description="'all-linear' or module names (q_proj, v_proj, ...)")
+    # QLoRA (stages/core/nf4.py, docs/models.md): hashed only once set, so LoRA's fingerprints stay
+    quantize: Literal["none", "nf4"] = hashed_unless_default(
+        "none", description="nf4: the frozen base linear weights stored 4-bit (torchao NF4, QLoRA's format) while "
+                            "training; the adapters and the rest stay in the training precision")
+    quantize_block_size: int = hashed_unless_default(64, ge=2, description="nf4: weights per 4-bit block (one scale)")
+    quantize_scaler_block_size: int = hashed_unless_default(
+        256, ge=1, description="nf4: block scales per second-level scale (the scales are stored int8)")
+
+    @model_validator(mode="after")
+    def _quantize_needs_lora(self) -> "LoraConfig":
+        if self.quantize != "none" and self.r == 0:
+            raise ValueError(f"actor.lora.quantize={self.quantize} needs LoRA (actor.lora.r > 0): a quantized base "
+                             "is frozen, only adapters can train over it")
+        if self.quantize_block_size % 2:
+            raise ValueError("actor.lora.quantize_block_size must be even (two 4-bit codes a byte)")
+        return self
 
 
 class ActorConfig(_Section):
