@@ -167,12 +167,12 @@ def test_the_merge_is_into_the_dequantized_base(tiny, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from stages.runtime.saving.hf_export import _merged_state_dict
+    from stages.runtime.saving.hf_export import _saved_adapters
     cfg, path = tiny
     model = build_configured_model(cfg, path, seed=0, device="cpu", lora=True, nf4=True)
     _nonzero_b(model)
     adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    merged = _merged_state_dict(adapters, cfg, path, tmp_path)
+    merged = _saved_adapters(adapters, cfg, path, tmp_path, merge=True)
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
     saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     assert saved and all("lora_" in k for k in saved)
@@ -352,3 +352,37 @@ def test_each_layer_takes_the_largest_scaler_block_that_divides_it():
     w = torch.randn(576, 192)
     t = cq.to_nf4(w, 64, 256)
     assert t.scaler_block_size == 216 and resident_bytes([t]) == cq.nf4_bytes(w.numel(), 64, 256, 4)
+
+
+def test_a_qlora_adapter_folder_loads_merged_into_the_dequantized_base(tiny, tmp_path):
+    """A QLoRA version is stored as adapters (base.json names the base and the nf4 record): the one
+    loader rebuilds what trained, W_deq + scale x B @ A, computed here from the base folder by hand."""
+    from transformers import AutoModelForCausalLM
+
+    from stages.core.cache import bases
+    from stages.inference.weights import load_merged
+    cfg, path = tiny
+    model = build_configured_model(cfg, path, seed=0, device="cpu", lora=True, nf4=True)
+    _nonzero_b(model)
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    folder = tmp_path / "adapter"
+    model.save_pretrained(folder)
+    digest = bases.base_of_training(path, tmp_path / "artifacts")
+    bases.write_ref(folder, digest, cq.quantize_record(cfg))
+    assert bases.read_ref(folder)["quantize"]["kind"] == "nf4"
+    merged = load_merged(folder, roots=(tmp_path / "artifacts",)).state_dict()
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    scale = NF4["alpha"] / NF4["r"]
+    quantized = 0
+    for key, w in base.items():
+        name = key.removesuffix(".weight")
+        a = next((v for k, v in adapters.items() if k.endswith(f"{name}.lora_A.default.weight")), None)
+        q = key.endswith(".weight") and "lm_head" not in key and w.dim() == 2 and "embed" not in key \
+            and cq.quantizable(w.numel(), 64, 256)
+        want = decoded_by_hand(cq.to_nf4(w, 64, 256)) if q else w
+        if a is not None:
+            b = next(v for k, v in adapters.items() if k.endswith(f"{name}.lora_B.default.weight"))
+            want = want + scale * b @ a
+        torch.testing.assert_close(merged[key], want, atol=1e-6, rtol=0, msg=key)
+        quantized += q
+    assert quantized
