@@ -65,7 +65,7 @@ def render(name: str, base_model: str, metrics: dict, started: str, trained_on: 
            run_url: str = "", quantized: dict | None = None) -> str:
     """The card's text. `started`: where training started (a sentence), `trained_on`: the training
     files ({ref, source}) as register tags them; `quantized`: the base's 4-bit record
-    (core/quantize.quantize_record), None for a base trained in full precision."""
+    (core/nf4.quantize_record), None for a base trained in full precision."""
     tags = ["sftflow", "sft"] + (["lora"] if lora else []) + (["qlora"] if quantized else [])
     datasets = sorted({Path(e["ref"]).name for e in trained_on})
     meta = front_matter(name, base_model, metrics, tags, datasets)
