@@ -92,6 +92,7 @@ SPECIAL = {
     "actor.micro_batch_size": 8,
     "actor.global_batch_size": 32,
     "actor.lora.target_modules": ["q_proj", "v_proj"],
+    "actor.lora.quantize_block_size": 32,  # even: two 4-bit codes a byte
     "actor.nproc_per_node": 2,
     "actor.rdzv_endpoint": "127.0.0.1:29400",
     "actor.memory_budget_gb": 12.0,

@@ -61,16 +61,17 @@ def load_model(cfg: SFTConfig, ref: dict, base_model: str, device: torch.device)
     lora = kind == "checkpoint" and lora_enabled(cfg)  # a LoRA checkpoint holds the adapters only
     weights = {"checkpoint": lambda m: load_model_weights(m, path),
                "state_dict": lambda m: load_file(str(Path(path) / "model.safetensors"))}.get(kind)
-    try:
-        if kind == "adapter":  # a LoRA folder: its base (by content) with the adapter merged, in memory
+    if kind == "adapter":  # a LoRA folder: its base (by content) with the adapter merged, in memory
+        try:
             model = load_merged(path, mc.trust_remote_code, roots=(cfg.artifacts_path,))
-        else:
+        except (ValueError, RuntimeError) as e:  # base.json unreadable, its base nowhere
+            raise EvaluationError(f"eval.model: {path}: {e}") from None
+    else:
+        try:
             model = build_configured_model(cfg, path if kind == "hf" else base_model, seed=cfg.runner.seed,
                                            lora=lora, weights=weights, where=path)
-    except WeightsLoadError as e:
-        raise EvaluationError(f"eval.model: {e} (actor.model builds that model)") from None
-    except (ValueError, RuntimeError) as e:  # base.json unreadable, its base nowhere
-        raise EvaluationError(f"eval.model: {path}: {e}") from None
+        except WeightsLoadError as e:  # a checkpoint's own errors (CheckpointError) pass through: one line
+            raise EvaluationError(f"eval.model: {e} (actor.model builds that model)") from None
     if lora:
         model = model.merge_and_unload()
     is_hf = isinstance(model, PreTrainedModel)
