@@ -81,13 +81,12 @@ class Source:
     columns: dict | None = None  # its own data.columns (a mixture source's), else data.columns
 
 
-PARTS = ("train", "eval")
+PARTS = ("train", "eval")  # prepare: what trains (train, val); prepare_eval: the named eval sets
 
 
 def heldout_split(source: str) -> str:
     """The folder of a mixture source's held-out rows (the `train` source's are `val`)."""
     return f"heldout/{source}"
-  # prepare: what trains (train, val); prepare_eval: the named eval sets
 
 
 def splits_of(cfg: SFTConfig, part: str = "train") -> list[str]:
