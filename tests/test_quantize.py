@@ -23,7 +23,7 @@ from stages.pipeline import plan, run_stage
 from stages.planning import memory_plan as mp
 from stages.runtime.model_types import build_configured_model
 from stages.runtime.qlora import is_nf4, quantize_base_, resident_bytes, unshardable
-from test_train_core import assert_same_weights, killed, make_cfg, train, weights
+from test_train_core import assert_same_weights, killed, make_cfg, train
 
 NF4 = {"r": 4, "alpha": 8, "quantize": "nf4"}
 # the published NF4 code book (QLoRA, arXiv 2305.14314, appendix E), as torchao rounds it
@@ -322,7 +322,8 @@ def test_qlora_resume_after_sigkill_gives_the_weights_of_an_uninterrupted_run(tm
     (tmp_path / "run").mkdir()
     sections = {**QRESUME, "actor": {"nproc_per_node": nproc, "lora": {**QRESUME["actor"]["lora"],
                                                                         "quantize_scaler_block_size": scaler}}}
-    ref = train(make_cfg(tmp_path / "ref", **sections))
+    ref_cfg = make_cfg(tmp_path / "ref", **sections)
+    ref = train(ref_cfg)
     cfg = make_cfg(tmp_path / "run", **sections)
     partial = killed(cfg, "after_save:4")
     saved = read_metadata(partial / "checkpoints" / "step_00000004").state_dict_metadata
@@ -333,12 +334,16 @@ def test_qlora_resume_after_sigkill_gives_the_weights_of_an_uninterrupted_run(tm
     a = load_file(str(Path(done.path) / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(Path(ref.path) / "adapter" / "adapter_model.safetensors"))
     assert_same_weights(a, b, atol=1e-6)
-    assert_same_weights(weights(done.path), weights(ref.path), atol=1e-6)
-    # the merged model is over the dequantized base: not the original weights plus the adapters
+    # what loads (adapter + base.json: the loader merges into the dequantized base), not the original
+    # weights plus the adapters
+    from stages.inference.weights import load_merged
+    merged = {n: load_merged(Path(r.path) / "adapter", roots=(c.artifacts_path,)).state_dict()
+              for n, r, c in (("done", done, cfg), ("ref", ref, ref_cfg))}
+    assert_same_weights(merged["done"], merged["ref"], atol=1e-6)
     base = load_file(str(Path(base_model(cfg)) / "model.safetensors"))
     key = "model.layers.0.mlp.down_proj.weight"  # not a LoRA target here: its weight is the round trip alone
-    assert torch.equal(weights(done.path)[key], cq.roundtrip(base[key], 64, scaler))
-    assert not torch.equal(weights(done.path)[key], base[key])
+    assert torch.equal(merged["done"][key], cq.roundtrip(base[key], 64, scaler))
+    assert not torch.equal(merged["done"][key], base[key])
 
 
 def test_each_layer_takes_the_largest_scaler_block_that_divides_it():
