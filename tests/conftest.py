@@ -73,7 +73,8 @@ hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE")
 # other worker idle): started first, they run beside the short files instead of after them.
 LONG_FILES = ("test_flow.py", "test_real_model.py", "test_train_core.py", "test_demo.py", "test_cancel.py",
               "test_kept_server.py", "test_retrain_on_arrival.py", "test_memory_plan.py", "test_workpool.py",
-              "test_schedule.py", "test_concurrency.py", "test_sweep.py", "test_newcomer.py", "test_your_data.py")
+              "test_schedule.py", "test_concurrency.py", "test_sweep.py", "test_newcomer.py", "test_your_data.py",
+              "test_quantize.py", "test_adapters.py", "test_early_stopping.py", "test_validation_by_source.py")
 
 
 def pytest_collection_modifyitems(items):
