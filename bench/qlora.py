@@ -61,22 +61,8 @@ def train_only(out: Path, steps: int) -> dict:
     for name, overrides in (("nf4", ["actor.lora.quantize=nf4"]), ("lora", [])):
         r: dict = {"stages": {}, "folders": {}}
         for s in ("prepare", "train"):
-            proc = subprocess.run([sys.executable, "-c", STAGE, str(path), s, *overrides], cwd=ROOT,
-                                  capture_output=True, text=True)
-            if proc.returncode:
-                raise SystemExit(f"{name} {s} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-            got = json.loads(proc.stdout.strip().splitlines()[-1])
-            r["stages"][s], r["folders"][s] = {"seconds": got["seconds"], "cached": got["cached"]}, got["path"]
-            if s == "train":
-                r["train_peak_rss"] = got["children_max_rss"]
-            print(f"{name} {s}: {r['stages'][s]}", flush=True)
-        train = Path(r["folders"]["train"])
-        rows = [json.loads(line) for line in (train / "metrics.jsonl").read_text().splitlines()]
-        speeds = [x["tokens_per_s"] for x in rows[1:] if "tokens_per_s" in x]
-        r["tokens_per_s"] = sum(speeds) / len(speeds) if speeds else None
-        r["losses"] = [x.get("loss") for x in rows]
-        r["base_bytes"] = next((m.group(0) for m in re.finditer(r"QLoRA: .*", (train / "train.log").read_text())),
-                               None)
+            _stage(path, s, overrides, name, r)
+        r["losses"] = _read_train(Path(r["folders"]["train"]), r)
         results[name] = r
     return results
 
@@ -96,6 +82,30 @@ def config(out: Path, name: str) -> Path:
     return path
 
 
+def _stage(cfg_path: Path, stage: str, overrides: list[str], label: str, into: dict) -> None:
+    """One stage in a fresh process (its peak RSS is its own), its seconds and folder recorded `into`."""
+    proc = subprocess.run([sys.executable, "-c", STAGE, str(cfg_path), stage, *overrides], cwd=ROOT,
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{label} {stage} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    into["stages"][stage], into["folders"][stage] = {"seconds": got["seconds"], "cached": got["cached"]}, got["path"]
+    if stage == "train":
+        into["train_peak_rss"] = got["children_max_rss"]
+    print(f"{label} {stage}: {into['stages'][stage]}", flush=True)
+
+
+def _read_train(train: Path, into: dict) -> list:
+    """The train folder's tokens/s (the first step's compile and warm-up left out) and the rank's measured
+    base bytes line, recorded `into`; the losses."""
+    rows = [json.loads(line) for line in (train / "metrics.jsonl").read_text().splitlines()]
+    speeds = [x["tokens_per_s"] for x in rows[1:] if "tokens_per_s" in x]
+    into["tokens_per_s"] = sum(speeds) / len(speeds) if speeds else None
+    into["base_bytes"] = next((m.group(0) for m in re.finditer(r"QLoRA: .*", (train / "train.log").read_text())),
+                              None)
+    return [x.get("loss") for x in rows]
+
+
 def run(cfg_path: Path, overrides: list[str], register: bool) -> dict:
     from stages.core.config import load_config
     from stages.pipeline import plan
@@ -104,22 +114,8 @@ def run(cfg_path: Path, overrides: list[str], register: bool) -> dict:
     for s in p.stages:
         if s == "register" and not register:
             continue
-        proc = subprocess.run([sys.executable, "-c", STAGE, str(cfg_path), s, *overrides], cwd=ROOT,
-                              capture_output=True, text=True)
-        if proc.returncode:
-            raise SystemExit(f"{cfg_path.stem} {s} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-        r = json.loads(proc.stdout.strip().splitlines()[-1])
-        out["stages"][s] = {"seconds": r["seconds"], "cached": r["cached"]}
-        out["folders"][s] = r["path"]
-        if s == "train":
-            out["train_peak_rss"] = r["children_max_rss"]
-        print(f"{cfg_path.stem} {s}: {out['stages'][s]}", flush=True)
-    train = Path(out["folders"]["train"])
-    rows = [json.loads(line) for line in (train / "metrics.jsonl").read_text().splitlines()]
-    speeds = [r["tokens_per_s"] for r in rows[1:] if "tokens_per_s" in r]
-    out["tokens_per_s"] = sum(speeds) / len(speeds) if speeds else None
-    line = next((m.group(0) for m in re.finditer(r"QLoRA: .*", (train / "train.log").read_text())), None)
-    out["base_bytes"] = line
+        _stage(cfg_path, s, overrides, cfg_path.stem, out)
+    _read_train(Path(out["folders"]["train"]), out)
     out["metrics"] = json.loads((Path(out["folders"]["evaluate"]) / "metrics.json").read_text())
     if "register" in out["folders"]:
         out["register"] = json.loads((Path(out["folders"]["register"]) / "manifest.json").read_text())["metrics"]

@@ -486,10 +486,7 @@ def apply(cfg: SFTConfig, report: Report, on_line: Callable[[str], None] = print
                     client.delete_logged_model(model_id)
                 except Exception:  # noqa: BLE001 - an MLflow without logged-model deletion: the files still go
                     pass
-            if d.path.is_dir():
-                shutil.rmtree(d.path, ignore_errors=True)
-            report.freed += d.size
-            d.done = True
+            _removed(d, report)
             continue
         if set(d.busy) & busy:
             report.skipped.append(f"{_rel(d.path, root)}: a running flow is in {'/'.join(sorted(set(d.busy) & busy))}")
@@ -500,10 +497,7 @@ def apply(cfg: SFTConfig, report: Report, on_line: Callable[[str], None] = print
                 client.delete_run(d.base_run)
             except Exception:  # noqa: BLE001 - deleted meanwhile
                 continue
-            if d.path.is_dir():
-                shutil.rmtree(d.path, ignore_errors=True)
-            report.freed += d.size
-            d.done = True
+            _removed(d, report)
             continue
         locks = [FileLock(str(lock)) for lock in d.locks]
         taken = []
@@ -575,3 +569,11 @@ def collect(cfg: SFTConfig, protect: dict[str, str] | None = None, delete: bool 
         on_line(line)
     on_line(f"would free {human(report.to_free)} (a dry run: --yes deletes)")
     return report
+
+
+def _removed(d, report) -> None:
+    """`d`'s folder deleted (a registry entry it belonged to is gone already) and counted as freed."""
+    if d.path.is_dir():
+        shutil.rmtree(d.path, ignore_errors=True)
+    report.freed += d.size
+    d.done = True
