@@ -270,14 +270,15 @@ from stages.core.machine import cores
 said = []
 follower = cores.follow_threads(torch.set_num_threads, said.append, min_interval=0)
 me = os.environ[cores.ENV_CLAIM].split(":")[0]
+Path(sys.argv[1]).touch()  # started: OMP_NUM_THREADS is fixed
 deadline = time.monotonic() + 120
 while cores.share(1, me).runs < 2 and time.monotonic() < deadline:  # the other run is in the ledger
     time.sleep(0.05)
 follower.poll()
 print(json.dumps({"threads": torch.get_num_threads(), "started": int(os.environ["OMP_NUM_THREADS"]), "said": said}))
 sys.stdout.flush()
-Path(sys.argv[1]).touch()
-while not all(Path(p).exists() for p in sys.argv[2:]) and time.monotonic() < deadline:  # both have looked
+Path(sys.argv[2]).touch()
+while not all(Path(p).exists() for p in sys.argv[3:]) and time.monotonic() < deadline:  # both have looked
     time.sleep(0.05)
 """
 
@@ -297,14 +298,16 @@ def test_two_real_launches_at_once_each_get_their_share(tmp_path, monkeypatch):
 
     def launch(name: str, mark: str) -> None:
         try:
-            run_torchrun([sys.executable, "-c", FOLLOWING_RANK, mark, *marks], tmp_path / f"{name}.log", StageError,
+            run_torchrun([sys.executable, "-c", FOLLOWING_RANK, str(tmp_path / f"{name}.began"), mark, *marks], tmp_path / f"{name}.log", StageError,
                          name, out[name].append, nproc_per_node=1)
         except BaseException as e:  # noqa: BLE001 - reported by the test
             errors.append(e)
 
     first = threading.Thread(target=launch, args=("a", marks[0]))
     first.start()
-    while not list((tmp_path / "cores").glob("*.json")):  # the first one holds its claim
+    # the first one's rank has started, so its threads were set before the second claims (waiting for
+    # the claim file alone let the second claim land between the first's claim and its share: CI saw 1 == 2)
+    while not (tmp_path / "a.began").exists():
         assert first.is_alive(), out
         time.sleep(0.05)
     second = threading.Thread(target=launch, args=("b", marks[1]))
