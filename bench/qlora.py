@@ -1,9 +1,11 @@
 """QLoRA on the SmolLM2 quickstart (issue 70): the quickstart with `actor.lora.quantize: nf4` against
 the same quickstart with LoRA, each through its stages (as `make run` runs them, without Prefect), in
-artifacts of their own under --out.
+one artifacts folder under --out: the stages both share (the converted model, prepare, replay,
+baseline) run once.
 
-    .venv/bin/python bench/qlora.py --out /tmp/qlora            # both: ~20 min on 2 idle cores
+    .venv/bin/python bench/qlora.py --out /tmp/qlora            # both: ~45 min on 2 idle cores
     .venv/bin/python bench/qlora.py --out /tmp/qlora --only nf4 # the QLoRA run alone
+    .venv/bin/python bench/qlora.py --out /tmp/qlora --start    # and the 4-bit base before training
     .venv/bin/python bench/qlora.py --out /tmp/qlora --steps 3  # the train stage alone, 3 steps each
 
 With --steps N only the train stage runs, N steps, on the quickstart's identity rows without the
@@ -15,7 +17,10 @@ retention accuracy, the paired change nf4 - LoRA per eval set with its 95% inter
 item by item), the train stage's trained tokens/s (mean over its steps after the first), the peak RSS of
 the train stage's process tree (getrusage of its children, in a subprocess of its own), and the
 bytes the base weights occupy in the training rank (measured there: train.log's "QLoRA:" line).
-Writes OUT/qlora.json.
+With --start a third run scores the 4-bit base itself: the QLoRA run for one step at lr 1e-30 (the
+adapters' B starts at zero, so the merged model is the NF4 round trip of the base to fp32's
+resolution): what quantizing the base costs before the adapters learn anything, paired against the
+base model on every set. Writes OUT/qlora.json.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ def train_only(out: Path, steps: int) -> dict:
     cfg = yaml.safe_load(config(out, "short").read_text())
     cfg["data"].pop("mix", None)
     cfg.pop("replay", None)
-    cfg["artifacts_dir"] = str(out / "nf4" / "artifacts")  # the full run's, when there: its converted model
+    cfg["artifacts_dir"] = str(out / "artifacts")  # the full runs', when there: its converted model
     cfg["runner"].update(max_steps=steps, save_interval=0, val_check_interval=0)
     path = out / "short.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False, allow_unicode=True))
@@ -68,7 +73,7 @@ def train_only(out: Path, steps: int) -> dict:
 
 
 def config(out: Path, name: str) -> Path:
-    """The quickstart with its paths made absolute and its artifacts (and registry) under `out/name`."""
+    """The quickstart with its paths made absolute and its artifacts (and registry) under `out/artifacts`."""
     cfg = yaml.safe_load(QUICKSTART.read_text())
     rel = lambda ps: [str(ROOT / p) for p in ps]  # noqa: E731 - the quickstart's paths are the repo's
     cfg["data"]["train_data_paths"] = rel(cfg["data"]["train_data_paths"])
@@ -76,7 +81,7 @@ def config(out: Path, name: str) -> Path:
     cfg["replay"]["prompt_paths"] = rel(cfg["replay"]["prompt_paths"])
     for s in cfg["eval"]["sets"].values():
         s["data_paths"] = rel(s["data_paths"])
-    cfg["artifacts_dir"] = str(out / name / "artifacts")
+    cfg["artifacts_dir"] = str(out / "artifacts")
     path = out / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False, allow_unicode=True))
     return path
@@ -127,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--only", choices=["nf4", "lora"], default=None, help="one of the two runs")
     ap.add_argument("--steps", type=int, default=0, help="> 0: the train stage alone, this many steps each")
+    ap.add_argument("--start", action="store_true", help="also score the 4-bit base before training")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.steps > 0:
@@ -145,7 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         results["nf4"] = run(config(args.out, "nf4"), ["actor.lora.quantize=nf4"], register=True)
     if args.only != "nf4":
         results["lora"] = run(config(args.out, "lora"), [], register=False)
-    if len(results) == 2:
+    if args.start:
+        results["nf4_start"] = run(config(args.out, "nf4_start"),
+                                   ["actor.lora.quantize=nf4", "runner.max_steps=1", "actor.optim.lr=1e-30"],
+                                   register=False)
+    if "nf4" in results and "lora" in results:
         from stages.core.stats.paired import compare_sets, read_predictions
         results["nf4_vs_lora"] = compare_sets(read_predictions(results["nf4"]["folders"]["evaluate"]),
                                               read_predictions(results["lora"]["folders"]["evaluate"]), "lora")
@@ -164,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
         if r.get("register"):
             reg = r["register"]
             print(f"  registered v{reg.get('version')} {reg.get('aliases')} ({reg.get('alias_reason')})")
+    for name in ("nf4", "lora", "nf4_start"):
+        for s, m in (results.get(name, {}).get("metrics", {}).get("sets", {})).items():
+            c = m.get("vs_base") or m.get("compare_base") or {}
+            if c.get("delta_low") is not None:
+                print(f"{name} - base model on {s}: {c['delta']:+.3f} [{c['delta_low']:+.3f}, {c['delta_high']:+.3f}]")
     for s, c in (results.get("nf4_vs_lora") or {}).items():
         if c:
             print(f"nf4 - lora on {s}: {c['delta']:+.3f} [{c['delta_low']:+.3f}, {c['delta_high']:+.3f}] "

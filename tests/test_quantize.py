@@ -62,7 +62,7 @@ def test_a_4bit_linear_equals_a_linear_over_its_dequantized_weight(dtype):
     model.to(dtype)
     bias = model[0].bias.detach().clone()
     # in bf16 the weight is quantized from bf16: the reference decodes that one
-    assert quantize_base_(model, SimpleNamespace(quantize_block_size=64, quantize_scaler_block_size=256)) == ["0"]
+    assert quantize_base_(model, SimpleNamespace(quantize="nf4", quantize_block_size=64, quantize_scaler_block_size=256)) == ["0"]
     assert is_nf4(model[0].weight) and not model[0].weight.requires_grad
     plain = decoded_by_hand(model[0].weight)
     with torch.no_grad():
@@ -313,15 +313,19 @@ QRESUME = dict(runner={"max_epochs": 1, "max_steps": 6, "save_interval": 2, "val
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,scaler", [(1, 256), (2, 32)])  # one process; two, every 4-bit weight sharded
-def test_qlora_resume_after_sigkill_gives_the_weights_of_an_uninterrupted_run(tmp_path, nproc, scaler):
+# two processes, every 4-bit weight sharded (NF4 with scaler blocks of 32; Q4_1's rows always split);
+# one process's resume is LoRA's (test_lora.py), whose path a quantized base does not change
+@pytest.mark.parametrize("kind", ["nf4", "q4_1"])
+def test_qlora_resume_after_sigkill_gives_the_weights_of_an_uninterrupted_run(tmp_path, kind):
     from safetensors.torch import load_file
 
+    from stages.core import q4_1
     from stages.runtime.saving.checkpoint import read_metadata
     (tmp_path / "ref").mkdir()
     (tmp_path / "run").mkdir()
-    sections = {**QRESUME, "actor": {"nproc_per_node": nproc, "lora": {**QRESUME["actor"]["lora"],
-                                                                        "quantize_scaler_block_size": scaler}}}
+    scaler = 32
+    sections = {**QRESUME, "actor": {"nproc_per_node": 2, "lora": {**QRESUME["actor"]["lora"], "quantize": kind,
+                                                                    "quantize_scaler_block_size": scaler}}}
     ref_cfg = make_cfg(tmp_path / "ref", **sections)
     ref = train(ref_cfg)
     cfg = make_cfg(tmp_path / "run", **sections)
@@ -342,7 +346,8 @@ def test_qlora_resume_after_sigkill_gives_the_weights_of_an_uninterrupted_run(tm
     assert_same_weights(merged["done"], merged["ref"], atol=1e-6)
     base = load_file(str(Path(base_model(cfg)) / "model.safetensors"))
     key = "model.layers.0.mlp.down_proj.weight"  # not a LoRA target here: its weight is the round trip alone
-    assert torch.equal(merged["done"][key], cq.roundtrip(base[key], 64, scaler))
+    assert torch.equal(merged["done"][key], cq.roundtrip(base[key], 64, scaler) if kind == "nf4"
+                       else q4_1.roundtrip(base[key]))
     assert not torch.equal(merged["done"][key], base[key])
 
 

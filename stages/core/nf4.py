@@ -35,6 +35,9 @@ def quantize_record(cfg) -> dict | None:
     lora = cfg.actor.lora
     if lora.r == 0 or lora.quantize == "none":
         return None
+    if lora.quantize == "q4_1":
+        return {"kind": "q4_1", "block_size": 32,
+                "modules": "every nn.Linear but the output head and the adapters whose input width is a multiple of 32"}
     return {"kind": lora.quantize, "block_size": lora.quantize_block_size,
             "scaler_block_size": lora.quantize_scaler_block_size,
             "modules": "every nn.Linear but the output head and the adapters whose size is a multiple of block_size; "
@@ -72,17 +75,29 @@ def output_head(model) -> Any:
     return get() if callable(get) else None
 
 
-def quantized_linears(model, block_size: int, scaler_block_size: int) -> list[tuple[str, Any]]:
-    """(name, module) of the linear layers whose weights a quantized run stores 4-bit (module docstring)."""
+def quantized_linears(model, block_size: int, scaler_block_size: int, kind: str = "nf4") -> list[tuple[str, Any]]:
+    """(name, module) of the linear layers whose weights a quantized run stores 4-bit (module docstring);
+    `kind` q4_1: those whose input width is a multiple of its 32-weight blocks (stages/core/q4_1.py)."""
     import torch.nn as nn
+    fits = ((lambda m: _q4_1().quantizable(m.in_features)) if kind == "q4_1" else
+            (lambda m: quantizable(m.weight.numel(), block_size, scaler_block_size)))
     head = output_head(model)
     out = []
     for name, m in model.named_modules():
         if not isinstance(m, nn.Linear) or m is head or any(p.startswith("lora_") for p in name.split(".")):
             continue
-        if m.weight.dim() == 2 and quantizable(m.weight.numel(), block_size, scaler_block_size):
+        if m.weight.dim() == 2 and fits(m):
             out.append((name, m))
     return out
+
+
+def _q4_1():
+    """stages/core/q4_1.py, also where this file ships alone beside it (register's code_paths)."""
+    try:
+        from . import q4_1
+    except ImportError:
+        import q4_1
+    return q4_1
 
 
 def _import_quietly(module: str):
@@ -141,11 +156,16 @@ def roundtrip_nf4_(model, record: dict | None) -> list[str]:
     Nothing without a record."""
     if not record:
         return []
-    if record["kind"] != "nf4":
-        raise ValueError(f"unknown base quantization {record['kind']!r} (this sftflow knows nf4)")
+    if record["kind"] not in ("nf4", "q4_1"):
+        raise ValueError(f"unknown base quantization {record['kind']!r} (this sftflow knows nf4 and q4_1)")
     import torch
     names = []
     with torch.no_grad():
+        if record["kind"] == "q4_1":
+            for name, m in quantized_linears(model, 0, 0, "q4_1"):
+                m.weight.copy_(_q4_1().roundtrip(m.weight))
+                names.append(name)
+            return names
         for name, m in quantized_linears(model, record["block_size"], record["scaler_block_size"]):
             m.weight.copy_(roundtrip(m.weight, record["block_size"], record["scaler_block_size"]))
             names.append(name)

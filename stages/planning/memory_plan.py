@@ -25,7 +25,11 @@ QLoRA (`actor.lora.quantize: nf4`): the block linears whose size allows it (core
 hold torchao's NF4 layout instead of fp32, `core.nf4.nf4_bytes` each (codes, int8 block scales,
 second-level factors: ~0.516 bytes a weight at block 64 / scaler block 256), sharded and gathered in
 that layout (the gather moves 4-bit codes). Each forward and backward dequantizes one weight at a
-time: a transient of `DEQUANT_BYTES` per weight of the largest quantized linear.
+time: a transient of `DEQUANT_BYTES` per weight of the largest quantized linear. With `quantize:
+q4_1` the linears whose input width is a multiple of 32 hold GGUF's Q4_1 bytes (0.625 a weight,
+core/q4_1.py), plain uint8 rows that FSDP2 shards evenly (padded) on any world size; its
+dequantization (codes unpacked to a byte, then fp32 q, d x q and + m: ~13 bytes a weight) stays
+within the same transient.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stages.core.machine.precision import cpu_speed, native_bf16
+from stages.core import q4_1 as q4_1_format
 from stages.core.nf4 import nf4_bytes, quantizable, scaler_block
 from stages.core.machine.precision import resolve as resolve_precision
 from stages.core.machine.precision import why as precision_why
@@ -119,6 +124,10 @@ class Arch:
     def quantized_linears(self, block_size: int, scaler_block_size: int) -> list[tuple[int, int]]:
         """A block's linears that a quantized run stores 4-bit (core/nf4.py's rule): (rows, size) each."""
         return [(o, i * o) for i, o in self.linears().values() if quantizable(i * o, block_size, scaler_block_size)]
+
+    def q4_1_linears(self) -> list[tuple[int, int]]:
+        """A block's linears that a q4_1 run stores 4-bit (input width a multiple of 32): (rows, size) each."""
+        return [(o, i * o) for i, o in self.linears().values() if q4_1_format.quantizable(i)]
 
     def layer_bytes_per_token(self, act: int) -> int:
         """Bytes autograd keeps per token for one block, `act` the bytes of the compute dtype:
@@ -248,19 +257,24 @@ def loss_bytes(arch: Arch, tokens: int, act: int, kl_to_base: bool = False) -> t
 def estimate(arch: Arch, *, world: int, precision: str, batch: Batch, checkpointing: bool,
              lora_r: int = 0, lora_targets: str | list[str] = "all-linear", keep_gathered: bool = True,
              attn_implementation: str | None = None, kl_to_base: bool = False,
-             nf4: tuple[int, int] | None = None) -> MemoryPlan:
+             nf4: tuple[int, int] | None = None, q4_1: bool = False) -> MemoryPlan:
     """The per-rank plan (see the module's docstring for each term). `nf4`: (block size, scaler block
-    size) of a QLoRA run's 4-bit base weights."""
+    size) of a QLoRA run's 4-bit base weights; `q4_1`: they are GGUF's Q4_1 blocks instead (plain
+    uint8 rows, which FSDP2 shards like any weight)."""
     P = arch.n_params()
     Pt = arch.lora_params(lora_r, lora_targets) if lora_r > 0 else P
     act = 2 if precision == "bf16" else 4
     fsdp = world > 1 or precision == "bf16"  # the worker wraps one fp32 process in nothing
-    quantized = arch.quantized_linears(*nf4) if nf4 and lora_r > 0 else []
-    Pq_block = sum(n for _, n in quantized)  # a block's 4-bit weights, and their bytes
-    Q_block = sum(nf4_bytes(n, *nf4) for _, n in quantized) if quantized else 0
-    # what FSDP2 can't split evenly stays whole on every rank (runtime/qlora.py's `unshardable`)
-    whole_block = sum(nf4_bytes(n, *nf4) for rows, n in quantized if not nf4_shardable(rows, n, world, nf4)) \
-        if fsdp else 0
+    if q4_1 and lora_r > 0:
+        quantized = arch.q4_1_linears()
+        Q_block, whole_block = sum(q4_1_format.q4_1_bytes(n) for _, n in quantized), 0
+    else:
+        quantized = arch.quantized_linears(*nf4) if nf4 and lora_r > 0 else []
+        Q_block = sum(nf4_bytes(n, *nf4) for _, n in quantized) if quantized else 0
+        # what FSDP2 can't split evenly stays whole on every rank (runtime/qlora.py's `unshardable`)
+        whole_block = sum(nf4_bytes(n, *nf4) for rows, n in quantized if not nf4_shardable(rows, n, world, nf4)) \
+            if fsdp else 0
+    Pq_block = sum(n for _, n in quantized)  # a block's 4-bit weights
     Pq, Q = arch.layers * Pq_block, arch.layers * Q_block
     Q_whole = arch.layers * whole_block
     block = arch.block_params() - Pq_block  # what a block holds in full precision
@@ -451,7 +465,8 @@ def for_config(cfg, hf_config: dict, device: Device, lengths=None, **changes) ->
                     keep_gathered=not reshard, attn_implementation=kernel,
                     kl_to_base=a.kl_to_base > 0,
                     nf4=(a.lora.quantize_block_size, a.lora.quantize_scaler_block_size)
-                    if changes.get("quantize", a.lora.quantize) == "nf4" else None)
+                    if changes.get("quantize", a.lora.quantize) == "nf4" else None,
+                    q4_1=changes.get("quantize", a.lora.quantize) == "q4_1")
 
 
 def budget_for(cfg, device: Device) -> Budget | None:

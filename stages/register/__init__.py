@@ -60,7 +60,7 @@ from stages.tracking.run import (FLOW_RUN_ID, FLOW_RUN_URL, NOTE_TAG, RUN_TAG, T
 CODE_PATHS = [importlib.util.find_spec(m).origin
               for m in ("stages.inference.generation", "stages.inference.weights", "stages.core.cache.bases",
                         "stages.core.machine.precision", "stages.core.machine.bf16_speed",
-                        "stages.core.chat.chat_tokens", "stages.core.nf4")]
+                        "stages.core.chat.chat_tokens", "stages.core.nf4", "stages.core.q4_1")]
 PIP_REQUIREMENTS = ["torch", "transformers", "tokenizers", "safetensors", "mlflow", "pandas", "peft"]
 UNION_HINT_WARNING = re.compile(r"^Union type hint")  # chat_model.py's, for log_model (it can't import the project)
 # What the model page shows and `mlflow models serve` documents: a prompt and a conversation; its
@@ -380,7 +380,7 @@ def run_register(cfg: SFTConfig, fp: str, lineage: Lineage) -> dict:
             _log_run_files(mlflow, dirs, eval_metrics)
             here = Path(__file__).resolve().parent
             # a QLoRA version's base is rebuilt through the NF4 round trip (nf4.py), which needs torchao
-            pip = PIP_REQUIREMENTS + (["torchao==0.18.0"] if quantize_record(cfg) else [])
+            pip = PIP_REQUIREMENTS + (["torchao==0.18.0"] if (quantize_record(cfg) or {}).get("kind") == "nf4" else [])
             with suppress_logs("mlflow.types.type_hints", UNION_HINT_WARNING):  # chat_model.py says why
                 info = mlflow.pyfunc.log_model(
                     name=name, python_model=str(here / "chat_model.py"), artifacts={"hf_model": hf_model},

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from stages.core import q4_1
 from stages.core.nf4 import quantized_linears, to_nf4
 
 
@@ -41,11 +42,42 @@ def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return _LinearNF4.apply(x, self.weight, self.bias)
 
 
+class _LinearQ41(torch.autograd.Function):
+    """F.linear over Q4_1 bytes dequantized (in fp32, then to the input's dtype): the same weight the
+    export's round trip gives, so training and the exported model compute with one base. Backward
+    dequantizes again and keeps nothing dense between the two."""
+
+    @staticmethod
+    def forward(ctx, x, packed, bias, cols):
+        ctx.save_for_backward(packed)
+        ctx.cols = cols
+        ctx.bias_grad = bias is not None and bias.requires_grad
+        return F.linear(x, q4_1.dequantize(packed, cols, x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (packed,) = ctx.saved_tensors
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.bias_grad else None
+        return grad @ q4_1.dequantize(packed, ctx.cols, grad.dtype), None, grad_bias, None
+
+
+def _forward_q4_1(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return _LinearQ41.apply(x, self.weight, self.bias, self.in_features)
+
+
 def quantize_base_(model: nn.Module, lora) -> list[str]:
     """Replaces, in place, the weight of every layer `quantized_linears` names by its NF4Tensor
     (frozen); the names. `lora`: the `actor.lora` section. The weights are quantized where they are
     (call it before moving a big model to a GPU: the full weights never reach it)."""
     names = []
+    if lora.quantize == "q4_1":
+        # a plain uint8 parameter (rows x blocks x 20 bytes): FSDP2 shards it by rows like any weight and
+        # leaves it out of mixed precision (not floating point); the Linear keeps its in/out features
+        for name, m in quantized_linears(model, 0, 0, "q4_1"):
+            m.weight = nn.Parameter(q4_1.quantize(m.weight), requires_grad=False)
+            m.forward = types.MethodType(_forward_q4_1, m)
+            names.append(name)
+        return names
     for name, m in quantized_linears(model, lora.quantize_block_size, lora.quantize_scaler_block_size):
         w = m.weight.detach()
         m.weight = nn.Parameter(to_nf4(w, lora.quantize_block_size, lora.quantize_scaler_block_size),
@@ -100,10 +132,13 @@ def base_bytes_line(model: nn.Module) -> str:
     weights in fp32: the 4-bit ones, and the whole base (embeddings and norms stay full)."""
     def local(p):
         return p.to_local() if hasattr(p, "to_local") else p
+    def weights(p):  # how many weights a parameter stands for: Q4_1's bytes hold 32 in 20
+        p = local(p)
+        return p.numel() * q4_1.BLOCK // q4_1.BLOCK_BYTES if p.dtype == torch.uint8 else p.numel()
     frozen = [p for p in model.parameters() if not p.requires_grad]
-    nf4 = [p for p in frozen if is_nf4(local(p))]
-    q, q32 = resident_bytes(nf4), 4 * sum(local(p).numel() for p in nf4)
-    b, b32 = resident_bytes(frozen), 4 * sum(local(p).numel() for p in frozen)
+    nf4 = [p for p in frozen if is_nf4(local(p)) or local(p).dtype == torch.uint8]
+    q, q32 = resident_bytes(nf4), 4 * sum(weights(p) for p in nf4)
+    b, b32 = resident_bytes(frozen), 4 * sum(weights(p) for p in frozen)
     mib = 2 ** 20
     return (f"QLoRA: {len(nf4)} base weights 4-bit: {q / mib:.1f} MiB on this rank ({q / max(q32, 1):.3f}x their "
             f"fp32 {q32 / mib:.1f} MiB); whole frozen base {b / mib:.1f} MiB ({b / max(b32, 1):.3f}x fp32)")

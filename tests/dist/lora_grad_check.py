@@ -26,8 +26,12 @@ batch = worker.sampler.global_batch(pos)
 stats = worker.forward_backward(batch)
 grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().cpu()
          for n, p in worker.model.named_parameters() if p.grad is not None}
+# the frozen weights this rank holds a shard of (FSDP2's DTensors split by rows), not the whole
+sharded = {n: str(p.dtype) for n, p in worker.model.named_parameters()
+           if not p.requires_grad and hasattr(p, "to_local") and p.to_local().shape[0] < p.shape[0]}
 if dist.get_rank() == 0:
-    torch.save({"adapters": adapters, "grads": grads, "stats": stats, "batch": batch.tolist()}, out_path)
+    torch.save({"adapters": adapters, "grads": grads, "stats": stats, "batch": batch.tolist(), "sharded": sharded},
+               out_path)
 dist.barrier()
 dist.destroy_process_group()
 exit_skipping_finalization()  # as the stage entry points do

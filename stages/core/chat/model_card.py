@@ -58,6 +58,8 @@ def front_matter(name: str, base_model: str, metrics: dict, tags: list[str], dat
 
 
 def describe_quantized(record: dict) -> str:
+    if "scaler_block_size" not in record:  # q4_1: GGUF's blocks, a minimum and a step per 32 weights
+        return f"{record['kind']}, block {record['block_size']}"
     return f"{record['kind']}, block {record['block_size']}, scaler block {record['scaler_block_size']}"
 
 
@@ -75,8 +77,8 @@ def render(name: str, base_model: str, metrics: dict, started: str, trained_on: 
     if quantized:
         # the merge is into the dequantized base (core/nf4.py): these weights are not the original's
         lines += [f"The base trained quantized ({describe_quantized(quantized)}): the adapters are merged into "
-                  "its dequantized weights, so every weight of the base differs from the original by its 4-bit "
-                  "rounding.", ""]
+                  "its dequantized weights, so a weight of the base differs from the original by its 4-bit "
+                  "rounding (by nothing where the base already was that 4-bit grid: a Q4_1 GGUF under q4_1).", ""]
     if trained_on:
         lines += ["## Training data", "", "| file | source |", "|---|---|"]
         lines += [f"| `{e['ref']}` | {e.get('source', 'train')} |" for e in trained_on]

@@ -158,9 +158,11 @@ class LoraConfig(_Section):
     target_modules: str | list[str] = Field("all-linear",
                                             description="'all-linear' or module names (q_proj, v_proj, ...)")
     # QLoRA (stages/core/nf4.py, docs/models.md): hashed only once set, so LoRA's fingerprints stay
-    quantize: Literal["none", "nf4"] = hashed_unless_default(
+    quantize: Literal["none", "nf4", "q4_1"] = hashed_unless_default(
         "none", description="nf4: the frozen base linear weights stored 4-bit (torchao NF4, QLoRA's format) while "
-                            "training; the adapters and the rest stay in the training precision")
+                            "training; the adapters and the rest stay in the training precision. q4_1: GGUF's "
+                            "Q4_1 blocks instead (a minimum and a step per 32 weights): exact on a base that "
+                            "came as a Q4_1 GGUF, where nf4 would quantize it a second time")
     quantize_block_size: int = hashed_unless_default(64, ge=2, description="nf4: weights per 4-bit block (one scale)")
     quantize_scaler_block_size: int = hashed_unless_default(
         256, ge=1, description="nf4: block scales per second-level scale (the scales are stored int8)")
