@@ -298,8 +298,8 @@ def test_two_real_launches_at_once_each_get_their_share(tmp_path, monkeypatch):
 
     def launch(name: str, mark: str) -> None:
         try:
-            run_torchrun([sys.executable, "-c", FOLLOWING_RANK, str(tmp_path / f"{name}.began"), mark, *marks], tmp_path / f"{name}.log", StageError,
-                         name, out[name].append, nproc_per_node=1)
+            run_torchrun([sys.executable, "-c", FOLLOWING_RANK, str(tmp_path / f"{name}.began"), mark, *marks],
+                         tmp_path / f"{name}.log", StageError, name, out[name].append, nproc_per_node=1)
         except BaseException as e:  # noqa: BLE001 - reported by the test
             errors.append(e)
 

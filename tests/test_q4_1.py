@@ -21,7 +21,7 @@ from stages.planning import memory_plan as mp
 from stages.runtime.model_types import build_configured_model
 from stages.runtime.qlora import base_bytes_line, quantize_base_, resident_bytes
 from test_quantize import _grads, _nonzero_b
-from test_train_core import assert_same_weights, killed, make_cfg, train
+from test_train_core import assert_same_weights, make_cfg
 
 Q41 = {"r": 4, "alpha": 8, "quantize": "q4_1"}
 
@@ -95,7 +95,7 @@ def test_lora_gradients_over_a_q4_1_base_equal_those_over_its_dequantized_weight
     assert quantized and all("lora_" not in n and "lm_head" not in n for n in quantized)
     plain = dict(ref.named_parameters())
     with torch.no_grad():
-        for n, p in quantized.items():
+        for n in quantized:
             plain[n].copy_(by_gguf(plain[n].detach())[1])
     for n, p in q.named_parameters():
         if n not in quantized:

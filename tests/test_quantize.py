@@ -62,7 +62,8 @@ def test_a_4bit_linear_equals_a_linear_over_its_dequantized_weight(dtype):
     model.to(dtype)
     bias = model[0].bias.detach().clone()
     # in bf16 the weight is quantized from bf16: the reference decodes that one
-    assert quantize_base_(model, SimpleNamespace(quantize="nf4", quantize_block_size=64, quantize_scaler_block_size=256)) == ["0"]
+    lora = SimpleNamespace(quantize="nf4", quantize_block_size=64, quantize_scaler_block_size=256)
+    assert quantize_base_(model, lora) == ["0"]
     assert is_nf4(model[0].weight) and not model[0].weight.requires_grad
     plain = decoded_by_hand(model[0].weight)
     with torch.no_grad():
