@@ -1,26 +1,26 @@
-"""QLoRA on the SmolLM2 quickstart (issue 70): the quickstart with `actor.lora.quantize: nf4` against
-the same quickstart with LoRA, each through its stages (as `make run` runs them, without Prefect), in
-one artifacts folder under --out: the stages both share (the converted model, prepare, replay,
-baseline) run once.
+"""QLoRA on the SmolLM2 quickstart (issue 70): the quickstart with `actor.lora.quantize: nf4` and with
+`q4_1` against the same quickstart with LoRA, each through its stages (as `make run` runs them,
+without Prefect), in one artifacts folder under --out: the stages they share (the converted model,
+prepare, replay, baseline) run once.
 
-    .venv/bin/python bench/qlora.py --out /tmp/qlora            # both: ~45 min on 2 idle cores
-    .venv/bin/python bench/qlora.py --out /tmp/qlora --only nf4 # the QLoRA run alone
-    .venv/bin/python bench/qlora.py --out /tmp/qlora --start    # and the 4-bit base before training
-    .venv/bin/python bench/qlora.py --out /tmp/qlora --steps 3  # the train stage alone, 3 steps each
+    .venv/bin/python bench/qlora.py --out /tmp/qlora                 # all three: ~40 min on 2 idle cores
+    .venv/bin/python bench/qlora.py --out /tmp/qlora --only nf4,lora # some of them
+    .venv/bin/python bench/qlora.py --out /tmp/qlora --start         # and each 4-bit base before training
+    .venv/bin/python bench/qlora.py --out /tmp/qlora --steps 3       # the train stage alone, 3 steps each
 
 With --steps N only the train stage runs, N steps, on the quickstart's identity rows without the
 replay mixture (no generation): the quick measure of tokens/s, peak RSS and the base's bytes.
 
-The QLoRA run is registered (it must become the champion of its own registry: identity >= 0.9 and
-the retention guard); the LoRA run is scored, not registered. Prints, beside each other: identity and
-retention accuracy, the paired change nf4 - LoRA per eval set with its 95% interval (same items,
-item by item), the train stage's trained tokens/s (mean over its steps after the first), the peak RSS of
-the train stage's process tree (getrusage of its children, in a subprocess of its own), and the
-bytes the base weights occupy in the training rank (measured there: train.log's "QLoRA:" line).
-With --start a third run scores the 4-bit base itself: the QLoRA run for one step at lr 1e-30 (the
-adapters' B starts at zero, so the merged model is the NF4 round trip of the base to fp32's
-resolution): what quantizing the base costs before the adapters learn anything, paired against the
-base model on every set. Writes OUT/qlora.json.
+Each quantized run is registered under a model name of its own (it must become the champion of its
+own registry: identity >= 0.9 and the retention guard); the LoRA run is scored, not registered.
+Prints, beside each other: identity and retention accuracy, the paired change quantized - LoRA per
+eval set with its 95% interval (same items, item by item), each run's paired change against the base
+model, the train stage's trained tokens/s (mean over its steps after the first), the peak RSS of the
+train stage's process tree (getrusage of its children, in a subprocess of its own), and the bytes
+the base weights occupy in the training rank (measured there: train.log's "QLoRA:" line).
+With --start each quantized run has a twin that scores its 4-bit base itself: one step at lr 1e-30
+(the adapters' B starts at zero, so the merged model is the base's 4-bit round trip to fp32's
+resolution): what quantizing the base costs before the adapters learn anything. Writes OUT/qlora.json.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def train_only(out: Path, steps: int) -> dict:
     path = out / "short.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False, allow_unicode=True))
     results = {}
-    for name, overrides in (("nf4", ["actor.lora.quantize=nf4"]), ("lora", [])):
+    for name, overrides in (("nf4", ["actor.lora.quantize=nf4"]), ("q4_1", ["actor.lora.quantize=q4_1"]),
+                            ("lora", [])):
         r: dict = {"stages": {}, "folders": {}}
         for s in ("prepare", "train"):
             _stage(path, s, overrides, name, r)
@@ -130,7 +131,7 @@ def run(cfg_path: Path, overrides: list[str], register: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--only", choices=["nf4", "lora"], default=None, help="one of the two runs")
+    ap.add_argument("--only", default=None, help="a comma list of the runs: nf4, q4_1, lora (default: all three)")
     ap.add_argument("--steps", type=int, default=0, help="> 0: the train stage alone, this many steps each")
     ap.add_argument("--start", action="store_true", help="also score the 4-bit base before training")
     args = ap.parse_args(argv)
@@ -147,21 +148,25 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {r['base_bytes']}")
         return 0
     results = {}
-    if args.only != "lora":
-        results["nf4"] = run(config(args.out, "nf4"), ["actor.lora.quantize=nf4"], register=True)
-    if args.only != "nf4":
+    only = set(args.only.split(",")) if args.only else {"nf4", "q4_1", "lora"}
+    for kind in ("nf4", "q4_1"):  # each quantized run registers under a model name of its own
+        if kind in only:
+            quantized = [f"actor.lora.quantize={kind}", f"registry.model_name=smollm2-identity-{kind.replace('_', '')}"]
+            results[kind] = run(config(args.out, kind), quantized, register=True)
+            if args.start:
+                results[f"{kind}_start"] = run(config(args.out, f"{kind}_start"),
+                                               [*quantized, "runner.max_steps=1", "actor.optim.lr=1e-30"],
+                                               register=False)
+    if "lora" in only:
         results["lora"] = run(config(args.out, "lora"), [], register=False)
-    if args.start:
-        results["nf4_start"] = run(config(args.out, "nf4_start"),
-                                   ["actor.lora.quantize=nf4", "runner.max_steps=1", "actor.optim.lr=1e-30"],
-                                   register=False)
-    if "nf4" in results and "lora" in results:
-        from stages.core.stats.paired import compare_sets, read_predictions
-        results["nf4_vs_lora"] = compare_sets(read_predictions(results["nf4"]["folders"]["evaluate"]),
-                                              read_predictions(results["lora"]["folders"]["evaluate"]), "lora")
+    from stages.core.stats.paired import compare_sets, read_predictions
+    for kind in ("nf4", "q4_1"):
+        if kind in results and "lora" in results:
+            results[f"{kind}_vs_lora"] = compare_sets(read_predictions(results[kind]["folders"]["evaluate"]),
+                                                      read_predictions(results["lora"]["folders"]["evaluate"]), "lora")
     (args.out / "qlora.json").write_text(json.dumps(results, indent=2, default=str))
     for name, r in results.items():
-        if name == "nf4_vs_lora":
+        if name.endswith("_vs_lora"):
             continue
         sets = r["metrics"].get("sets", {})
         accs = ", ".join(f"{s} {m['accuracy']:.3f}" for s, m in sets.items())
@@ -174,15 +179,16 @@ def main(argv: list[str] | None = None) -> int:
         if r.get("register"):
             reg = r["register"]
             print(f"  registered v{reg.get('version')} {reg.get('aliases')} ({reg.get('alias_reason')})")
-    for name in ("nf4", "lora", "nf4_start"):
-        for s, m in (results.get(name, {}).get("metrics", {}).get("sets", {})).items():
-            c = m.get("vs_base") or m.get("compare_base") or {}
+    for name, r in results.items():
+        for s, m in (r.get("metrics", {}).get("sets", {})).items():
+            c = m.get("vs_base") or {}
             if c.get("delta_low") is not None:
                 print(f"{name} - base model on {s}: {c['delta']:+.3f} [{c['delta_low']:+.3f}, {c['delta_high']:+.3f}]")
-    for s, c in (results.get("nf4_vs_lora") or {}).items():
-        if c:
-            print(f"nf4 - lora on {s}: {c['delta']:+.3f} [{c['delta_low']:+.3f}, {c['delta_high']:+.3f}] "
-                  f"({c['wins']} wins, {c['losses']} losses of {c['n']})")
+    for kind in ("nf4", "q4_1"):
+        for s, c in (results.get(f"{kind}_vs_lora") or {}).items():
+            if c:
+                print(f"{kind} - lora on {s}: {c['delta']:+.3f} [{c['delta_low']:+.3f}, {c['delta_high']:+.3f}] "
+                      f"({c['wins']} wins, {c['losses']} losses of {c['n']})")
     return 0
 
 
