@@ -1,6 +1,7 @@
 """QLoRA's base weights (`actor.lora.quantize: nf4`): which linear layers are stored 4-bit, what that
 costs in bytes, and the NF4 round trip (quantize, then dequantize) that makes a plain model equal to
-the one that trained.
+the one that trained. The record and the round trip also cover `q4_1` (GGUF's blocks, q4_1.py): one
+place applies whichever a run used.
 
 torchao's NF4 (`torchao...nf4_tensor.to_nf4`, the format torchtune's QLoRA uses): a weight of n
 elements in blocks of `block_size` (64) holds n/2 bytes of 4-bit codes, one int8 scale per block,

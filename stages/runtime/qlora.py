@@ -1,5 +1,6 @@
-"""QLoRA inside a rank (`actor.lora.quantize: nf4`): the frozen base linear weights become torchao
-NF4Tensors (4-bit codes + int8 block scales) after the adapters are in place and before FSDP2
+"""QLoRA inside a rank (`actor.lora.quantize: nf4 | q4_1`): the frozen base linear weights become torchao
+NF4Tensors (4-bit codes + int8 block scales), or GGUF Q4_1 bytes as a plain uint8 parameter
+(stages/core/q4_1.py), after the adapters are in place and before FSDP2
 shards the model; the adapters and every other weight stay in the training precision.
 
 torchao's NF4Tensor dequantizes inside `F.linear` (its `__torch_function__`, to the input's dtype)
