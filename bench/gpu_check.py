@@ -121,11 +121,13 @@ def main(argv: list[str] | None = None) -> int:
             os.environ["SFTFLOW_GPU_CHECK_OUT"] = str(out)  # the generation test's differing share lands there
             status, secs = run_part("tests", cmd, min(TESTS_SHARE * budget, deadline - time.monotonic()), log)
             parts.append({"part": "pytest -m gpu", "status": status, "seconds": round(secs)})
-            qlora = out / "qlora_peak.json"  # tests/test_gpu.py's QLoRA case: the plan against the CUDA peak
-            if qlora.is_file():
+            for kind in ("nf4", "q4_1"):  # tests/test_gpu.py's QLoRA cases: the plan against the CUDA peak
+                qlora = out / f"qlora_peak_{kind}.json"
+                if not qlora.is_file():
+                    continue
                 q = json.loads(qlora.read_text())
                 measured = f"{q['measured'] / 2 ** 20:.0f} MiB" if q.get("measured") else "not measured (CPU)"
-                parts.append({"part": f"QLoRA nf4, SmolLM2-135M shape x4 layers ({q['precision']}, {q['attn']}): "
+                parts.append({"part": f"QLoRA {kind}, SmolLM2-135M shape x4 layers ({q['precision']}, {q['attn']}): "
                               f"peak {measured}, plan {q['planned'] / 2 ** 20:.0f} MiB; {q['base']}",
                               "status": "ok", "seconds": 0})
             gen = out / "generation.json"

@@ -187,11 +187,13 @@ def test_gpu_check_refuses_to_run_as_a_gpu_check_without_cuda(tmp_path):
 
 
 @needs_cuda
-def test_qlora_peak_memory_against_the_plan(tmp_path):
-    """QLoRA (nf4, LoRA r 16 all-linear) on a SmolLM2-135M-shaped model (4 of its layers, random init)
-    through the real worker: the CUDA allocator's peak over 3 steps against the memory plan's total at
-    the prepared data's longest micro-batch. Written to $SFTFLOW_GPU_CHECK_OUT/qlora_peak.json for
-    bench/gpu_check.py's table. On CPU (SFTFLOW_GPU_TESTS_ON_CPU) the same path runs; no peak to compare."""
+@pytest.mark.parametrize("kind", ["nf4", "q4_1"])
+def test_qlora_peak_memory_against_the_plan(tmp_path, kind):
+    """QLoRA (nf4 or q4_1, LoRA r 16 all-linear) on a SmolLM2-135M-shaped model (4 of its layers, random
+    init) through the real worker: the CUDA allocator's peak over 3 steps against the memory plan's total
+    at the prepared data's longest micro-batch. Written to $SFTFLOW_GPU_CHECK_OUT/qlora_peak_<kind>.json
+    for bench/gpu_check.py's table. On CPU (SFTFLOW_GPU_TESTS_ON_CPU) the same path runs (bf16, FSDP2 on
+    one rank, as on one GPU); no peak to compare."""
     import subprocess
 
     from stages.core.config import config_from_dict
@@ -201,7 +203,7 @@ def test_qlora_peak_memory_against_the_plan(tmp_path):
     from conftest import write_jsonl
     from stages.runtime.worker import WorkerSpec
     raw = tiny_config_dict(tmp_path, actor={"nproc_per_node": 1, "micro_batch_size": 2, "global_batch_size": 4,
-                                            "lora": {"r": 16, "alpha": 32, "quantize": "nf4"},
+                                            "lora": {"r": 16, "alpha": 32, "quantize": kind},
                                             **({} if CUDA else {"precision": "bf16"})},
                            data={"max_length": 384, "truncation": "keep_start"})
     tok = base_model(load_config(write_config(tmp_path, raw)))
@@ -227,7 +229,7 @@ def test_qlora_peak_memory_against_the_plan(tmp_path):
     result = {"planned": planned.total, "measured": got["peak"], "device": got["device"],
               "precision": got["precision"], "attn": got["attn"], "base": got["base"]}
     if os.environ.get("SFTFLOW_GPU_CHECK_OUT"):
-        Path(os.environ["SFTFLOW_GPU_CHECK_OUT"], "qlora_peak.json").write_text(json.dumps(result))
+        Path(os.environ["SFTFLOW_GPU_CHECK_OUT"], f"qlora_peak_{kind}.json").write_text(json.dumps(result))
     if CUDA:
         assert got["peak"] <= planned.total * mp.MARGIN, result
         assert got["peak"] >= planned.total * 0.5, result
