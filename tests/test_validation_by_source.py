@@ -358,3 +358,32 @@ def test_a_watched_source_without_held_out_rows_stops_before_torchrun(tmp_path):
                                           r"'extra'; held out: train 12, extra 0"):
         train(cfg)
     assert not list(cfg.artifacts_path.joinpath("train").glob("*/train.log"))
+
+
+def test_a_warm_start_watching_train_through_val_files_is_told_so(tmp_path):
+    """A day's config copied from day 1 keeps day 1's data.val_data_paths: the `train` source's validation
+    is then day 1's rows, not the day's new ones (the panel month chose its checks by the identity rows).
+    train.log and `sftflow show` say so; nothing is said where the check watches the day's own rows."""
+    from stages.core.config import stale_train_validation
+    val = str(write_jsonl(tmp_path / "val.jsonl", demo_rows("eval.jsonl", 4)))
+    selecting = {"val_check_interval": 2, "load_best_model_at_end": True,
+                 "metric_for_best_model": "val_token_accuracy/train"}
+
+    def cfg(name, runner=selecting, data=None, init_from="champion"):
+        raw = tiny_config_dict(tmp_path, runner=runner, actor={"init_from": init_from},
+                               data={"val_data_paths": [val], **(data or {})})
+        return load_config(write_config(tmp_path, raw, name))
+
+    note = stale_train_validation(cfg("a.yaml"))
+    assert note and "data.val_data_paths" in note and val in note
+    p = plan(cfg("a.yaml"))
+    assert validation_report(p)["note"] == note
+    assert stale_train_validation(cfg("b.yaml", init_from="base")) is None  # day 1: its own rows
+    assert stale_train_validation(cfg("c.yaml", data={"val_data_paths": [], "val_fraction": 0.2})) is None
+    # val_loss (no source) is train's too; a guard on train counts; a check of rehearse alone does not
+    assert stale_train_validation(cfg("d.yaml", runner={**selecting, "metric_for_best_model": "val_loss"}))
+    guard = {"source": "train", "metric": "val_loss", "max_drop": 0.1}
+    assert stale_train_validation(cfg("e.yaml", runner={**selecting, "metric_for_best_model": "val_loss/replay",
+                                                          "best_model_guard": guard}))
+    assert stale_train_validation(cfg("f.yaml", runner={**selecting, "metric_for_best_model": "val_loss/replay"})) \
+        is None

@@ -251,6 +251,8 @@ def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg
         v = launch["validation"]
         console.print(escape(v["line"]) + (f"; checks {escape(v['selection'])}" if v["selection"] else ""),
                       highlight=False)
+        if v.get("note"):
+            console.print(f"[yellow]{escape(v['note'])}[/]", highlight=False)
     _memory_table(p)
     if launch["refused"]:
         err.print(f"[bold red]would not launch:[/] {escape(launch['refused'])}", highlight=False, soft_wrap=True)

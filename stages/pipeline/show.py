@@ -3,7 +3,7 @@ torch-free, by the rules the ranks apply and the checks `check_launch` makes."""
 
 from __future__ import annotations
 
-from ..core.config import SFTConfig
+from ..core.config import SFTConfig, stale_train_validation
 from ..core.errors import ConfigError
 from ..planning import memory_plan
 from .checks import check_attention, check_memory, check_processes, train_memory
@@ -115,7 +115,7 @@ def validation_report(p: Plan) -> dict | None:
     rule = (f"every {r.val_check_interval} steps; ships {ships}"
             + (f"; early stopping after {r.early_stopping_patience} checks without an improvement"
                if r.early_stopping_patience else "")) if selecting else None
-    return {"held_out": held, "line": line, "selection": rule}
+    return {"held_out": held, "line": line, "selection": rule, "note": stale_train_validation(cfg)}
 
 
 def _held_out_now(cfg: SFTConfig, source: str) -> int | None:

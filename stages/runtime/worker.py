@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
 
-from stages.core.config import SFTConfig
+from stages.core.config import SFTConfig, stale_train_validation
 from stages.core.machine.cores import follow_threads
 from stages.core.errors import ConfigError, StageError
 from stages.core.cache.imports import import_object
@@ -513,6 +513,9 @@ class SFTWorker:
                 f"{k} within {d:g} of the start's (step 0)" for k, d in selection.guards))
             + (f" (resumed: {selection.checks} checks, best {selection.metric} {selection.best:.6g} at step "
                f"{selection.best_step})" if selection.best_step is not None else ""))
+        stale = stale_train_validation(self.cfg)
+        if stale:
+            log(stale)
         return selection
 
     def _ship(self, selection: BestCheck, step: int, runtime: dict, reporter: Reporter) -> None:

@@ -108,6 +108,24 @@ def eval_split(set_name: str) -> str:
     return f"eval/{set_name}"
 
 
+def stale_train_validation(cfg: "SFTConfig") -> str | None:
+    """A warning when a warm start chooses what ships by the `train` source's validation while that is
+    data.val_data_paths: those files are the same every day (day 1's, when a day's config was copied
+    from the first), so the check watches an earlier skill, not the rows the day adds (measured: the
+    skills panel's month chose its checks by the identity rows and shipped the start on two days).
+    None when nothing watches `train`, its validation is held out of the day's own rows, or the run
+    starts from the base model."""
+    r, d = cfg.runner, cfg.data
+    watched = {r.metric_for_best_model.partition("/")[2] or "train"} if (
+        r.early_stopping_patience or r.load_best_model_at_end) else set()
+    watched |= {g.source for g in r.best_model_guard}
+    if "train" not in watched or not d.val_data_paths or cfg.actor.init_from == "base":
+        return None
+    return (f"note: a warm start chooses its checks by the train source's validation, which is data.val_data_paths "
+            f"({', '.join(d.val_data_paths)}), not rows of the data this run adds: give that skill's held-out rows "
+            "there, or drop data.val_data_paths and data.val_fraction holds out the day's own rows")
+
+
 class SFTConfig(_Section):
     artifacts_dir: str = unhashed("artifacts")
     flow: FlowConfig = unhashed(FlowConfig())
