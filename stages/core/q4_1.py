@@ -4,7 +4,7 @@ A row of a weight is cut in blocks of 32 consecutive weights; a block keeps its 
 d = (max - min) / 15, each as fp16, and 32 4-bit codes q (two a byte, element j in the low nibble of
 byte j, element j + 16 in its high one); a weight is d x q + m, computed in fp32. 20 bytes a block:
 0.625 bytes a weight, 0.156x fp32. The bytes are llama.cpp's own layout (gguf's `Q4_1`), so gguf's
-numpy implementation is an independent reference for both directions (tests/test_quantize.py).
+numpy implementation is an independent reference for both directions (tests/test_q4_1.py).
 
 Why a second format beside NF4: an affine block (a minimum and a step) represents exactly a weight
 that already is a 4-bit affine grid, and models are often shipped as one (the quickstart's SmolLM2 is
