@@ -20,7 +20,7 @@ from stages.core import q4_1
 from stages.planning import memory_plan as mp
 from stages.runtime.model_types import build_configured_model
 from stages.runtime.qlora import base_bytes_line, quantize_base_, resident_bytes
-from test_quantize import _grads, _nonzero_b
+from test_quantize import _grads, _nonzero_b, assert_gradients_over_plain_weights
 from test_train_core import assert_same_weights, make_cfg
 
 Q41 = {"r": 4, "alpha": 8, "quantize": "q4_1"}
@@ -87,32 +87,8 @@ def tiny(tmp_path_factory):
 
 
 def test_lora_gradients_over_a_q4_1_base_equal_those_over_its_dequantized_weights(tiny):
-    cfg, path = tiny
-    q = build_configured_model(cfg, path, seed=0, device="cpu", lora=True, nf4=True)
-    ref = build_configured_model(cfg.model_copy(update={"actor": cfg.actor.model_copy(update={
-        "lora": cfg.actor.lora.model_copy(update={"quantize": "none"})})}), path, seed=0, device="cpu", lora=True)
-    quantized = {n: p for n, p in q.named_parameters() if p.dtype == torch.uint8}
-    assert quantized and all("lora_" not in n and "lm_head" not in n for n in quantized)
-    plain = dict(ref.named_parameters())
-    with torch.no_grad():
-        for n in quantized:
-            plain[n].copy_(by_gguf(plain[n].detach())[1])
-    for n, p in q.named_parameters():
-        if n not in quantized:
-            assert torch.equal(p, plain[n]), n
-    _nonzero_b(q)
-    _nonzero_b(ref)
-    ids = torch.randint(3, 500, (2, 20), generator=torch.Generator().manual_seed(0))
-    lq, lr = q(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss
-    lq.backward()
-    lr.backward()
-    assert torch.equal(lq, lr)
-    got = {n: p.grad for n, p in q.named_parameters() if p.requires_grad}
-    want = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
-    assert got.keys() == want.keys() and all("lora_" in n for n in got)
-    for n in got:
-        assert torch.equal(got[n], want[n]), n
-    assert any(g.abs().sum() > 0 for n, g in got.items() if "lora_A" in n)
+    """The original weight decoded by gguf's Q4_1 reference."""
+    assert_gradients_over_plain_weights(*tiny, lambda p: p.dtype == torch.uint8, lambda _, w: by_gguf(w)[1])
 
 
 def test_the_base_bytes_measured_and_planned(tiny):

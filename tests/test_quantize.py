@@ -92,19 +92,19 @@ def _nonzero_b(model) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
 
 
-def test_lora_gradients_over_a_4bit_base_equal_those_over_its_dequantized_weights(tiny):
-    """The quantized model against the same model whose weights are the dequantized ones, decoded by
-    hand, as plain frozen tensors: loss and every adapter's gradient bit for bit (fp32, CPU)."""
-    cfg, path = tiny
+def assert_gradients_over_plain_weights(cfg, path, is_quantized, decode) -> None:
+    """The quantized model against the same model whose weights are the dequantized ones (`decode`, a
+    reference that shares no code with the layer), as plain frozen tensors: the loss and every adapter's
+    gradient bit for bit (fp32, CPU; both sides run the same kernels on the same values)."""
     q = build_configured_model(cfg, path, seed=0, device="cpu", lora=True, nf4=True)
     ref = build_configured_model(cfg.model_copy(update={"actor": cfg.actor.model_copy(update={
         "lora": cfg.actor.lora.model_copy(update={"quantize": "none"})})}), path, seed=0, device="cpu", lora=True)
-    quantized = {n: p for n, p in q.named_parameters() if is_nf4(p)}
+    quantized = {n: p for n, p in q.named_parameters() if is_quantized(p)}
     assert quantized and all("lora_" not in n and "lm_head" not in n for n in quantized)
+    plain = dict(ref.named_parameters())
     with torch.no_grad():
-        plain = dict(ref.named_parameters())
         for n, p in quantized.items():
-            plain[n].copy_(decoded_by_hand(p))
+            plain[n].copy_(decode(p, plain[n].detach()))
     for n, p in q.named_parameters():  # what isn't quantized is the same tensor values
         if n not in quantized:
             assert torch.equal(p, plain[n]), n
@@ -121,6 +121,11 @@ def test_lora_gradients_over_a_4bit_base_equal_those_over_its_dequantized_weight
     for n in got:
         assert torch.equal(got[n], want[n]), n
     assert any(g.abs().sum() > 0 for n, g in got.items() if "lora_A" in n)
+
+
+def test_lora_gradients_over_a_4bit_base_equal_those_over_its_dequantized_weights(tiny):
+    """NF4 decoded by hand from its codes and scales."""
+    assert_gradients_over_plain_weights(*tiny, is_nf4, lambda p, _: decoded_by_hand(p))
 
 
 def test_quantized_base_weights_take_under_0_3x_their_fp32_bytes(tiny):

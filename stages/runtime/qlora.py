@@ -21,49 +21,35 @@ from stages.core import q4_1
 from stages.core.nf4 import quantized_linears, to_nf4
 
 
-class _LinearNF4(torch.autograd.Function):
-    """F.linear over an NF4 weight dequantized to the input's dtype, the bias added inside the matmul
-    as for a plain weight. torchao's own (`linear_nf4`) adds the bias after a rounded product: one
-    more bf16 rounding than the same layer with a plain weight (Qwen2's q/k/v biases)."""
+class _Linear4bit(torch.autograd.Function):
+    """F.linear over a frozen 4-bit weight that `dequantize(weight, dtype)` turns into the input's dtype,
+    the bias added inside the matmul as for a plain weight (torchao's own `linear_nf4` adds it after a
+    rounded product: one more bf16 rounding, Qwen2's q/k/v biases). Only the 4-bit weight is kept for
+    backward, which dequantizes again: nothing dense lives between the two."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(weight)  # the 4-bit weight: backward dequantizes again, keeps nothing dense
+    def forward(ctx, x, weight, bias, dequantize):
+        ctx.save_for_backward(weight)
+        ctx.dequantize = dequantize
         ctx.bias_grad = bias is not None and bias.requires_grad
-        return F.linear(x, weight.to(x.dtype), bias)
+        return F.linear(x, dequantize(weight, x.dtype), bias)
 
     @staticmethod
     def backward(ctx, grad):
         (weight,) = ctx.saved_tensors
         grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.bias_grad else None
-        return grad @ weight.to(grad.dtype), None, grad_bias
+        return grad @ ctx.dequantize(weight, grad.dtype), None, grad_bias, None
 
 
 def _forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return _LinearNF4.apply(x, self.weight, self.bias)
-
-
-class _LinearQ41(torch.autograd.Function):
-    """F.linear over Q4_1 bytes dequantized (in fp32, then to the input's dtype): the same weight the
-    export's round trip gives, so training and the exported model compute with one base. Backward
-    dequantizes again and keeps nothing dense between the two."""
-
-    @staticmethod
-    def forward(ctx, x, packed, bias, cols):
-        ctx.save_for_backward(packed)
-        ctx.cols = cols
-        ctx.bias_grad = bias is not None and bias.requires_grad
-        return F.linear(x, q4_1.dequantize(packed, cols, x.dtype), bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (packed,) = ctx.saved_tensors
-        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.bias_grad else None
-        return grad @ q4_1.dequantize(packed, ctx.cols, grad.dtype), None, grad_bias, None
+    # NF4Tensor.to(dtype) dequantizes
+    return _Linear4bit.apply(x, self.weight, self.bias, lambda w, dtype: w.to(dtype))
 
 
 def _forward_q4_1(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return _LinearQ41.apply(x, self.weight, self.bias, self.in_features)
+    # in fp32, then to the input's dtype: the weight the export's round trip gives
+    cols = self.in_features
+    return _Linear4bit.apply(x, self.weight, self.bias, lambda w, dtype: q4_1.dequantize(w, cols, dtype))
 
 
 def quantize_base_(model: nn.Module, lora) -> list[str]:
