@@ -259,6 +259,84 @@ def test_validation_scores_each_source_as_a_naive_loop_does(tmp_path, one_proces
     assert model.training  # validation hands the model back in training mode
 
 
+def greedy_replies(model, prefix: torch.Tensor, n: int) -> torch.Tensor:
+    """`n` tokens decoded greedily after `prefix`, one forward per token (no cache, nothing shared with
+    the loss code)."""
+    seq = prefix
+    with torch.no_grad():
+        for _ in range(n):
+            seq = torch.cat([seq, model(input_ids=seq[None]).logits[0, -1].argmax()[None]])
+    return seq[len(prefix):]
+
+
+def decoded_exactly(model, row: dict) -> bool:
+    """The reference for `val_reply_accuracy`: greedy decoding, given the row's reference turns before
+    each reply, answers every reply of the row token for token."""
+    ids = torch.as_tensor(row["input_ids"], dtype=torch.long)
+    mask = list(row["loss_mask"])
+    t = 1  # a packed row's first token is never trained (collate_packed)
+    while t < len(ids):
+        if not mask[t]:
+            t += 1
+            continue
+        end = t
+        while end < len(ids) and mask[end]:
+            end += 1
+        if not torch.equal(greedy_replies(model, ids[:t], end - t), ids[t:end]):
+            return False
+        t = end
+    return True
+
+
+def conversation(model, turns: list[tuple[int, int]], seed: int, wrong_turn: int | None = None) -> dict:
+    """A row of (prompt length, reply length) turns: random prompts, each reply the model's own greedy
+    one, except that the last token of reply `wrong_turn` is changed (one token of the row differs)."""
+    g = torch.Generator().manual_seed(seed)
+    ids, mask = torch.zeros(0, dtype=torch.long), []
+    for k, (prompt, reply) in enumerate(turns):
+        ids = torch.cat([ids, torch.randint(3, 97, (prompt,), generator=g)])
+        answer = greedy_replies(model, ids, reply)
+        if k == wrong_turn:
+            answer[-1] = (answer[-1] - 3 + 1) % 94 + 3
+        ids = torch.cat([ids, answer])
+        mask += [0] * prompt + [1] * reply
+    return {"input_ids": ids.numpy(), "loss_mask": torch.tensor(mask, dtype=torch.int8).numpy()}
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_reply_accuracy_counts_the_rows_greedy_decoding_answers_exactly(tmp_path, one_process_group, monkeypatch,
+                                                                         packing):
+    """`val_reply_accuracy`: a row counts when every one of its replies is what greedy decoding answers
+    given the reference turns before it, checked here by decoding them; one changed token makes a row
+    wrong while its token accuracy stays high (a fact's one differing value, e.g. the panel's nova)."""
+    from test_loss import tiny_lm
+
+    import stages.runtime.loss as loss
+    from stages.core.config import SFTConfig
+    from stages.runtime.validation import Joined
+    from stages.runtime.worker import SFTWorker, WorkerSpec
+    monkeypatch.setattr(loss, "LOSS_CHUNK", 5)  # the hits of several head chunks, joined in order
+    model = tiny_lm("qwen2-untied").eval()
+    one_turn, two_turns = [(4, 6)], [(3, 4), (2, 5)]
+    new = [conversation(model, one_turn, 1), conversation(model, one_turn, 2, wrong_turn=0),
+           conversation(model, two_turns, 3), conversation(model, two_turns, 4, wrong_turn=1),
+           conversation(model, two_turns, 5, wrong_turn=0), *random_rows(2, 6)]
+    rehearsed = [conversation(model, two_turns, 7), conversation(model, one_turn, 8)]
+    cfg = SFTConfig.model_validate(tiny_config_dict(tmp_path, actor={"micro_batch_size": 3, "global_batch_size": 3}))
+    spec = WorkerSpec(config=cfg, out_dir=str(tmp_path), val_mix=[{"source": "train", "rows": 7, "dir": "val"},
+                                                                   {"source": "rehearse", "rows": 2, "dir": "y"}])
+    w = SFTWorker.for_eval(spec, model, torch.device("cpu"), 0, 1)
+    w.packing = packing
+    w.val_ds = Joined([new, rehearsed])
+    got = w.validate()
+    right = [decoded_exactly(model, r) for r in new + rehearsed]
+    assert right == [True, False, True, False, False, False, False, True, True]  # the rows were built so
+    assert got["val_reply_accuracy/train"] == pytest.approx(sum(right[:7]) / 7)
+    assert got["val_reply_accuracy/rehearse"] == 1.0 and got["val_reply_accuracy"] == pytest.approx(4 / 9)
+    assert got["val_token_accuracy/train"] > 0.6  # the rows with one changed token are nearly all right by tokens
+    assert got["val_token_accuracy/rehearse"] == 1.0
+
+
 # --------------------------------------------------------------------------- torchrun (slow)
 
 # lr 0.2 (warmup 4) makes the tiny model's loss on the extra source's held-out rows jump above the

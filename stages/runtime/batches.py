@@ -158,6 +158,17 @@ class GlobalBatchSampler:
                                    self.interleave)
 
 
+def sample_of_trained(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """For each trained position of a collated batch (labels[:, 1:] not IGNORE_INDEX, row-major: the
+    order `loss.model_loss` reports its `hits` in) the index of the sample it belongs to: the row of a
+    padded batch; within a packed row, where `position_ids` restart at 0."""
+    labels = batch["labels"]
+    rows = torch.arange(labels.size(0), device=labels.device)[:, None].expand_as(labels)
+    if "position_ids" in batch:  # packed: one row, samples told apart by their position restart
+        rows = rows * labels.size(1) + (batch["position_ids"] == 0).cumsum(-1) - 1
+    return rows[:, 1:][labels[:, 1:] != IGNORE_INDEX]
+
+
 def _labels(s: dict) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.tensor(s["input_ids"], dtype=torch.long)
     m = torch.tensor(s["loss_mask"], dtype=torch.bool)

@@ -86,6 +86,7 @@ class LossSums:
     kl: torch.Tensor     # KL(reference || model) (with a `reference`; else zero)
     correct: int | None  # argmax hits (`accuracy=True`)
     chunked: bool        # the head ran on the trained positions in chunks (else: the full logits)
+    hits: torch.Tensor | None = None  # `accuracy=True`: per trained position, in `_gather`'s order, argmax == label
 
 
 @dataclass(frozen=True)
@@ -243,13 +244,13 @@ def _gather(hidden_or_logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch
 
 def _chunked(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module, transform, *, dft: bool,
              reference: Reference | None, accuracy: bool, chunk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(token_sums over the trained positions, argmax hits or None), the head applied `chunk`
+    """(token_sums over the trained positions, each one's argmax hit or None), the head applied `chunk`
     positions at a time; under grad each chunk is checkpointed (backward recomputes its logits),
     unless there is only one: then its logits are held until its backward either way."""
     rows, targets = _gather(hidden, labels)
     recompute = torch.is_grad_enabled() and rows.size(0) > chunk
     total = rows.new_zeros(3, dtype=torch.float32)
-    correct = torch.zeros((), dtype=torch.long, device=rows.device) if accuracy else None
+    hits: list[torch.Tensor] | None = [] if accuracy else None
     for start in range(0, rows.size(0), chunk):
         part = slice(start, start + chunk)
         t = targets[part]
@@ -273,11 +274,13 @@ def _chunked(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module, transf
         else:
             logits = transform(head(rows[part]))
             total = total + token_sums(logits, t, ref_logits(), dft, w)
-            if correct is not None:
-                correct += (logits.argmax(-1) == t).sum()
+            if hits is not None:
+                hits.append(logits.argmax(-1) == t)
     if rows.size(0) == 0 and torch.is_grad_enabled():  # nothing trained: zero, yet backward must still run
         total = total + rows.sum()                       # through the model (FSDP2's collectives on every rank)
-    return total, correct
+    if hits is None:
+        return total, None
+    return total, torch.cat(hits) if hits else targets.new_zeros(0, dtype=torch.bool)
 
 
 def model_loss(model: nn.Module, inputs: dict, labels: torch.Tensor, *, dft: bool = False,
@@ -285,8 +288,9 @@ def model_loss(model: nn.Module, inputs: dict, labels: torch.Tensor, *, dft: boo
     """One forward of `model` on `inputs` (the batch less its labels) and its sums over the trained
     tokens of `labels` (unshifted, IGNORE_INDEX where nothing is trained): cross-entropy, DFT's
     weighted cross-entropy (`dft`), KL(reference || model) (`reference`, from `reference_outputs`)
-    and argmax hits (`accuracy`). The output head and the loss run chunked on the trained positions
-    where the model allows it (see the module's docstring), else on the full logits."""
+    and argmax hits (`accuracy`: their count, and `hits` per trained position). The output head and
+    the loss run chunked on the trained positions where the model allows it (see the module's
+    docstring), else on the full logits."""
     why = _verdict(model, inputs, labels)
     n_tokens = int((labels[:, 1:] != IGNORE_INDEX).sum())
     if why is None:
@@ -304,15 +308,17 @@ def model_loss(model: nn.Module, inputs: dict, labels: torch.Tensor, *, dft: boo
             raise RuntimeError(f"loss: {type(_unwrap(model)).__name__}: {tap['problem']} on this batch, unlike "
                                "on its first one")
         total = out[1][0]
-        correct = int(out[1][1]) if accuracy else None
-        return LossSums(total[0], n_tokens, total[1], total[2], correct, chunked=True)
+        hits = out[1][1] if accuracy else None
+        return LossSums(total[0], n_tokens, total[1], total[2], None if hits is None else int(hits.sum()),
+                        chunked=True, hits=hits)
     if reference is not None and reference.logits is None:
         raise RuntimeError("loss: a chunked reference for a model on the full-logits path")
     logits, targets = _gather(model(**inputs, use_cache=False).logits, labels)
     total = token_sums(logits, targets, reference.logits if reference is not None else None, dft,
                        reference.weights if reference is not None else None)
-    correct = int((logits.argmax(-1) == targets).sum()) if accuracy else None
-    return LossSums(total[0], n_tokens, total[1], total[2], correct, chunked=False)
+    hits = logits.argmax(-1) == targets if accuracy else None
+    return LossSums(total[0], n_tokens, total[1], total[2], None if hits is None else int(hits.sum()),
+                    chunked=False, hits=hits)
 
 
 def reference_outputs(model: nn.Module, inputs: dict, labels: torch.Tensor,

@@ -1,6 +1,7 @@
 """The validation checks of a training run (torchtitan's `Validator`): every rank scores its share
 of the validation set with the worker's `get_eval_model_output`, and the sums add up across ranks:
-the loss, the replies' teacher-forced token accuracy and, from a worker that counts them, its own
+the loss, the replies' teacher-forced token accuracy, the share of rows whose replies greedy
+decoding reproduces token for token and, from a worker that counts them, its own
 accuracy; with a mixture, also per source (each source's held-out rows scored apart, so the sums
 are exact per source). `BestCheck` watches those checks: early stopping, the guards a check must
 keep to ship, and which step's weights ship."""
@@ -61,6 +62,8 @@ def _metrics(total: dict, suffix: str = "") -> dict:
            f"val_tokens{suffix}": int(total["n_tokens"])}
     if "token_correct" in total and total["n_tokens"] > 0:
         out[f"val_token_accuracy{suffix}"] = total["token_correct"] / total["n_tokens"]
+    if total.get("reply_total", 0) > 0:
+        out[f"val_reply_accuracy{suffix}"] = total["reply_correct"] / total["reply_total"]
     if total["total"] > 0:
         out[f"val_accuracy{suffix}"] = total["correct"] / total["total"]
     return out
@@ -69,8 +72,9 @@ def _metrics(total: dict, suffix: str = "") -> dict:
 def validate(model: torch.nn.Module, val_ds, score: Callable[[list], dict], hook: str, micro_batch_size: int,
              rank: int, world: int, device: torch.device, fsdp: bool, groups: list[dict] | None = None) -> dict:
     """`val_loss` (= summed `loss_sum` / `n_tokens`), `val_tokens`, `val_token_accuracy` (= summed
-    `token_correct` / `n_tokens`, when the outputs count it: the default worker's do) and, when they
-    count `correct` / `total`, `val_accuracy`; {} without a validation set. With `groups` (the mixture
+    `token_correct` / `n_tokens`) and `val_reply_accuracy` (= summed `reply_correct` / `reply_total`:
+    the rows greedy decoding answers exactly), when the outputs count them (the default worker's do),
+    and, when they count `correct` / `total`, `val_accuracy`; {} without a validation set. With `groups` (the mixture
     sources' held-out rows, `held_out_blocks`) the same metrics of each source too, as
     `val_loss/<source>`, ...; the overall ones are the sources' sums together.
 
@@ -176,6 +180,7 @@ class BestCheck:
                 name, _, source = key.partition("/")
                 needs = (f"{hook} to count `correct` and `total`" if name == "val_accuracy"
                          else f"{hook} to count `token_correct`" if name == "val_token_accuracy"
+                         else f"{hook} to count `reply_correct` and `reply_total`" if name == "val_reply_accuracy"
                          else "a validation set (data.val_data_paths or data.val_fraction)")
                 if source:
                     needs = (f"held-out rows of the mixture source '{source}' (data.val_fraction with a mixture or a "

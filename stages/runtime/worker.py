@@ -47,7 +47,7 @@ from stages.core.cache.imports import import_object
 from stages.core.machine.topology import backend
 
 from stages.planning.attention import effective_attn_implementation, resolve_attn_implementation
-from .batches import GlobalBatchSampler, SFTDataset, collate_packed, collate_padded, pad_token_id
+from .batches import GlobalBatchSampler, SFTDataset, collate_packed, collate_padded, pad_token_id, sample_of_trained
 from .saving.checkpoint_schedule import Checkpointer
 from .contract import TrainOutput, add_eval_output, check_worker_class, train_output
 from .distributed import choose_precision, local_device, log, precision_why
@@ -243,11 +243,16 @@ class SFTWorker:
 
     def get_eval_model_output(self, batch: dict) -> dict:
         """A dict of summable numbers: `loss_sum` and `n_tokens` (the validation loss), `token_correct`
-        (trained tokens whose argmax is the label: the replies' teacher-forced token accuracy), and when
-        the model counts them `correct` and `total` (the accuracy); any other key is summed too."""
+        (trained tokens whose argmax is the label: the replies' teacher-forced token accuracy),
+        `reply_correct` of `reply_total` (samples whose every trained token is the argmax: their replies
+        are what greedy decoding answers, token for token, given the reference turns before each), and
+        when the model counts them `correct` and `total` (the accuracy); any other key is summed too."""
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         sums = model_loss(self.model, inputs, batch["labels"], accuracy=True)
-        return {"loss_sum": sums.ce, "n_tokens": sums.n_tokens, "token_correct": sums.correct}
+        samples = sample_of_trained(batch)
+        replies = int(samples.unique().numel())
+        return {"loss_sum": sums.ce, "n_tokens": sums.n_tokens, "token_correct": sums.correct,
+                "reply_correct": replies - int(samples[~sums.hits].unique().numel()), "reply_total": replies}
 
     def add_eval_output(self, sums: dict[str, float], out) -> None:
         """Adds what get_eval_model_output returned into `sums` (the evaluate stage sums with it too)."""

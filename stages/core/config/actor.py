@@ -21,8 +21,8 @@ from ..machine.topology import auto_nproc, describe
 __fingerprint__ = False
 
 
-VAL_METRICS = ("val_loss", "val_token_accuracy", "val_accuracy")  # runtime/validation.py reports them
-HIGHER_IS_BETTER = ("val_token_accuracy", "val_accuracy")
+VAL_METRICS = ("val_loss", "val_token_accuracy", "val_reply_accuracy", "val_accuracy")  # runtime/validation.py reports them
+HIGHER_IS_BETTER = ("val_token_accuracy", "val_reply_accuracy", "val_accuracy")
 
 
 def _val_metric(v: str, key: str) -> str:
@@ -41,7 +41,7 @@ class BestModelGuard(_Section):
 
     source: str = Field(description="the mixture source whose held-out rows it watches: rehearse, replay, "
                                     "train or a data.mix name")
-    metric: Literal["val_loss", "val_token_accuracy", "val_accuracy"] = Field(
+    metric: Literal["val_loss", "val_token_accuracy", "val_reply_accuracy", "val_accuracy"] = Field(
         "val_loss", description="the metric it bounds")
     max_drop: float = Field(ge=0, description="how much worse than at the start it may get, in the metric's units "
                                              "(a loss that rises, an accuracy that falls)")
@@ -74,7 +74,9 @@ class RunnerConfig(_Section):
     metric_for_best_model: str = hashed_unless_default(
         "val_loss", description="the validation metric early stopping and load_best_model_at_end watch: val_loss "
                                 "(lower is better), val_token_accuracy (the replies' teacher-forced token accuracy; "
-                                "higher) or val_accuracy (higher; needs a worker that counts correct/total); "
+                                "higher), val_reply_accuracy (the rows whose replies greedy decoding reproduces "
+                                "token for token; higher) or val_accuracy (higher; needs a worker that counts "
+                                "correct/total); "
                                 "`<metric>/<source>` watches one mixture source's held-out rows (val_loss/train)")
     early_stopping_patience: int = hashed_unless_default(
         0, ge=0, description="stop once this many validation checks in a row did not improve the metric; 0: off")
