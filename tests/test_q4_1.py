@@ -178,3 +178,25 @@ def test_one_process_equals_two_with_the_q4_1_rows_sharded(tmp_path):
     for n, g in one["grads"].items():
         torch.testing.assert_close(two["grads"][n], g, atol=1e-6, rtol=1e-5, msg=n)
     assert one["stats"]["loss"] == pytest.approx(two["stats"]["loss"], rel=1e-6)
+
+
+def test_nf4_s_block_keys_are_refused_under_q4_1_and_left_out_of_show(tmp_path):
+    from conftest import tiny_config_dict, write_config
+    from stages.core.config import ConfigError, load_config
+    from test_cli_tables import cells, check_whole, run_to_file, tables
+    raw = tiny_config_dict(tmp_path, actor={"lora": {"r": 4, "quantize": "q4_1", "quantize_block_size": 32}})
+    with pytest.raises(ConfigError, match=r"actor\.lora\.quantize_block_size sets nf4's blocks"):
+        load_config(write_config(tmp_path, raw, "blocks.yaml"))
+    shown = {}
+    for kind in ("q4_1", "nf4"):
+        raw = tiny_config_dict(tmp_path, actor={"lora": {"r": 4, "quantize": kind}})
+        out = tmp_path / f"show-{kind}.txt"
+        proc = run_to_file(["-m", "flows.cli", "show", "-c", str(write_config(tmp_path, raw, f"{kind}.yaml"))], out,
+                           tmp_path, env={"PREFECT_HOME": str(tmp_path / ".prefect")})
+        assert proc.returncode == 0, proc.stderr
+        table = next(t for t in tables(out.read_text(encoding="utf-8")) if cells(t[1]) == ["key", "value"])
+        shown[kind] = dict(check_whole(table)[1])
+    assert shown["q4_1"]["actor.lora.quantize"] == "q4_1" and "actor.lora.quantize_block_size" not in shown["q4_1"]
+    assert shown["nf4"]["actor.lora.quantize_block_size"] == "64"
+    assert set(shown["nf4"]) - set(shown["q4_1"]) == {"actor.lora.quantize_block_size",
+                                                       "actor.lora.quantize_scaler_block_size"}

@@ -222,8 +222,10 @@ def show(config: Path = ConfigOpt, overrides: Optional[list[str]] = OverridesArg
     table = Table(title=f"config {config}")
     table.add_column("key")
     table.add_column("value")
+    unused = {f"actor.lora.{k}" for k in cfg.actor.lora.unused_keys()}
     for k, v in flatten(cfg.model_dump(mode="json")).items():
-        table.add_row(k, str(v))
+        if k not in unused:
+            table.add_row(k, str(v))
     console.print(table)
     st = Table(title="stages")
     for col in ("stage", "fingerprint", "status", "reads", "path"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, field_serializer, field_validator, model_validator
 
@@ -176,7 +176,17 @@ class LoraConfig(_Section):
                              "is frozen, only adapters can train over it")
         if self.quantize_block_size % 2:
             raise ValueError("actor.lora.quantize_block_size must be even (two 4-bit codes a byte)")
+        if self.quantize == "q4_1" and (set(self.NF4_ONLY) & self.model_fields_set):
+            key = sorted(set(self.NF4_ONLY) & self.model_fields_set)[0]
+            raise ValueError(f"actor.lora.{key} sets nf4's blocks; q4_1's are GGUF's, 32 weights with their own "
+                             "fp16 step and minimum: drop the key")
         return self
+
+    NF4_ONLY: ClassVar[tuple[str, ...]] = ("quantize_block_size", "quantize_scaler_block_size")
+
+    def unused_keys(self) -> tuple[str, ...]:
+        """Keys that change nothing for this config (`show` leaves them out)."""
+        return () if self.quantize == "nf4" else self.NF4_ONLY
 
 
 class ActorConfig(_Section):
