@@ -368,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="a config key for days 2-5 (a setting being chosen on dev); repeatable")
     ap.add_argument("--full-retrain", action="store_true", help="also train from the base model on days 1..N, "
                     "N = 2..--days, for the tokens and scores the warm start is held to")
+    ap.add_argument("--only-full-retrain", action="store_true", help="run the full retrains alone (they do not "
+                    "depend on the days' settings: a call while settings are still chosen on dev); a later call "
+                    "with the same OUT runs the days")
     ap.add_argument("--day-timeout", type=float, default=4 * 3600, help="seconds to wait for a day's run")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -375,10 +378,12 @@ def main(argv: list[str] | None = None) -> int:
     state = read_json(state_path) if state_path.exists() else {"days": {}, "full": {}}
     if state.get("model", args.model) != args.model or state.get("split", args.split) != args.split:
         raise SystemExit(f"{state_path} holds a {state['model']} run on the {state['split']} split: use another --out")
-    state.update(model=args.model, split=args.split, sets=args.sets)
+    state.update(model=args.model, split=args.split)
+    if not args.only_full_retrain:
+        state["sets"] = args.sets
     proj = project(args.out, args.model)
     cfg_path = proj / "month.yaml"
-    todo = [d for d in range(1, args.days + 1) if str(d) not in state["days"]]
+    todo = [] if args.only_full_retrain else [d for d in range(1, args.days + 1) if str(d) not in state["days"]]
     if todo:
         last = max(map(int, state["days"]), default=0)
         write_config(cfg_path, config(proj, args.model, todo[0], args.split, args.sets))
@@ -396,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
                 state_path.write_text(json.dumps(state, indent=2, ensure_ascii=False))
         finally:
             server.stop()
-    if args.full_retrain:
+    if args.full_retrain or args.only_full_retrain:
         for day in range(2, args.days + 1):
             if str(day) not in state["full"]:
                 state["full"][str(day)] = full_retrain(proj, args.model, day, args.split)
