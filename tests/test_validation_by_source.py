@@ -170,6 +170,20 @@ def test_the_guarded_state_resumes_the_same_decisions():
         other.observe(4, 0.5, {"val_loss/rehearse": 2.0})
 
 
+def test_reply_accuracy_is_a_metric_to_watch_higher_is_better():
+    on = RunnerConfig(val_check_interval=1, load_best_model_at_end=True, metric_for_best_model="val_reply_accuracy/train",
+                      best_model_guard={"source": "rehearse", "metric": "val_reply_accuracy", "max_drop": 0.1})
+    rule = BestCheck.from_runner(on)
+    assert rule.higher_is_better and rule.keys() == ["val_reply_accuracy/train", "val_reply_accuracy/rehearse"]
+    stream = [(0, 0.25, 1.0), (2, 0.5, 0.95), (4, 0.75, 0.875), (6, 0.75, 1.0), (8, 0.75, 1.0)]
+    assert [rule.observe(s, v, {"val_reply_accuracy/rehearse": g}) for s, v, g in stream] == [True, True, False, True,
+                                                                                              False]
+    assert rule.best_step == 6  # step 4 lost 1/8 of the rehearsed rows (> 0.1); step 8 only tied
+    with pytest.raises(ConfigError, match="needs MyWorker.get_eval_model_output to count `reply_correct` and "
+                                          "`reply_total`"):
+        BestCheck("val_reply_accuracy", 0, 0.0, True).values({"val_loss": 1.0}, "MyWorker.get_eval_model_output")
+
+
 def test_a_missing_per_source_metric_is_one_line_naming_the_key():
     rule = guarded()
     with pytest.raises(ConfigError, match="runner.metric_for_best_model: validation reported no "
