@@ -170,15 +170,35 @@ def test_the_guarded_state_resumes_the_same_decisions():
         other.observe(4, 0.5, {"val_loss/rehearse": 2.0})
 
 
-def test_reply_accuracy_is_a_metric_to_watch_higher_is_better():
+def test_reply_accuracy_is_watched_with_token_accuracy_breaking_its_ties():
     on = RunnerConfig(val_check_interval=1, load_best_model_at_end=True, metric_for_best_model="val_reply_accuracy/train",
                       best_model_guard={"source": "rehearse", "metric": "val_reply_accuracy", "max_drop": 0.1})
     rule = BestCheck.from_runner(on)
-    assert rule.higher_is_better and rule.keys() == ["val_reply_accuracy/train", "val_reply_accuracy/rehearse"]
-    stream = [(0, 0.25, 1.0), (2, 0.5, 0.95), (4, 0.75, 0.875), (6, 0.75, 1.0), (8, 0.75, 1.0)]
-    assert [rule.observe(s, v, {"val_reply_accuracy/rehearse": g}) for s, v, g in stream] == [True, True, False, True,
-                                                                                              False]
-    assert rule.best_step == 6  # step 4 lost 1/8 of the rehearsed rows (> 0.1); step 8 only tied
+    assert rule.higher_is_better and rule.keys() == ["val_reply_accuracy/train", "val_token_accuracy/train",
+                                                     "val_reply_accuracy/rehearse"]
+    # (step, reply accuracy, its tie-breaker token accuracy, the guard's reply accuracy on the rehearsed rows)
+    stream = [(0, 0.0, 0.60, 1.0), (2, 0.0, 0.70, 1.0), (4, 0.0, 0.80, 1.0), (6, 0.25, 0.85, 1.0),
+              (8, 0.5, 0.9, 0.875), (10, 0.5, 0.9, 1.0), (12, 0.5, 0.88, 1.0), (14, 0.5, 0.91, 1.0),
+              (16, 0.25, 0.99, 1.0), (18, 0.5, 0.91, 1.0)]
+    got = [rule.observe(s, v, {"val_reply_accuracy/rehearse": g}, tie=t) for s, v, t, g in stream]
+    # no row exact yet, the tokens closer: improving (patience 2 would have stopped at step 4 without the
+    # tie-breaker); step 8 lost 1/8 of the rehearsed rows (> 0.1); 10 is 8's value within the guard; 12
+    # ties below; 14 ties above; 16 has more tokens right and fewer rows; 18 ties 14 exactly
+    assert got == [True, True, True, True, False, True, False, True, False, False]
+    assert (rule.best_step, rule.best, rule.best_tie, rule.since_best) == (14, 0.5, 0.91, 2)
+    assert rule.split([0.5, 0.9, 1.0]) == (0.5, 0.9, {"val_reply_accuracy/rehearse": 1.0})
+    assert rule.report(18)["tie_breaker"] == "val_token_accuracy/train"
+    assert rule.summary(18, 20).startswith("shipping step 14: val_reply_accuracy/train 0.5 (val_token_accuracy/train "
+                                           "0.91), best of 10 checks")
+    resumed = BestCheck.from_runner(on)
+    resumed.load_state_dict(json.loads(json.dumps(BestCheck.from_runner(on).state_dict())))
+    half = BestCheck.from_runner(on)
+    for s, v, t, g in stream[:5]:
+        half.observe(s, v, {"val_reply_accuracy/rehearse": g}, tie=t)
+    resumed.load_state_dict(json.loads(json.dumps(half.state_dict())))
+    for s, v, t, g in stream[5:]:
+        resumed.observe(s, v, {"val_reply_accuracy/rehearse": g}, tie=t)
+    assert resumed.state_dict() == rule.state_dict()  # the tie-breaker's best resumes too
     with pytest.raises(ConfigError, match="needs MyWorker.get_eval_model_output to count `reply_correct` and "
                                           "`reply_total`"):
         BestCheck("val_reply_accuracy", 0, 0.0, True).values({"val_loss": 1.0}, "MyWorker.get_eval_model_output")
@@ -349,6 +369,30 @@ def test_reply_accuracy_counts_the_rows_greedy_decoding_answers_exactly(tmp_path
     assert got["val_reply_accuracy/rehearse"] == 1.0 and got["val_reply_accuracy"] == pytest.approx(4 / 9)
     assert got["val_token_accuracy/train"] > 0.6  # the rows with one changed token are nearly all right by tokens
     assert got["val_token_accuracy/rehearse"] == 1.0
+
+
+def test_the_worker_keeps_the_weights_of_the_checks_the_tie_breaker_prefers(tmp_path, one_process_group, capsys):
+    """SFTWorker._observe, the loop's hook: each check's values through the broadcast into the rule, the
+    best's weights kept, train.log's line with the tie-breaker's value."""
+    from types import SimpleNamespace
+
+    from test_loss import tiny_lm
+
+    from stages.core.config import SFTConfig
+    from stages.runtime.worker import SFTWorker, WorkerSpec
+    cfg = SFTConfig.model_validate(tiny_config_dict(tmp_path))
+    w = SFTWorker.for_eval(WorkerSpec(config=cfg, out_dir=str(tmp_path)), tiny_lm("qwen2-untied"),
+                           torch.device("cpu"), 0, 1)
+    kept = []
+    w.checkpointer = SimpleNamespace(save_best=lambda step, model: kept.append(step))
+    rule = BestCheck("val_reply_accuracy/train", 2, 0.0, True)
+    for step, reply, tokens in [(2, 0.0, 0.5), (4, 0.0, 0.6), (6, 0.0, 0.6), (8, 1 / 3, 0.55), (10, 1 / 3, 0.7)]:
+        w._observe(rule, step, {"val_reply_accuracy/train": reply, "val_token_accuracy/train": tokens,
+                                "val_loss": 1.0})
+    assert kept == [2, 4, 8, 10] and rule.stopped_at is None
+    out = capsys.readouterr().out
+    assert "check at step 6: val_reply_accuracy/train 0 (val_token_accuracy/train 0.6) (not better)" in out
+    assert "check at step 10: val_reply_accuracy/train 0.333333 (val_token_accuracy/train 0.7) (the best so far)" in out
 
 
 # --------------------------------------------------------------------------- torchrun (slow)

@@ -120,6 +120,18 @@ def higher_is_better(metric: str) -> bool:
     return metric.split("/", 1)[0] in HIGHER_IS_BETTER
 
 
+# A metric that moves a whole row at a time ties across most checks while the replies get closer, and
+# patience would run out before the first row is exact; between its steps the same rows' token
+# accuracy says whether they are getting there.
+TIE_BREAKERS = {"val_reply_accuracy": "val_token_accuracy"}
+
+
+def tie_breaker(metric: str) -> str | None:
+    """The metric that orders checks whose `metric` ties (same source), or None."""
+    name, sep, source = metric.partition("/")
+    return TIE_BREAKERS[name] + sep + source if name in TIE_BREAKERS else None
+
+
 class BestCheck:
     """Early stopping and best-checkpoint selection over the validation checks, as HF Trainer's
     `EarlyStoppingCallback` (patience, threshold) and `load_best_model_at_end`, Axolotl's
@@ -127,7 +139,10 @@ class BestCheck:
     beats the best so far by more than `threshold` (Keras's min_delta); only an improvement becomes the
     best and resets the count of checks without one. HF moves its best on any gain but counts patience
     against the threshold, so a run of tiny gains there ships a step patience never credited; here
-    they agree.
+    they agree. A metric with a tie-breaker (`val_reply_accuracy`: `val_token_accuracy` of the same
+    rows) is compared first and the tie-breaker decides between equal values: a check that reproduces
+    no more rows exactly but gets more of their tokens right improves, so patience counts checks where
+    neither moved.
 
     Guards (`runner.best_model_guard`): a check is eligible only when each guard's metric (e.g.
     `val_loss/rehearse`) is at most its `max_drop` worse than at the start. The start is a check of its
@@ -142,6 +157,8 @@ class BestCheck:
     def __init__(self, metric: str, patience: int, threshold: float, load_best: bool, guards: list | tuple = ()):
         self.metric, self.patience, self.threshold, self.load_best = metric, patience, threshold, load_best
         self.higher_is_better = higher_is_better(metric)
+        self.tie = tie_breaker(metric)
+        self.best_tie: float | None = None
         # (key in validation's output, max_drop)
         self.guards: list[tuple[str, float]] = [(g.key, float(g.max_drop)) if hasattr(g, "key") else tuple(g)
                                                 for g in guards]
@@ -168,8 +185,14 @@ class BestCheck:
         return bool(self.guards)
 
     def keys(self) -> list[str]:
-        """The metrics a check reads: the watched one, then each guard's."""
-        return [self.metric, *(key for key, _ in self.guards)]
+        """The metrics a check reads: the watched one, its tie-breaker, then each guard's."""
+        return [self.metric, *([self.tie] if self.tie else []), *(key for key, _ in self.guards)]
+
+    def split(self, values: list[float]) -> tuple[float, float | None, dict[str, float] | None]:
+        """`values()`'s list as `observe` takes it: (value, tie-breaker's value, the guards' values)."""
+        value, rest = values[0], list(values[1:])
+        tie = rest.pop(0) if self.tie else None
+        return value, tie, dict(zip((k for k, _ in self.guards), rest)) if self.guards else None
 
     def values(self, metrics: dict, hook: str) -> list[float]:
         """`keys()`'s values in a check's `validate` output; a ConfigError naming the key when validation
@@ -185,7 +208,9 @@ class BestCheck:
                 if source:
                     needs = (f"held-out rows of the mixture source '{source}' (data.val_fraction with a mixture or a "
                              f"warm start's rehearsal; sources held out: {_sources(metrics) or 'none'}) and {needs}")
-                what = "runner.metric_for_best_model" if i == 0 else "runner.best_model_guard"
+                what = ("runner.metric_for_best_model" if i == 0 else
+                        f"runner.metric_for_best_model's tie-breaker" if key == self.tie and i == 1
+                        else "runner.best_model_guard")
                 raise ConfigError(f"{what}: validation reported no {key}; it needs {needs}")
             out.append(float(metrics[key]))
         return out
@@ -204,10 +229,13 @@ class BestCheck:
                         f"(max_drop {max_drop:g})")
         return None
 
-    def observe(self, step: int, value: float, guard_values: dict[str, float] | None = None) -> bool:
+    def observe(self, step: int, value: float, guard_values: dict[str, float] | None = None,
+                tie: float | None = None) -> bool:
         """Counts the check at `step`; True when it is the new best (its weights are the ones to keep).
         A NaN never improves; nor does a check that breaks a guard. With guards, the first check
-        (step 0) sets the start."""
+        (step 0) sets the start. `tie`: the tie-breaker's value (a metric that has one)."""
+        if self.tie and tie is None:
+            raise ValueError(f"BestCheck.observe: {self.metric} needs its tie-breaker's value ({self.tie})")
         if self.guards:
             if guard_values is None or set(guard_values) != {k for k, _ in self.guards}:
                 raise ValueError(f"BestCheck.observe: the guards' values are needed ({[k for k, _ in self.guards]})")
@@ -231,8 +259,11 @@ class BestCheck:
             better = value > self.best + self.threshold
         else:
             better = value < self.best - self.threshold
+        if not better and self.tie and self.best is not None and value == self.best:
+            # the tie-breakers are accuracies (higher is better); a check saved before it counted one loses
+            better = tie > (-math.inf if self.best_tie is None else self.best_tie) + self.threshold
         if better:
-            self.best, self.best_step, self.since_best = value, step, 0
+            self.best, self.best_step, self.since_best, self.best_tie = value, step, 0, tie
         elif step > 0:  # the start is a candidate, never a check without an improvement
             self.since_best += 1
             if self.patience and self.since_best >= self.patience:
@@ -246,7 +277,8 @@ class BestCheck:
         return {"metric": self.metric, "guards": [list(g) for g in self.guards]}
 
     def state_dict(self) -> dict:
-        return {**self._rule(), "best": self.best, "best_step": self.best_step, "checks": self.checks,
+        return {**self._rule(), "best": self.best, "best_tie": self.best_tie, "best_step": self.best_step,
+                "checks": self.checks,
                 "since_best": self.since_best, "stopped_at": self.stopped_at, "start": self.start,
                 "eligible_checks": self.eligible_checks, "rejected": self.rejected}
 
@@ -255,6 +287,7 @@ class BestCheck:
         if not state or state.get("metric") != self.metric or state.get("guards", []) != self._rule()["guards"]:
             return
         self.best, self.best_step, self.checks = state["best"], state["best_step"], state["checks"]
+        self.best_tie = state.get("best_tie")
         self.since_best, self.stopped_at = state["since_best"], state["stopped_at"]
         self.start = state.get("start")
         self.eligible_checks = state.get("eligible_checks", self.checks)
@@ -265,6 +298,8 @@ class BestCheck:
         out = {"metric_for_best_model": self.metric, "best_metric": self.best, "best_step": self.best_step,
                "checks": self.checks, "shipped_step": self.shipped_step(last_step), "stopped_at": self.stopped_at,
                "early_stopping_patience": self.patience}
+        if self.tie:
+            out.update(tie_breaker=self.tie, best_tie=self.best_tie)
         if self.guards:
             out.update(best_model_guard=", ".join(f"{k} within {d:g} of the start" for k, d in self.guards),
                        guard_start=self.start, eligible_checks=self.eligible_checks,
@@ -284,7 +319,8 @@ class BestCheck:
             head = (f"shipping step 0, the start (the weights training began from): no trained check was eligible "
                     f"and better than its {self.metric} {self.best:.6g}{kept}")
         elif shipped == self.best_step:
-            head = f"shipping step {shipped}: {self.metric} {self.best:.6g}, best of {self.checks} checks{kept}"
+            tie = f" ({self.tie} {self.best_tie:.6g})" if self.tie and self.best_tie is not None else ""
+            head = f"shipping step {shipped}: {self.metric} {self.best:.6g}{tie}, best of {self.checks} checks{kept}"
         else:
             head = (f"shipping step {shipped}, the last (runner.load_best_model_at_end is off): the best of "
                     f"{self.checks} checks was step {self.best_step}, {self.metric} {self.best:.6g}")

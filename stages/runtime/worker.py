@@ -288,16 +288,18 @@ class SFTWorker:
         values = torch.tensor(selection.values(metrics, self._hook("get_eval_model_output")),
                               dtype=torch.float64, device=self.device)
         dist.broadcast(values, src=0)
-        value, *guarded = values.tolist()
-        guard_values = dict(zip(selection.keys()[1:], guarded))
-        best = selection.observe(step, value, guard_values if selection.guards else None)
-        if selection.guards:
+        value, tie, guard_values = selection.split(values.tolist())
+        best = selection.observe(step, value, guard_values, tie=tie)
+        if selection.guards or selection.tie:
             broken = selection.rejected[-1]["guard"] if selection.rejected and selection.rejected[-1]["step"] == step \
                 else None
             log(f"check at step {step}: {selection.metric} {value:.6g}"
-                + ("" if step == 0 else f" ({'the best so far' if best else 'not better'})" if broken is None
+                + (f" ({selection.tie} {tie:.6g})" if selection.tie else "")
+                + ("" if step == 0 and selection.guards
+                   else f" ({'the best so far' if best else 'not better'})" if broken is None
                    else f", not eligible: {broken}")
-                + ("; the start's " + ", ".join(f"{k} {v:.6g}" for k, v in guard_values.items()) if step == 0 else ""))
+                + ("; the start's " + ", ".join(f"{k} {v:.6g}" for k, v in guard_values.items())
+                   if step == 0 and selection.guards else ""))
         if best and selection.load_best:
             self.checkpointer.save_best(step, self.model)
 
@@ -510,7 +512,8 @@ class SFTWorker:
             raise ConfigError("runner.best_model_guard: the resumed checkpoint holds no start values (the step-0 "
                               "check the guards are bounded by); runner.resume=never starts afresh")
         every = run.val_check_interval
-        log(f"validation every {every} step{'s' if every > 1 else ''} watches {selection.metric}: "
+        log(f"validation every {every} step{'s' if every > 1 else ''} watches {selection.metric}"
+            + (f" (ties broken by {selection.tie})" if selection.tie else "") + ": "
             + (f"early stopping after {selection.patience} checks without an improvement above "
                f"{run.early_stopping_threshold:g}" if selection.patience else "no early stopping")
             + ("; the best check's weights ship" if selection.load_best else "; the last step's weights ship")
