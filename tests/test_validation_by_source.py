@@ -171,7 +171,8 @@ def test_the_guarded_state_resumes_the_same_decisions():
 
 
 def test_reply_accuracy_is_watched_with_token_accuracy_breaking_its_ties():
-    on = RunnerConfig(val_check_interval=1, load_best_model_at_end=True, metric_for_best_model="val_reply_accuracy/train",
+    on = RunnerConfig(val_check_interval=1, load_best_model_at_end=True,
+                      metric_for_best_model="val_reply_accuracy/train",
                       best_model_guard={"source": "rehearse", "metric": "val_reply_accuracy", "max_drop": 0.1})
     rule = BestCheck.from_runner(on)
     assert rule.higher_is_better and rule.keys() == ["val_reply_accuracy/train", "val_token_accuracy/train",
@@ -179,17 +180,19 @@ def test_reply_accuracy_is_watched_with_token_accuracy_breaking_its_ties():
     # (step, reply accuracy, its tie-breaker token accuracy, the guard's reply accuracy on the rehearsed rows)
     stream = [(0, 0.0, 0.60, 1.0), (2, 0.0, 0.70, 1.0), (4, 0.0, 0.80, 1.0), (6, 0.25, 0.85, 1.0),
               (8, 0.5, 0.9, 0.875), (10, 0.5, 0.9, 1.0), (12, 0.5, 0.88, 1.0), (14, 0.5, 0.91, 1.0),
-              (16, 0.25, 0.99, 1.0), (18, 0.5, 0.91, 1.0)]
+              (16, 0.25, 0.99, 1.0), (18, 0.5, 0.91, 1.0), (20, 0.5, 0.99, 0.75)]
     got = [rule.observe(s, v, {"val_reply_accuracy/rehearse": g}, tie=t) for s, v, t, g in stream]
     # no row exact yet, the tokens closer: improving (patience 2 would have stopped at step 4 without the
     # tie-breaker); step 8 lost 1/8 of the rehearsed rows (> 0.1); 10 is 8's value within the guard; 12
-    # ties below; 14 ties above; 16 has more tokens right and fewer rows; 18 ties 14 exactly
-    assert got == [True, True, True, True, False, True, False, True, False, False]
-    assert (rule.best_step, rule.best, rule.best_tie, rule.since_best) == (14, 0.5, 0.91, 2)
+    # ties below; 14 ties above; 16 has more tokens right and fewer rows; 18 ties 14 exactly; 20 would win
+    # the tie but broke the guard
+    assert got == [True, True, True, True, False, True, False, True, False, False, False]
+    assert (rule.best_step, rule.best, rule.best_tie, rule.since_best) == (14, 0.5, 0.91, 3)
+    assert [r["step"] for r in rule.rejected] == [8, 20]
     assert rule.split([0.5, 0.9, 1.0]) == (0.5, 0.9, {"val_reply_accuracy/rehearse": 1.0})
-    assert rule.report(18)["tie_breaker"] == "val_token_accuracy/train"
-    assert rule.summary(18, 20).startswith("shipping step 14: val_reply_accuracy/train 0.5 (val_token_accuracy/train "
-                                           "0.91), best of 10 checks")
+    assert rule.report(20)["tie_breaker"] == "val_token_accuracy/train"
+    assert rule.summary(20, 20).startswith("shipping step 14: val_reply_accuracy/train 0.5 (val_token_accuracy/train "
+                                           "0.91), best of 11 checks")
     resumed = BestCheck.from_runner(on)
     resumed.load_state_dict(json.loads(json.dumps(BestCheck.from_runner(on).state_dict())))
     half = BestCheck.from_runner(on)

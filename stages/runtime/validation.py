@@ -209,7 +209,7 @@ class BestCheck:
                     needs = (f"held-out rows of the mixture source '{source}' (data.val_fraction with a mixture or a "
                              f"warm start's rehearsal; sources held out: {_sources(metrics) or 'none'}) and {needs}")
                 what = ("runner.metric_for_best_model" if i == 0 else
-                        f"runner.metric_for_best_model's tie-breaker" if key == self.tie and i == 1
+                        "runner.metric_for_best_model's tie-breaker" if key == self.tie and i == 1
                         else "runner.best_model_guard")
                 raise ConfigError(f"{what}: validation reported no {key}; it needs {needs}")
             out.append(float(metrics[key]))
@@ -259,7 +259,7 @@ class BestCheck:
             better = value > self.best + self.threshold
         else:
             better = value < self.best - self.threshold
-        if not better and self.tie and self.best is not None and value == self.best:
+        if not better and broken is None and self.tie and self.best is not None and value == self.best:
             # the tie-breakers are accuracies (higher is better); a check saved before it counted one loses
             better = tie > (-math.inf if self.best_tie is None else self.best_tie) + self.threshold
         if better:

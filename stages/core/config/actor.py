@@ -21,7 +21,8 @@ from ..machine.topology import auto_nproc, describe
 __fingerprint__ = False
 
 
-VAL_METRICS = ("val_loss", "val_token_accuracy", "val_reply_accuracy", "val_accuracy")  # runtime/validation.py reports them
+# runtime/validation.py reports them
+VAL_METRICS = ("val_loss", "val_token_accuracy", "val_reply_accuracy", "val_accuracy")
 HIGHER_IS_BETTER = ("val_token_accuracy", "val_reply_accuracy", "val_accuracy")
 
 
