@@ -115,8 +115,11 @@ def worker_scores(worker_cls, spec: EvalSpec, cfg: SFTConfig, model, device, ran
                                      "token_correct": total.get("token_correct", 0.0)}))
         if "token_correct" not in total:
             del metrics["token_accuracy"]
+    if total.get("reply_total", 0) > 0:  # the default worker's count of rows whose replies are its greedy ones
+        metrics["reply_accuracy"] = total["reply_correct"] / total["reply_total"]
     metrics.update({k: v for k, v in total.items()
-                    if k not in ("correct", "total", "loss_sum", "n_tokens", "token_correct")})
+                    if k not in ("correct", "total", "loss_sum", "n_tokens", "token_correct", "reply_correct",
+                                 "reply_total")})
     return metrics
 
 
