@@ -187,6 +187,11 @@ def test_nf4_s_block_keys_are_refused_under_q4_1_and_left_out_of_show(tmp_path):
     raw = tiny_config_dict(tmp_path, actor={"lora": {"r": 4, "quantize": "q4_1", "quantize_block_size": 32}})
     with pytest.raises(ConfigError, match=r"actor\.lora\.quantize_block_size sets nf4's blocks"):
         load_config(write_config(tmp_path, raw, "blocks.yaml"))
+    # a config written out whole (a run's spec, a resumed run's config) holds the defaults: still valid
+    whole = load_config(write_config(tmp_path, tiny_config_dict(tmp_path, actor={"lora": {"r": 4, "quantize": "q4_1"}}),
+                                     "q.yaml")).model_dump(mode="json")
+    assert whole["actor"]["lora"]["quantize_block_size"] == 64
+    type(load_config(write_config(tmp_path, tiny_config_dict(tmp_path), "p.yaml"))).model_validate(whole)
     shown = {}
     for kind in ("q4_1", "nf4"):
         raw = tiny_config_dict(tmp_path, actor={"lora": {"r": 4, "quantize": kind}})

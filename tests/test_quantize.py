@@ -329,9 +329,9 @@ def test_qlora_resume_after_sigkill_gives_the_weights_of_an_uninterrupted_run(tm
     from stages.runtime.saving.checkpoint import read_metadata
     (tmp_path / "ref").mkdir()
     (tmp_path / "run").mkdir()
-    scaler = 32
+    blocks = {"quantize_scaler_block_size": 32} if kind == "nf4" else {}  # q4_1's blocks are GGUF's own
     sections = {**QRESUME, "actor": {"nproc_per_node": 2, "lora": {**QRESUME["actor"]["lora"], "quantize": kind,
-                                                                    "quantize_scaler_block_size": scaler}}}
+                                                                    **blocks}}}
     ref_cfg = make_cfg(tmp_path / "ref", **sections)
     ref = train(ref_cfg)
     cfg = make_cfg(tmp_path / "run", **sections)
@@ -352,7 +352,7 @@ def test_qlora_resume_after_sigkill_gives_the_weights_of_an_uninterrupted_run(tm
     assert_same_weights(merged["done"], merged["ref"], atol=1e-6)
     base = load_file(str(Path(base_model(cfg)) / "model.safetensors"))
     key = "model.layers.0.mlp.down_proj.weight"  # not a LoRA target here: its weight is the round trip alone
-    assert torch.equal(merged["done"][key], cq.roundtrip(base[key], 64, scaler) if kind == "nf4"
+    assert torch.equal(merged["done"][key], cq.roundtrip(base[key], 64, 32) if kind == "nf4"
                        else q4_1.roundtrip(base[key]))
     assert not torch.equal(merged["done"][key], base[key])
 

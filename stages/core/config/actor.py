@@ -177,10 +177,11 @@ class LoraConfig(_Section):
                              "is frozen, only adapters can train over it")
         if self.quantize_block_size % 2:
             raise ValueError("actor.lora.quantize_block_size must be even (two 4-bit codes a byte)")
-        if self.quantize == "q4_1" and (set(self.NF4_ONLY) & self.model_fields_set):
-            key = sorted(set(self.NF4_ONLY) & self.model_fields_set)[0]
-            raise ValueError(f"actor.lora.{key} sets nf4's blocks; q4_1's are GGUF's, 32 weights with their own "
-                             "fp16 step and minimum: drop the key")
+        # a value other than the default: a dumped config (every key written out) still validates
+        changed = [k for k in self.NF4_ONLY if getattr(self, k) != type(self).model_fields[k].default]
+        if self.quantize == "q4_1" and changed:
+            raise ValueError(f"actor.lora.{changed[0]} sets nf4's blocks; q4_1's are GGUF's, 32 weights with their "
+                             "own fp16 step and minimum: drop the key")
         return self
 
     NF4_ONLY: ClassVar[tuple[str, ...]] = ("quantize_block_size", "quantize_scaler_block_size")
