@@ -296,13 +296,17 @@ def test_validation_scores_each_source_as_a_naive_loop_does(tmp_path, one_proces
     assert model.training  # validation hands the model back in training mode
 
 
-def greedy_replies(model, prefix: torch.Tensor, n: int) -> torch.Tensor:
+def greedy_replies(model, prefix: torch.Tensor, n: int, margins: list | None = None) -> torch.Tensor:
     """`n` tokens decoded greedily after `prefix`, one forward per token (no cache, nothing shared with
-    the loss code)."""
+    the loss code); `margins` gets each pick's lead over the runner-up logit."""
     seq = prefix
     with torch.no_grad():
         for _ in range(n):
-            seq = torch.cat([seq, model(input_ids=seq[None]).logits[0, -1].argmax()[None]])
+            logits = model(input_ids=seq[None]).logits[0, -1]
+            if margins is not None:
+                top = logits.topk(2).values
+                margins.append(float(top[0] - top[1]))
+            seq = torch.cat([seq, logits.argmax()[None]])
     return seq[len(prefix):]
 
 
@@ -327,16 +331,21 @@ def decoded_exactly(model, row: dict) -> bool:
 
 def conversation(model, turns: list[tuple[int, int]], seed: int, wrong_turn: int | None = None) -> dict:
     """A row of (prompt length, reply length) turns: random prompts, each reply the model's own greedy
-    one, except that the last token of reply `wrong_turn` is changed (one token of the row differs)."""
+    one, except that the last token of reply `wrong_turn` is changed (one token of the row differs).
+    Prompts are drawn again until every greedy pick leads its runner-up by 1e-3: no near-tie that another
+    CPU's rounding, or the batched forward's, could flip."""
     g = torch.Generator().manual_seed(seed)
-    ids, mask = torch.zeros(0, dtype=torch.long), []
-    for k, (prompt, reply) in enumerate(turns):
-        ids = torch.cat([ids, torch.randint(3, 97, (prompt,), generator=g)])
-        answer = greedy_replies(model, ids, reply)
-        if k == wrong_turn:
-            answer[-1] = (answer[-1] - 3 + 1) % 94 + 3
-        ids = torch.cat([ids, answer])
-        mask += [0] * prompt + [1] * reply
+    while True:
+        ids, mask, margins = torch.zeros(0, dtype=torch.long), [], []
+        for k, (prompt, reply) in enumerate(turns):
+            ids = torch.cat([ids, torch.randint(3, 97, (prompt,), generator=g)])
+            answer = greedy_replies(model, ids, reply, margins)
+            if k == wrong_turn:
+                answer[-1] = (answer[-1] - 3 + 1) % 94 + 3
+            ids = torch.cat([ids, answer])
+            mask += [0] * prompt + [1] * reply
+        if min(margins) > 1e-3:
+            break
     return {"input_ids": ids.numpy(), "loss_mask": torch.tensor(mask, dtype=torch.int8).numpy()}
 
 
